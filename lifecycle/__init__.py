@@ -1,0 +1,59 @@
+"""reload-lifecycle: safe, in-place, audited weight reload for speculative-decoding draft backbones.
+
+Torch-only at import time; the vLLM integration lives in `lifecycle.vllm` and imports vLLM lazily.
+"""
+
+from .audit import configure_audit
+from .backbone import DraftBackbone
+from .derived import DerivedSpec, alias, concat, custom, stack
+from .errors import (
+    CheckpointError,
+    IllegalTransitionError,
+    LayersNotReadyError,
+    LifecycleError,
+    QuarantinedError,
+    SourceLayoutError,
+    StorageDriftError,
+    StorageReallocationError,
+    UnknownWeightError,
+    WeightShapeError,
+)
+from .hooks import Phase, post_load_hook
+from .machine import BackboneLifecycle
+from .states import TRANSITIONS, LifecycleState, Transition
+from .storage import PinnedStorage, StorageIdentity, count_allocations
+from .types import BufferReport, RefreshReport, TensorSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TRANSITIONS",
+    "BackboneLifecycle",
+    "BufferReport",
+    "CheckpointError",
+    "DerivedSpec",
+    "DraftBackbone",
+    "IllegalTransitionError",
+    "LayersNotReadyError",
+    "LifecycleError",
+    "LifecycleState",
+    "Phase",
+    "PinnedStorage",
+    "QuarantinedError",
+    "RefreshReport",
+    "SourceLayoutError",
+    "StorageDriftError",
+    "StorageIdentity",
+    "StorageReallocationError",
+    "TensorSpec",
+    "Transition",
+    "UnknownWeightError",
+    "WeightShapeError",
+    "alias",
+    "concat",
+    "configure_audit",
+    "count_allocations",
+    "custom",
+    "post_load_hook",
+    "stack",
+]

@@ -1,0 +1,174 @@
+"""`DraftBackbone`: the nn.Module mixin that owns a lifecycle and its derived buffers.
+
+A draft model declares what it derives and calls `init_lifecycle()` at the end of `__init__`:
+
+    class MyDraft(DraftBackbone):
+        derived_buffers = (
+            concat("_fused_kv_weight", sources=("self_attn.qkv_proj.weight",),
+                   per_layer=lambda layer: layer.self_attn.qkv_proj.weight[layer.self_attn.q_size:]),
+            alias("_hidden_norm_weight", source="hidden_norm.weight"),
+        )
+
+        def __init__(self, config):
+            super().__init__()
+            ...
+            self.init_lifecycle("my-draft")
+
+Then: load (the loader reports `weights_loaded`), `finalize_loading()` (finish + phase hooks),
+`refresh_derived_buffers()`, `capture_graphs()`; for a reload, `begin_reload()` first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .derived import DerivedSpec, apply_refresh, current_buffer, plan_refresh, resolve_tensor
+from .errors import LayersNotReadyError, QuarantinedError
+from .hooks import Hook, Phase, collect_hooks
+from .machine import BackboneLifecycle
+from .states import LifecycleState
+from .types import RefreshReport, TensorSpec
+
+_USABLE = (LifecycleState.DERIVED_REFRESHED, LifecycleState.GRAPH_CAPTURED)
+
+
+class DraftBackbone(nn.Module):
+    """Mixin for draft backbones whose derived buffers must follow a guarded reload lifecycle."""
+
+    derived_buffers: ClassVar[tuple[DerivedSpec, ...]] = ()
+
+    def init_lifecycle(self, name: str | None = None, *, rank: int = 0, locked: bool = False) -> BackboneLifecycle:
+        """Register every derived buffer as an (empty) non-persistent buffer and build the state machine from
+        the checkpoint tensors this module expects (its state_dict: parameters and persistent buffers)."""
+        for spec in self.derived_buffers:
+            self.register_buffer(spec.name, None, persistent=False)
+        tensor_specs = {n: TensorSpec.of(t) for n, t in self.state_dict(keep_vars=True).items()}
+        self._lifecycle = BackboneLifecycle(
+            name or type(self).__name__,
+            tensor_specs,
+            rank=rank,
+            resolve=partial(resolve_tensor, self),
+            pinned_tensors=self.graph_visible_tensors,
+            locked=locked,
+        )
+        self._runtime_hooks: list[Hook] = []
+        self._derived_fallbacks: dict[str, str] = {}
+        return self._lifecycle
+
+    # ---- accessors --------------------------------------------------------------------------------------------
+    @property
+    def lifecycle(self) -> BackboneLifecycle:
+        try:
+            return self.__dict__["_lifecycle"]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} did not call init_lifecycle() in __init__") from None
+
+    @property
+    def derived_fallbacks(self) -> dict[str, str]:
+        """Buffers disabled because a source was not in the builder's layout -> why (the model must take its
+        declared fallback path for these)."""
+        return dict(self._derived_fallbacks)
+
+    def derived_usable(self, name: str) -> bool:
+        return current_buffer(self, name) is not None and name not in self._derived_fallbacks
+
+    def graph_visible_tensors(self) -> dict[str, torch.Tensor | None]:
+        """What captured graphs read: every derived buffer, parameter and buffer (pinned at capture)."""
+        out: dict[str, torch.Tensor | None] = dict(self.named_parameters())
+        out.update(self.named_buffers())
+        return out
+
+    def derived_buffer_names(self) -> list[str]:
+        return [s.name for s in self.derived_buffers]
+
+    # ---- hooks ------------------------------------------------------------------------------------------------
+    def register_post_load_hook(self, fn: Callable[[DraftBackbone], Any], *phases: Phase | str,
+                                name: str | None = None) -> None:
+        """Add a hook at run time (besides methods decorated with `@post_load_hook`)."""
+        if not phases:
+            raise ValueError("register_post_load_hook needs at least one phase (cold_load and/or reload)")
+        self._runtime_hooks.append(Hook(name or getattr(fn, "__name__", repr(fn)),
+                                        frozenset(Phase(p) for p in phases), fn))
+
+    def post_load_hooks(self, phase: Phase) -> list[Hook]:
+        return collect_hooks(type(self), phase) + [h for h in self._runtime_hooks if phase in h.phases]
+
+    def _run_hooks(self, phase: Phase) -> list[str]:
+        ran = []
+        for hook in self.post_load_hooks(phase):
+            t0 = time.perf_counter()
+            try:
+                hook.fn(self)
+            except Exception as e:
+                self.lifecycle.audit_event("hook_failed", hook=hook.name, phase=phase.value, error=repr(e))
+                raise
+            self.lifecycle.audit_event("hook_run", hook=hook.name, phase=phase.value,
+                                       duration_ms=round((time.perf_counter() - t0) * 1e3, 3))
+            ran.append(hook.name)
+        return ran
+
+    # ---- lifecycle steps --------------------------------------------------------------------------------------
+    def begin_reload(self) -> int:
+        return self.lifecycle.begin_reload()
+
+    def finalize_loading(self, *, keep_untouched: bool = False) -> list[str]:
+        """The loader is done: check every layer is ready, then run the hooks of this phase (`cold_load` on the
+        first load, `reload` afterwards). Returns the names of the hooks that ran."""
+        lc = self.lifecycle
+        lc.finish_loading(keep_untouched=keep_untouched)
+        return self._run_hooks(Phase.RELOAD if lc.in_reload else Phase.COLD_LOAD)
+
+    def refresh_derived_buffers(self, *, full: bool = False, rebuild: bool = False) -> RefreshReport:
+        """Build (first time) or refresh in place every derived buffer. All buffers are validated before any
+        is written. `full`: rewrite every slice, not only those whose sources changed in this epoch.
+        `rebuild`: allow new storage (only when no graphs are captured)."""
+        lc = self.lifecycle
+        if rebuild and lc.graphs_pinned:
+            raise ValueError(f"backbone {lc.name!r}: rebuild=True needs release_graphs() first (storage is pinned)")
+
+        def refresh() -> RefreshReport:
+            plan = plan_refresh(
+                self, self.derived_buffers, tensor_specs=lc.specs, dirty=lc.readiness.dirty_tensors(),
+                context={"backbone": lc.name, "state": lc.state.value}, full=full,
+                pinned=lc.graphs_pinned, allow_realloc=rebuild,
+            )
+            report = apply_refresh(self, plan)
+            for b in report.buffers:
+                if b.mode == "fallback":
+                    self._derived_fallbacks[b.name] = b.reason
+                elif b.mode != "skipped":
+                    self._derived_fallbacks.pop(b.name, None)
+            lc.audit_event("refresh", buffers=[b.as_log() for b in report.buffers],
+                           elements_written=report.elements_written, bytes_allocated=report.bytes_allocated,
+                           duration_ms=round(report.duration_ms, 3))
+            return report
+
+        return lc.refresh_derived(refresh)
+
+    def capture_graphs(self) -> int:
+        return self.lifecycle.capture_graphs()
+
+    def release_graphs(self) -> None:
+        self.lifecycle.release_graphs()
+
+    def abort_reload(self, reason: str) -> None:
+        self.lifecycle.abort_reload(reason)
+
+    def require_usable(self, what: str = "forward") -> None:
+        """Refuse fused use unless derived buffers are current (DERIVED_REFRESHED or GRAPH_CAPTURED)."""
+        lc = self.lifecycle
+        if lc.state is LifecycleState.QUARANTINED:
+            raise QuarantinedError(f"{what} refused: quarantined after {lc.quarantine_reason!r}; reload or recover "
+                                   "first", backbone=lc.name, state=lc.state.value)
+        if lc.state not in _USABLE:
+            missing = lc.missing() or {"(derived buffers)": ("not refreshed since the last load",)}
+            raise LayersNotReadyError(what, missing, backbone=lc.name, state=lc.state.value)
+
+    def tensor_names(self) -> Iterable[str]:
+        return self.lifecycle.specs.keys()

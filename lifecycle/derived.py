@@ -1,0 +1,332 @@
+"""Derived buffers: declared once on the backbone class, built cold once, refreshed in place ever after.
+
+>>> class Toy(torch.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 3, bias=False) for _ in range(2))
+>>> spec = concat("fused", sources=("weight",), per_layer=lambda layer: layer.weight[1:])
+>>> toy = Toy(); names = [n for n, _ in toy.named_parameters()]
+>>> plan = plan_refresh(toy, [spec], tensor_specs={n: TensorSpec.of(p) for n, p in toy.named_parameters()},
+...                     dirty=frozenset(names), context={"backbone": "toy", "state": "FULLY_LOADED"})
+>>> report = apply_refresh(toy, plan)
+>>> toy.fused.shape, report["fused"].mode, "fused" in toy.state_dict()
+(torch.Size([4, 2]), 'cold', False)
+
+Every refresh runs in two phases. `plan_refresh` validates EVERY buffer (sources ready and in the expected
+layout, the new layout equal to the existing buffer's) and raises before anything is written. `apply_refresh`
+then writes: a cold build allocates once; every later refresh copies into the existing storage, only the
+slices whose sources were written in this epoch, and checks afterwards that no storage moved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .errors import SourceLayoutError, StorageDriftError, StorageReallocationError
+from .storage import StorageIdentity, describe_changes
+from .types import BufferReport, RefreshReport, TensorSpec
+
+Kind = Literal["concat", "stack", "alias", "custom"]
+PerLayer = Callable[[nn.Module], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DerivedSpec:
+    """A derived buffer declaration. Build it with `concat`, `stack`, `alias` or `custom`.
+
+    `sources`: for concat/stack, tensor names relative to each layer (`self_attn.k_norm.weight`); for alias,
+    the one absolute tensor name it points at; for custom, the absolute names it depends on.
+    `fallback`: when set, a source in the wrong layout disables the buffer (its last values stay, the model
+    takes the named fallback path) instead of refusing the refresh. Never silent: the report and the audit
+    event say so.
+    """
+
+    name: str
+    kind: Kind
+    sources: tuple[str, ...]
+    per_layer: PerLayer | None = None
+    build: Callable[[nn.Module], torch.Tensor] | None = None
+    dim: int = 0
+    layers_attr: str = "layers"
+    fallback: str | None = None
+
+    def source_names(self, backbone: nn.Module) -> list[str]:
+        """Absolute names of every tensor this buffer reads."""
+        if self.kind in ("concat", "stack"):
+            n = len(_layers(backbone, self.layers_attr))
+            return [f"{self.layers_attr}.{i}.{s}" for i in range(n) for s in self.sources]
+        return list(self.sources)
+
+
+def concat(name: str, *, sources: Sequence[str], per_layer: PerLayer, dim: int = 0, layers_attr: str = "layers",
+           fallback: str | None = None) -> DerivedSpec:
+    """One slice per layer, concatenated along `dim` (e.g. the fused KV weight)."""
+    return DerivedSpec(name, "concat", tuple(sources), per_layer=per_layer, dim=dim, layers_attr=layers_attr,
+                       fallback=fallback)
+
+
+def stack(name: str, *, sources: Sequence[str], per_layer: PerLayer, layers_attr: str = "layers",
+          fallback: str | None = None) -> DerivedSpec:
+    """One slice per layer, stacked along a new leading dim (e.g. the k-norm weights)."""
+    return DerivedSpec(name, "stack", tuple(sources), per_layer=per_layer, layers_attr=layers_attr,
+                       fallback=fallback)
+
+
+def alias(name: str, *, source: str) -> DerivedSpec:
+    """The buffer IS the live source tensor (e.g. the RoPE cos/sin cache); re-validated at every refresh."""
+    return DerivedSpec(name, "alias", (source,))
+
+
+def custom(name: str, *, build: Callable[[nn.Module], torch.Tensor], depends_on: Sequence[str] = (),
+           fallback: str | None = None) -> DerivedSpec:
+    """Any computation from absolute tensor names `depends_on`; its result is copied into the buffer in place.
+    With no dependencies it is built once (a constant) and never rewritten."""
+    return DerivedSpec(name, "custom", tuple(depends_on), build=build, fallback=fallback)
+
+
+# ---- plan ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _BufferPlan:
+    spec: DerivedSpec
+    mode: str
+    existing: torch.Tensor | None = None
+    new_tensor: torch.Tensor | None = None  # cold build result or alias target
+    copies: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (start, length, src) along dim
+    slices_total: int = 0
+    reason: str = ""
+
+
+@dataclass
+class RefreshPlan:
+    buffers: list[_BufferPlan]
+    context: dict[str, str]
+
+
+def _layers(backbone: nn.Module, attr: str) -> Sequence[nn.Module]:
+    mod: object = backbone
+    for part in attr.split("."):
+        mod = getattr(mod, part)
+    return mod  # type: ignore[return-value]
+
+
+def resolve_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The live parameter or buffer called `name` (None when absent). Unlike `get_parameter` it finds both."""
+    path, _, leaf = name.rpartition(".")
+    try:
+        owner = module.get_submodule(path) if path else module
+    except AttributeError:
+        return None
+    t = owner._parameters.get(leaf)
+    if t is None:
+        t = owner._buffers.get(leaf)
+    return t
+
+
+def current_buffer(backbone: nn.Module, name: str) -> torch.Tensor | None:
+    """The derived buffer as registered now; None until its cold build (or while still META)."""
+    t = backbone._buffers.get(name)
+    return None if t is None or t.is_meta else t
+
+
+def _fmt_layout(t: torch.Tensor | StorageIdentity) -> str:
+    ident = t if isinstance(t, StorageIdentity) else StorageIdentity.of(t)
+    return f"shape {ident.shape} stride {ident.stride} {ident.dtype} on {ident.device}"
+
+
+def _check_source(name: str, t: torch.Tensor | None, tensor_specs: Mapping[str, TensorSpec]) -> str | None:
+    if t is None:
+        return f"{name}: source tensor does not exist"
+    if t.is_meta:
+        return f"{name}: source is on META"
+    spec = tensor_specs.get(name)
+    if spec is not None and (tuple(t.shape) != spec.shape or t.dtype != spec.dtype):
+        return (f"{name}: source has layout {tuple(t.shape)} {_dtype(t.dtype)} but the builder expects the "
+                f"checkpoint layout {spec.shape} {_dtype(spec.dtype)} (emptied or packed by post-processing?)")
+    return None
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def plan_refresh(
+    backbone: nn.Module,
+    specs: Sequence[DerivedSpec],
+    *,
+    tensor_specs: Mapping[str, TensorSpec],
+    dirty: frozenset[str],
+    context: Mapping[str, str],
+    full: bool = False,
+    pinned: bool = False,
+    allow_realloc: bool = False,
+) -> RefreshPlan:
+    """Validate every buffer and decide every write. Raises before anything is written.
+
+    `dirty`: tensors written in this epoch; only slices that read them are rewritten (all when `full`).
+    `pinned`: graphs are captured, so an alias may not be re-pointed at a source that moved.
+    `allow_realloc`: an explicit cold rebuild (graphs released): existing buffers may be replaced.
+    """
+    layout_problems: list[str] = []
+    realloc_problems: list[str] = []
+    plans: list[_BufferPlan] = []
+    for spec in specs:
+        existing = None if allow_realloc else current_buffer(backbone, spec.name)
+        if spec.kind == "alias":
+            src_name = spec.sources[0]
+            target = resolve_tensor(backbone, src_name)
+            problem = _check_source(src_name, target, tensor_specs)
+            if problem:
+                layout_problems.append(f"alias {spec.name} -> {problem}")
+                continue
+            assert target is not None
+            if pinned and existing is not None and existing is not target:
+                old, new = StorageIdentity.of(existing), StorageIdentity.of(target)
+                if old != new:
+                    realloc_problems.append(
+                        f"alias {spec.name}: its source {src_name} moved, re-pointing would change: "
+                        + "; ".join(describe_changes(spec.name, old, new)))
+                    continue
+            plans.append(_BufferPlan(spec, "alias", existing=existing, new_tensor=target))
+            continue
+
+        if spec.kind == "custom":
+            bad = [p for n in spec.sources if (p := _check_source(n, resolve_tensor(backbone, n), tensor_specs))]
+            if bad:
+                if spec.fallback:
+                    plans.append(_BufferPlan(spec, "fallback", existing=existing, reason="; ".join(bad)))
+                else:
+                    layout_problems.extend(f"custom {spec.name} <- {p}" for p in bad)
+                continue
+            if existing is not None and not full and not any(n in dirty for n in spec.sources):
+                plans.append(_BufferPlan(spec, "skipped", existing=existing))
+                continue
+            assert spec.build is not None
+            value = spec.build(backbone)
+            if existing is None:
+                plans.append(_BufferPlan(spec, "cold", new_tensor=value.detach().clone().contiguous()))
+            elif (tuple(value.shape), value.dtype, value.device) != (
+                    tuple(existing.shape), existing.dtype, existing.device):
+                realloc_problems.append(
+                    f"{spec.name}: new value {_fmt_layout(value)} differs from the existing buffer "
+                    f"{_fmt_layout(existing)}")
+            else:
+                plans.append(_BufferPlan(spec, "in_place", existing=existing, copies=[(0, 0, value)]))
+            continue
+
+        # concat / stack: one slice per layer
+        assert spec.per_layer is not None
+        layers = _layers(backbone, spec.layers_attr)
+        bad = []
+        for i in range(len(layers)):
+            for s in spec.sources:
+                n = f"{spec.layers_attr}.{i}.{s}"
+                if p := _check_source(n, resolve_tensor(backbone, n), tensor_specs):
+                    bad.append(p)
+        if bad:
+            if spec.fallback:
+                plans.append(_BufferPlan(spec, "fallback", existing=existing, reason="; ".join(bad)))
+            else:
+                layout_problems.extend(f"{spec.kind} {spec.name} <- {p}" for p in bad)
+            continue
+        slices = [spec.per_layer(layer) for layer in layers]
+        shapes = {tuple(s.shape) for s in slices}
+        dtypes = {s.dtype for s in slices}
+        if len(dtypes) > 1 or (spec.kind == "stack" and len(shapes) > 1) or (
+            spec.kind == "concat" and len({sh[:spec.dim] + sh[spec.dim + 1:] for sh in shapes}) > 1
+        ):
+            layout_problems.append(f"{spec.kind} {spec.name}: per-layer slices disagree: shapes "
+                                   f"{sorted(shapes)}, dtypes {sorted(map(_dtype, dtypes))}")
+            continue
+        if spec.kind == "stack":
+            lengths = [1] * len(slices)
+            new_shape = (len(slices), *slices[0].shape)
+            dim = 0
+        else:
+            dim = spec.dim
+            lengths = [s.shape[dim] for s in slices]
+            new_shape = tuple(sum(lengths) if d == dim else n for d, n in enumerate(slices[0].shape))
+        if existing is None:
+            built = torch.stack(slices) if spec.kind == "stack" else torch.cat(slices, dim)
+            plans.append(_BufferPlan(spec, "cold", new_tensor=built.contiguous(), slices_total=len(slices)))
+            continue
+        if (new_shape != tuple(existing.shape) or slices[0].dtype != existing.dtype
+                or slices[0].device != existing.device or not existing.is_contiguous()):
+            realloc_problems.append(
+                f"{spec.name}: a rebuild would have shape {new_shape} {_dtype(slices[0].dtype)} on "
+                f"{slices[0].device}, the existing buffer is {_fmt_layout(existing)}")
+            continue
+        copies = []
+        start = 0
+        for i, (src, length) in enumerate(zip(slices, lengths, strict=True)):
+            if full or any(f"{spec.layers_attr}.{i}.{s}" in dirty for s in spec.sources):
+                copies.append((start, length, src))
+            start += length
+        plans.append(_BufferPlan(spec, "in_place" if copies else "skipped", existing=existing, copies=copies,
+                                 slices_total=len(slices)))
+
+    ctx = dict(context)
+    if layout_problems:
+        raise SourceLayoutError(layout_problems, backbone=ctx.get("backbone", "?"), state=ctx.get("state", "?"))
+    if realloc_problems:
+        raise StorageReallocationError(realloc_problems, backbone=ctx.get("backbone", "?"),
+                                       state=ctx.get("state", "?"))
+    return RefreshPlan(plans, ctx)
+
+
+# ---- apply ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
+    """Carry out a validated plan. Cold builds register new non-persistent buffers; everything else is a
+    `copy_` into existing storage, verified afterwards."""
+    t0 = time.perf_counter()
+    report = RefreshReport()
+    before: dict[str, StorageIdentity] = {}
+    for bp in plan.buffers:
+        spec = bp.spec
+        rep = BufferReport(spec.name, spec.kind, bp.mode, slices_total=bp.slices_total, reason=bp.reason)
+        if bp.mode in ("cold", "alias"):
+            assert bp.new_tensor is not None
+            if bp.mode == "cold":
+                rep.elements_written = bp.new_tensor.numel()
+                rep.slices_written = bp.slices_total
+            backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
+        elif bp.mode == "in_place":
+            buf = bp.existing
+            assert buf is not None
+            before[spec.name] = StorageIdentity.of(buf)
+            for start, length, src in bp.copies:
+                if spec.kind == "custom":
+                    dst = buf
+                elif spec.kind == "stack":
+                    dst = buf[start]
+                else:
+                    dst = buf.narrow(spec.dim, start, length)
+                dst.copy_(src)
+                rep.elements_written += dst.numel()
+            rep.slices_written = len(bp.copies) if spec.kind != "custom" else 0
+        live = current_buffer(backbone, spec.name)
+        if live is not None:
+            rep.nbytes = live.numel() * live.element_size()
+            rep.data_ptr = live.data_ptr()
+        report.buffers.append(rep)
+
+    drift = [
+        line
+        for name, old in before.items()
+        for line in describe_changes(name, old, StorageIdentity.of(backbone._buffers[name]))  # type: ignore[arg-type]
+    ]
+    if drift:
+        raise StorageDriftError(drift, backbone=plan.context.get("backbone", "?"),
+                                state=plan.context.get("state", "?"))
+    report.duration_ms = (time.perf_counter() - t0) * 1e3
+    return report

@@ -1,0 +1,126 @@
+"""One exception hierarchy. Every message names the backbone, the state, and what was expected vs found.
+
+The bar is PyTorch's cudagraph-trees message: "static input data pointer changed ... from X to Y".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+#: How many offending items an error message spells out before it says "... and N more".
+MESSAGE_ITEMS_CAP = 20
+
+
+def _capped(items: Sequence[str], cap: int = MESSAGE_ITEMS_CAP) -> str:
+    shown = list(items[:cap])
+    if len(items) > cap:
+        shown.append(f"... and {len(items) - cap} more")
+    return "\n  ".join(shown)
+
+
+class LifecycleError(RuntimeError):
+    """Base of every error the lifecycle raises. A raised error means nothing was changed."""
+
+    def __init__(self, message: str, *, backbone: str = "?", state: str = "?") -> None:
+        super().__init__(f"[backbone {backbone!r}, state {state}] {message}")
+        self.backbone = backbone
+        self.state = state
+        self.reason = message
+
+
+class IllegalTransitionError(LifecycleError):
+    """A trigger fired from a state where the transition table does not allow it."""
+
+    def __init__(self, trigger: str, *, backbone: str, state: str, allowed_from: Sequence[str]) -> None:
+        super().__init__(
+            f"trigger {trigger!r} is not allowed from state {state}; it is allowed from: {', '.join(allowed_from)}",
+            backbone=backbone,
+            state=state,
+        )
+        self.trigger = trigger
+        self.allowed_from = tuple(allowed_from)
+
+
+class LayersNotReadyError(LifecycleError):
+    """A build, refresh or finish was asked for while some layer still lacks tensors (or holds META ones)."""
+
+    def __init__(self, action: str, missing: Mapping[str, Sequence[str]], *, backbone: str, state: str) -> None:
+        lines = [f"{layer}: {', '.join(names)}" for layer, names in missing.items()]
+        n_tensors = sum(len(v) for v in missing.values())
+        super().__init__(
+            f"{action} refused: {len(missing)} layer(s) not ready, {n_tensors} tensor(s) missing or on META:\n  "
+            + _capped(lines),
+            backbone=backbone,
+            state=state,
+        )
+        self.action = action
+        self.missing = {k: tuple(v) for k, v in missing.items()}
+
+
+class StorageReallocationError(LifecycleError):
+    """A refresh would give a derived buffer new storage (its shape, dtype, device or stride would change)."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
+        super().__init__(
+            "refresh refused, it would reallocate storage that must stay in place; no buffer was written:\n  "
+            + _capped(problems),
+            backbone=backbone,
+            state=state,
+        )
+        self.problems = tuple(problems)
+
+
+class StorageDriftError(LifecycleError):
+    """A storage identity changed behind the lifecycle's back (a pinned address moved)."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
+        super().__init__("storage identity changed:\n  " + _capped(problems), backbone=backbone, state=state)
+        self.problems = tuple(problems)
+
+
+class SourceLayoutError(LifecycleError):
+    """A derived buffer's source is not in the layout its builder expects (emptied, packed, resized)."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
+        super().__init__(
+            "derived-buffer build refused, a source is not in the layout the builder expects; no buffer was "
+            "written:\n  " + _capped(problems),
+            backbone=backbone,
+            state=state,
+        )
+        self.problems = tuple(problems)
+
+
+class UnknownWeightError(LifecycleError):
+    """Weights arrived under names the backbone does not have."""
+
+    def __init__(self, names: Sequence[str], *, backbone: str, state: str, source: str = "") -> None:
+        where = f" in {source}" if source else ""
+        super().__init__(
+            f"{len(names)} unknown tensor name(s){where}; nothing was loaded:\n  " + _capped(sorted(names)),
+            backbone=backbone,
+            state=state,
+        )
+        self.names = tuple(names)
+
+
+class WeightShapeError(LifecycleError):
+    """Weights arrived with a shape or dtype that differs from the parameter they are meant for."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str, source: str = "") -> None:
+        where = f" in {source}" if source else ""
+        super().__init__(
+            f"{len(problems)} tensor(s) with the wrong shape or dtype{where}; nothing was loaded:\n  "
+            + _capped(problems),
+            backbone=backbone,
+            state=state,
+        )
+        self.problems = tuple(problems)
+
+
+class CheckpointError(LifecycleError):
+    """A checkpoint file could not be read (missing, truncated, corrupt header)."""
+
+
+class QuarantinedError(LifecycleError):
+    """The backbone is quarantined after a failed or aborted reload; forward use is refused."""

@@ -1,0 +1,246 @@
+"""A reference safetensors loader: streams tensors in buckets and drives the backbone's lifecycle.
+
+>>> import tempfile, torch
+>>> from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+>>> from lifecycle.audit import configure_audit; _ = configure_audit(console=False)
+>>> cfg = DFlashConfig(num_hidden_layers=2)
+>>> path = write_checkpoint(random_weights(cfg, seed=0), tempfile.mkdtemp() + "/a.safetensors")
+>>> model = DFlashQwen3Draft(cfg)
+>>> report = load_safetensors(model, path, bucket_by="layer")
+>>> model.lifecycle.state.value, report.buckets
+('FULLY_LOADED', 5)
+
+The whole checkpoint header is validated (names, shapes, dtypes) before the first tensor is read, so a bad
+file changes nothing. Then each bucket is read from disk (only that bucket is in memory), written into the
+parameters (copied in place when they exist, materialised when they are META), and reported to the lifecycle
+as one `weights_loaded` call. Buckets can come in any order, with duplicates, or cover only a subset.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .errors import CheckpointError, UnknownWeightError, WeightShapeError
+
+if TYPE_CHECKING:
+    from .backbone import DraftBackbone
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+BucketBy = Literal["layer"] | int
+Subset = Iterable[str] | Callable[[str], bool] | None
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    path: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class LoadReport:
+    files: list[str]
+    tensors: int = 0
+    buckets: int = 0
+    nbytes: int = 0
+    duration_ms: float = 0.0
+    layers_completed: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    bucket: int
+    buckets: int
+    tensors_done: int
+    tensors_total: int
+    layers_ready: int
+    layers_total: int
+
+
+def write_checkpoint(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
+                     ) -> Path:
+    """Save `tensors` as one safetensors file (contiguous CPU copies). Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    return path
+
+
+def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> dict[str, IndexEntry]:
+    """Name -> (file, shape, dtype) from the headers alone; no tensor data is read."""
+    files = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    index: dict[str, IndexEntry] = {}
+    for p in files:
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    sl = f.get_slice(name)
+                    dtype = _DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise CheckpointError(f"{p}: tensor {name} has unsupported dtype {sl.get_dtype()}")
+                    index[name] = IndexEntry(p, tuple(sl.get_shape()), dtype)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read checkpoint {p}: {e} (truncated or not a safetensors file?)") from e
+    return index
+
+
+def validate_index(backbone: DraftBackbone, index: dict[str, IndexEntry], names: Iterable[str]) -> None:
+    """Refuse (before anything is written) unknown names and shape/dtype mismatches, naming every one."""
+    lc = backbone.lifecycle
+    names = list(names)
+    unknown = lc.readiness.unknown(names)
+    files = ", ".join(sorted({str(index[n].path) for n in names})) if names else ""
+    if unknown:
+        raise UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value, source=files)
+    problems = [p for n in names if (p := lc.specs[n].mismatch(n, index[n].shape, index[n].dtype))]
+    if problems:
+        raise WeightShapeError(problems, backbone=lc.name, state=lc.state.value, source=files)
+
+
+def plan_buckets(names: Sequence[str], layer_key: Callable[[str], str], *, bucket_by: BucketBy = "layer",
+                 shuffle: bool = False, seed: int = 0, duplicates: int = 0) -> list[list[str]]:
+    """Group tensor names into buckets: one per layer, or `bucket_by` tensors each; optionally shuffled;
+    `duplicates` tensors are sent a second time in a later bucket (as trainers sometimes do)."""
+    rng = random.Random(seed)
+    names = list(names)
+    if bucket_by == "layer":
+        groups: dict[str, list[str]] = {}
+        for n in names:
+            groups.setdefault(layer_key(n), []).append(n)
+        buckets = list(groups.values())
+        if shuffle:
+            rng.shuffle(buckets)
+            for b in buckets:
+                rng.shuffle(b)
+    else:
+        if not isinstance(bucket_by, int) or bucket_by < 1:
+            raise ValueError(f"bucket_by must be 'layer' or a positive int, got {bucket_by!r}")
+        if shuffle:
+            rng.shuffle(names)
+        buckets = [names[i:i + bucket_by] for i in range(0, len(names), bucket_by)]
+    for n in rng.sample(names, min(duplicates, len(names))):
+        later = rng.randrange(len(buckets))
+        buckets[later].append(n)
+    return buckets
+
+
+@torch.no_grad()
+def write_tensor(module: nn.Module, name: str, value: torch.Tensor, device: torch.device | str) -> None:
+    """Copy into the existing tensor (same storage), or materialise a META placeholder."""
+    path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    is_param = leaf in owner._parameters
+    current = owner._parameters[leaf] if is_param else owner._buffers[leaf]
+    assert current is not None
+    if current.is_meta:
+        fresh = value.to(device=device, dtype=current.dtype).contiguous()
+        if is_param:
+            owner._parameters[leaf] = nn.Parameter(fresh, requires_grad=False)
+        else:
+            owner._buffers[leaf] = fresh
+    else:
+        current.copy_(value)
+
+
+def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]]
+                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Stream the buckets from disk: only one bucket's tensors are in memory at a time."""
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for bucket in buckets:
+            out = []
+            for name in bucket:
+                p = index[name].path
+                if p not in handles:
+                    handles[p] = stack.enter_context(safe_open(str(p), framework="pt"))
+                out.append((name, handles[p].get_tensor(name)))
+            yield out
+
+
+def apply_bucket(backbone: DraftBackbone, bucket: Sequence[tuple[str, torch.Tensor]],
+                 device: torch.device | str = "cpu") -> list[str]:
+    """Validate a bucket of (name, tensor), write it, report it. Returns the layers it completed."""
+    lc = backbone.lifecycle
+    lc.ensure_loading_allowed()
+    names = [n for n, _ in bucket]
+    unknown = lc.readiness.unknown(names)
+    if unknown:
+        raise UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value)
+    problems = [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]
+    if problems:
+        raise WeightShapeError(problems, backbone=lc.name, state=lc.state.value)
+    for name, value in bucket:
+        write_tensor(backbone, name, value, device)
+    return lc.weights_loaded(names)
+
+
+def load_safetensors(
+    backbone: DraftBackbone,
+    paths: str | Path | Sequence[str | Path],
+    *,
+    bucket_by: BucketBy = "layer",
+    shuffle: bool = False,
+    seed: int = 0,
+    subset: Subset = None,
+    duplicates: int = 0,
+    device: torch.device | str = "cpu",
+    progress: Callable[[LoadProgress], None] | None = None,
+) -> LoadReport:
+    """Stream a checkpoint into `backbone` in buckets, driving its lifecycle (`weights_loaded` per bucket).
+
+    It does not finish the load: call `backbone.finalize_loading()` afterwards (a reload may arrive from
+    several files or sessions). `subset`: names, or a predicate on names, to load only part of the file.
+    """
+    t0 = time.perf_counter()
+    index = checkpoint_index(paths)
+    if subset is None:
+        names = list(index)
+    elif callable(subset):
+        names = [n for n in index if subset(n)]
+    else:
+        wanted = list(subset)
+        absent = [n for n in wanted if n not in index]
+        if absent:
+            raise CheckpointError(f"subset names not in the checkpoint: {', '.join(absent[:20])}",
+                                  backbone=backbone.lifecycle.name, state=backbone.lifecycle.state.value)
+        names = wanted
+    validate_index(backbone, index, names)
+    lc = backbone.lifecycle
+    lc.ensure_loading_allowed()
+    buckets = plan_buckets(names, lambda n: lc.readiness.layer_of_name[n], bucket_by=bucket_by,
+                           shuffle=shuffle, seed=seed, duplicates=duplicates)
+    report = LoadReport(files=sorted({str(index[n].path) for n in names}))
+    done = 0
+    for i, bucket in enumerate(iter_buckets(index, buckets)):
+        completed = apply_bucket(backbone, bucket, device)
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        report.buckets += 1
+        report.tensors += len(bucket)
+        report.nbytes += nbytes
+        report.layers_completed.extend(completed)
+        done += len(bucket)
+        # per bucket (possibly per tensor): debug level, so it costs a filtered call unless asked for
+        lc.audit_event("loader_bucket", level="debug", bucket=i, buckets=len(buckets), tensors=len(bucket), nbytes=nbytes,
+                       layers_completed=completed, layers_ready=lc.readiness.layers_ready,
+                       layers_total=lc.readiness.layers_total)
+        if progress is not None:
+            progress(LoadProgress(i + 1, len(buckets), done, sum(map(len, buckets)),
+                                  lc.readiness.layers_ready, lc.readiness.layers_total))
+    report.duration_ms = (time.perf_counter() - t0) * 1e3
+    return report

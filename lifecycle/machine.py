@@ -1,0 +1,354 @@
+"""`BackboneLifecycle`: one `transitions` state machine per backbone, built from the table in `states.py`.
+
+>>> import torch; from lifecycle.audit import configure_audit; _ = configure_audit(console=False)
+>>> lc = BackboneLifecycle("toy", {"layers.0.w": TensorSpec((2,), torch.float32)})
+>>> lc.weights_loaded(["layers.0.w"]), lc.state
+(['layers.0'], <LifecycleState.FULLY_LOADED: 'FULLY_LOADED'>)
+>>> lc.capture_graphs()
+Traceback (most recent call last):
+...
+lifecycle.errors.IllegalTransitionError: [backbone 'toy', state FULLY_LOADED] trigger 'capture_graphs' is not allowed from state FULLY_LOADED; it is allowed from: DERIVED_REFRESHED
+
+The machine holds the state and picks conditional destinations; guards named in the table raise with the full
+reason before the state changes; the effect of a trigger (a refresh) runs after the guards and before the
+state changes, so a refused trigger leaves both state and buffers as they were. Per-tensor bookkeeping is a
+plain counter update in `LayerReadiness`; the machine fires per layer completion and per phase.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, TypeVar
+
+import torch
+from transitions import Machine, MachineError
+from transitions.extensions import LockedMachine
+
+from . import audit
+from .errors import (
+    IllegalTransitionError,
+    LayersNotReadyError,
+    LifecycleError,
+    StorageDriftError,
+    UnknownWeightError,
+)
+from .readiness import LayerReadiness, layer_of
+from .states import INITIAL_STATE, TRANSITIONS, LifecycleState, allowed_sources, allowed_triggers
+from .storage import PinnedStorage
+from .types import TensorSpec
+
+T = TypeVar("T")
+Resolver = Callable[[str], "torch.Tensor | None"]
+PinnedTensors = Callable[[], Mapping[str, "torch.Tensor | None"]]
+
+
+class _Model:
+    """What `transitions` binds to: it holds `state` and the trigger methods, nothing else."""
+
+    state: LifecycleState
+
+
+class BackboneLifecycle:
+    """The reload lifecycle of one draft backbone.
+
+    `tensor_specs`: every checkpoint tensor the backbone expects (name -> shape/dtype).
+    `resolve`: finds the live tensor for a name (to see META placeholders); `pinned_tensors` lists what graphs
+    read (derived buffers and parameters) for pinning. The backbone mixin wires both.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        tensor_specs: Mapping[str, TensorSpec],
+        *,
+        rank: int = 0,
+        resolve: Resolver | None = None,
+        pinned_tensors: PinnedTensors | None = None,
+        layer_key: Callable[[str], str] = layer_of,
+        locked: bool = False,
+        recent_events: int = 256,
+    ) -> None:
+        self.name = name
+        self.rank = rank
+        self.specs = dict(tensor_specs)
+        self.readiness = LayerReadiness(self.specs, layer_key)
+        self.pinned: PinnedStorage | None = None
+        self.quarantine_reason: str | None = None
+        self.recent_events: deque[dict[str, Any]] = deque(maxlen=recent_events)
+        self._resolve = resolve
+        self._pinned_tensors = pinned_tensors
+        self._lock: AbstractContextManager[Any] = threading.RLock() if locked else nullcontext()
+        self._model = _Model()
+        machine_cls = LockedMachine if locked else Machine
+        self._machine = machine_cls(
+            model=self._model,
+            states=LifecycleState,
+            initial=INITIAL_STATE,
+            transitions=[self._machine_row(t) for t in TRANSITIONS],
+            auto_transitions=False,
+            send_event=True,
+        )
+
+    def _machine_row(self, t: Any) -> dict[str, Any]:
+        guards = [self._guard_callback(g) for g in t.guards]
+        row: dict[str, Any] = {
+            "trigger": t.trigger,
+            "source": list(t.sources),
+            "dest": t.dest,
+            "before": [*guards, _run_effect],
+        }
+        if t.condition:
+            cond = getattr(self, t.condition)
+            row["conditions"] = [lambda _event, cond=cond: cond()]
+        return row
+
+    def _guard_callback(self, guard: str) -> Callable[[Any], None]:
+        check = getattr(self, guard)
+        return lambda event: check(event.event.name)
+
+    # ---- properties -------------------------------------------------------------------------------------------
+    @property
+    def state(self) -> LifecycleState:
+        return self._model.state
+
+    @property
+    def epoch(self) -> int:
+        return self.readiness.epoch
+
+    @property
+    def graphs_pinned(self) -> bool:
+        return self.pinned is not None
+
+    @property
+    def in_reload(self) -> bool:
+        return self.epoch > 0
+
+    def bind(self, *, resolve: Resolver | None = None, pinned_tensors: PinnedTensors | None = None) -> None:
+        if resolve is not None:
+            self._resolve = resolve
+        if pinned_tensors is not None:
+            self._pinned_tensors = pinned_tensors
+
+    # ---- conditions and guards (named by the table) -----------------------------------------------------------
+    def _is_meta(self, name: str) -> bool:
+        if self._resolve is None:
+            return False
+        t = self._resolve(name)
+        return t is None or t.is_meta
+
+    def missing(self, names: Iterable[str] | None = None) -> dict[str, tuple[str, ...]]:
+        """Layer -> tensors not loaded in this epoch or still on META. Empty when every layer is ready."""
+        return self.readiness.missing(self._is_meta, names)
+
+    def all_layers_ready(self) -> bool:
+        return self.readiness.counts_complete() and not self.missing()
+
+    def require_all_layers_ready(self, action: str) -> None:
+        missing = self.missing()
+        if missing:
+            raise LayersNotReadyError(action, missing, backbone=self.name, state=self.state.value)
+
+    def require_pinned(self, action: str) -> None:
+        if self.pinned is None:
+            raise IllegalTransitionError(action, backbone=self.name, state=self.state.value,
+                                         allowed_from=["DERIVED_REFRESHED with graphs captured"])
+
+    def require_pinned_unchanged(self, action: str) -> None:
+        problems = self.pinned_changes()
+        if problems:
+            raise StorageDriftError(problems, backbone=self.name, state=self.state.value)
+
+    def pinned_changes(self) -> list[str]:
+        if self.pinned is None or self._pinned_tensors is None:
+            return []
+        return self.pinned.changes(self._pinned_tensors())
+
+    # ---- firing -----------------------------------------------------------------------------------------------
+    def _require_allowed(self, trigger: str) -> None:
+        if trigger not in allowed_triggers(self.state):
+            raise IllegalTransitionError(trigger, backbone=self.name, state=self.state.value,
+                                         allowed_from=[s.value for s in allowed_sources(trigger)])
+
+    def _fire(self, trigger: str, effect: Callable[[], T] | None = None, **log: Any) -> T | None:
+        """Fire `trigger`: guards, then `effect`, then the state change; one audit event either way."""
+        src = self.state
+        t0 = time.perf_counter()
+        holder: dict[str, Any] = {"effect": effect}
+        try:
+            self._require_allowed(trigger)
+            try:
+                fired = self._model.trigger(trigger, holder=holder)  # type: ignore[attr-defined]
+            except MachineError as e:  # the table check above should make this unreachable
+                raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
+                                             allowed_from=[s.value for s in allowed_sources(trigger)]) from e
+            if not fired:
+                raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
+                                             allowed_from=["(no row's condition held)"])
+        except LifecycleError as e:
+            self._audit("refused", trigger=trigger, src=src.value, error=type(e).__name__, reason=e.reason,
+                        duration_ms=_ms(t0), **self._readiness_fields(), **_missing_fields(e))
+            raise
+        self._audit("transition", trigger=trigger, src=src.value, dst=self.state.value, duration_ms=_ms(t0),
+                    **self._readiness_fields(), **log)
+        return holder.get("result")
+
+    def _readiness_fields(self) -> dict[str, Any]:
+        return {"layers_ready": self.readiness.layers_ready, "layers_total": self.readiness.layers_total}
+
+    def _audit(self, event: str, *, level: str = "info", **fields: Any) -> None:
+        if level != "debug":
+            self.recent_events.append(
+                {"event": event, "backbone": self.name, "rank": self.rank, "epoch": self.epoch, **fields})
+        audit.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
+
+    # ---- triggers ---------------------------------------------------------------------------------------------
+    def weights_loaded(self, names: Iterable[str]) -> list[str]:
+        """Record that tensors were written (one bucket; one tensor is fine). Unknown names are refused and
+        nothing is recorded. Returns the layers that completed with this bucket."""
+        names = list(names)
+        with self._lock:
+            self._require_allowed_audited("weights_loaded")
+            unknown = self.readiness.unknown(names)
+            if unknown:
+                err = UnknownWeightError(unknown, backbone=self.name, state=self.state.value)
+                self._audit("refused", trigger="weights_loaded", src=self.state.value, error=type(err).__name__,
+                            reason=err.reason)
+                raise err
+            completed = self.readiness.mark_loaded(names)
+            for layer in completed:
+                self._audit("layer_ready", layer=layer, **self._readiness_fields())
+            if completed or self.state is LifecycleState.META:
+                self._fire("weights_loaded", tensors=len(names))
+            return completed
+
+    def weights_unchanged(self, names: Iterable[str]) -> None:
+        """Declare tensors restored unchanged in this epoch (ready, but nothing derived from them is dirty)."""
+        names = list(names)
+        with self._lock:
+            unknown = self.readiness.unknown(names)
+            if unknown:
+                raise UnknownWeightError(unknown, backbone=self.name, state=self.state.value)
+            self._require_allowed_audited("weights_loaded")
+            completed = self.readiness.mark_unchanged(names)
+            if completed:
+                self._audit("layers_unchanged", layers=audit.capped(completed)[0],
+                            **self._readiness_fields())
+                self._fire("weights_loaded", tensors=0, unchanged=len(names))
+
+    def begin_reload(self) -> int:
+        """Start a reload epoch. Graph pinning (if any) stays in force. Returns the new epoch."""
+        with self._lock:
+            src = self.state
+            self._require_allowed_audited("begin_reload")
+            self.readiness.new_epoch()
+            self.quarantine_reason = None
+            self._fire("begin_reload", pinned=self.graphs_pinned, from_state=src.value)
+            return self.epoch
+
+    def _require_allowed_audited(self, trigger: str) -> None:
+        """Refuse (audited) before any bookkeeping when the table does not allow `trigger` now."""
+        if trigger not in allowed_triggers(self.state):
+            self._fire(trigger)  # raises IllegalTransitionError and records the refusal
+
+    def finish_loading(self, *, keep_untouched: bool = False) -> None:
+        """The loader is done. Every layer must be ready; with `keep_untouched`, layers that received nothing
+        in this reload are declared unchanged first (a selective reload). LayersNotReadyError otherwise."""
+        with self._lock:
+            self._require_allowed_audited("finish_loading")
+            if keep_untouched and self.in_reload:
+                untouched = self.readiness.untouched_layers()
+                names = [n for layer in untouched for n in self.readiness.tensors_of_layer[layer]]
+                if names:
+                    completed = self.readiness.mark_unchanged(names)
+                    self._audit("layers_unchanged", layers=audit.capped(completed)[0],
+                                layers_more=audit.capped(completed)[1], **self._readiness_fields())
+            self._fire("finish_loading", keep_untouched=keep_untouched)
+
+    def refresh_derived(self, effect: Callable[[], T], **log: Any) -> T:
+        """Run `effect` (validate-then-write of every derived buffer) as the `refresh_derived` transition;
+        then, under captured graphs, verify every pinned identity and return to GRAPH_CAPTURED."""
+        with self._lock:
+            if self.state in (LifecycleState.META, LifecycleState.PARTIALLY_LOADED):
+                # the build is refused for unready layers before anything else: name every missing tensor
+                try:
+                    self.require_all_layers_ready("refresh_derived")
+                except LayersNotReadyError as e:
+                    self._audit("refused", trigger="refresh_derived", src=self.state.value,
+                                error=type(e).__name__, reason=e.reason, **self._readiness_fields(),
+                                **_missing_fields(e))
+                    raise
+            result = self._fire("refresh_derived", effect, **log)
+            if self.pinned is not None:
+                self._fire("graphs_verified", pinned=len(self.pinned))
+            return result  # type: ignore[return-value]
+
+    def capture_graphs(self) -> int:
+        """Pin the storage identity of everything graphs read. Returns how many tensors were pinned."""
+        with self._lock:
+            def pin() -> int:
+                tensors = self._pinned_tensors() if self._pinned_tensors else {}
+                self.pinned = PinnedStorage.snapshot({k: v for k, v in tensors.items() if v is not None})
+                return len(self.pinned)
+
+            return self._fire("capture_graphs", pin) or 0
+
+    def release_graphs(self) -> None:
+        with self._lock:
+            def unpin() -> None:
+                self.pinned = None
+
+            self._fire("release_graphs", unpin)
+
+    def abort_reload(self, reason: str) -> None:
+        """Quarantine: derived buffers keep their last good values; forward use is refused until a reload."""
+        with self._lock:
+            def quarantine() -> None:
+                self.quarantine_reason = reason
+
+            self._fire("abort_reload", quarantine, reason=reason, missing=self._missing_list())
+
+    def _missing_list(self) -> list[str]:
+        flat = [n for names in self.missing().values() for n in names]
+        return audit.capped(flat)[0]
+
+    def verify_pinned(self) -> int:
+        """Check every pinned identity against the live tensors now. Returns how many were checked."""
+        with self._lock:
+            problems = self.pinned_changes()
+            n = len(self.pinned) if self.pinned else 0
+            self._audit("storage_check", checked=n, ok=not problems, problems=audit.capped(problems)[0])
+            if problems:
+                raise StorageDriftError(problems, backbone=self.name, state=self.state.value)
+            return n
+
+    def audit_event(self, event: str, *, level: str = "info", **fields: Any) -> None:
+        """Emit an event in this backbone's context (used by the backbone, loader and hooks)."""
+        self._audit(event, level=level, **fields)
+
+    def ensure_loading_allowed(self) -> None:
+        """Raise (audited) unless weights may be written now. A loader calls this BEFORE it writes anything:
+        writing weights under refreshed derived buffers without `begin_reload()` is how values go stale."""
+        with self._lock:
+            self._require_allowed_audited("weights_loaded")
+
+
+def _run_effect(event: Any) -> None:
+    holder = event.kwargs.get("holder")
+    if holder is not None and holder.get("effect") is not None:
+        holder["result"] = holder["effect"]()
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 3)
+
+
+def _missing_fields(e: LifecycleError) -> dict[str, Any]:
+    if not isinstance(e, LayersNotReadyError):
+        return {}
+    flat = [n for names in e.missing.values() for n in names]
+    shown, more = audit.capped(flat)
+    return {"missing": shown, "missing_more": more}

@@ -1,0 +1,124 @@
+"""Which tensors of which layer are loaded (or still META), per reload epoch.
+
+Per-tensor work is a couple of dict operations: the name -> layer map is built once, and a per-layer counter
+says when a layer completes. The machine only hears about layer completions, never about single tensors.
+
+>>> r = LayerReadiness(["layers.0.w", "layers.0.b", "norm.weight"])
+>>> r.mark_loaded(["layers.0.w"]), r.mark_loaded(["layers.0.b"])
+([], ['layers.0'])
+>>> r.missing()
+{'norm': ('norm.weight',)}
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+_LAYER_PREFIX = re.compile(r"^(.*?\blayers\.\d+)\.")
+
+
+def layer_of(name: str) -> str:
+    """The layer a tensor belongs to: `layers.N` for decoder layers (with any prefix before it), else the
+    owning module's path (`fc.weight` -> `fc`, `norm.weight` -> `norm`), `<root>` for top-level tensors."""
+    m = _LAYER_PREFIX.match(name)
+    if m:
+        return m.group(1)
+    module, _, _ = name.rpartition(".")
+    return module or "<root>"
+
+
+class LayerReadiness:
+    """Readiness bookkeeping for one backbone. Not thread-safe by itself: the lifecycle serialises calls."""
+
+    def __init__(self, names: Iterable[str], layer_key: Callable[[str], str] = layer_of) -> None:
+        self.layer_of_name: dict[str, str] = {n: layer_key(n) for n in names}
+        tensors: dict[str, list[str]] = {}
+        for name, layer in self.layer_of_name.items():
+            tensors.setdefault(layer, []).append(name)
+        self.tensors_of_layer: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in tensors.items()}
+        self.epoch = 0
+        self._loaded_epoch: dict[str, int] = dict.fromkeys(self.layer_of_name, -1)
+        self._count: dict[str, int] = dict.fromkeys(self.tensors_of_layer, 0)
+        self._complete = 0
+        # names written in this epoch (dirty) vs declared unchanged (ready, not dirty)
+        self._dirty: set[str] = set()
+
+    # ---- epochs -------------------------------------------------------------------------------------------
+    def new_epoch(self) -> int:
+        self.epoch += 1
+        self._count = dict.fromkeys(self.tensors_of_layer, 0)
+        self._complete = 0
+        self._dirty = set()
+        return self.epoch
+
+    # ---- hot path -----------------------------------------------------------------------------------------
+    def unknown(self, names: Iterable[str]) -> list[str]:
+        known = self.layer_of_name
+        return [n for n in names if n not in known]
+
+    def mark_loaded(self, names: Iterable[str]) -> list[str]:
+        """Record tensors written in this epoch (duplicates are fine). Returns the layers that just completed.
+        Names must be known (check with `unknown` first)."""
+        return self._mark(names, dirty=True)
+
+    def mark_unchanged(self, names: Iterable[str]) -> list[str]:
+        """Declare tensors restored unchanged in this epoch: they count as ready but not dirty."""
+        return self._mark(names, dirty=False)
+
+    def _mark(self, names: Iterable[str], *, dirty: bool) -> list[str]:
+        epoch, loaded, count, sizes = self.epoch, self._loaded_epoch, self._count, self.tensors_of_layer
+        completed: list[str] = []
+        for name in names:
+            if dirty:
+                self._dirty.add(name)
+            if loaded[name] == epoch:
+                continue
+            loaded[name] = epoch
+            layer = self.layer_of_name[name]
+            count[layer] += 1
+            if count[layer] == len(sizes[layer]):
+                completed.append(layer)
+        self._complete += len(completed)
+        return completed
+
+    # ---- queries ------------------------------------------------------------------------------------------
+    @property
+    def layers_total(self) -> int:
+        return len(self.tensors_of_layer)
+
+    @property
+    def layers_ready(self) -> int:
+        """Layers whose every tensor was loaded or restored in this epoch (META is checked by `missing`)."""
+        return self._complete
+
+    def counts_complete(self) -> bool:
+        return self._complete == len(self.tensors_of_layer)
+
+    def untouched_layers(self) -> list[str]:
+        """Layers that received nothing in this epoch."""
+        return [layer for layer, c in self._count.items() if c == 0]
+
+    def is_loaded(self, name: str) -> bool:
+        return self._loaded_epoch[name] == self.epoch
+
+    def missing(self, is_meta: Callable[[str], bool] | None = None, names: Iterable[str] | None = None
+                ) -> dict[str, tuple[str, ...]]:
+        """Layer -> tensors not loaded in this epoch or on META (whatever events said). Empty when ready.
+        With `names`, only those tensors are checked."""
+        out: dict[str, list[str]] = {}
+        candidates = self.layer_of_name if names is None else names
+        for name in candidates:
+            if self._loaded_epoch[name] != self.epoch:
+                out.setdefault(self.layer_of_name[name], []).append(name)
+            elif is_meta is not None and is_meta(name):
+                out.setdefault(self.layer_of_name[name], []).append(f"{name} (META)")
+        return {k: tuple(v) for k, v in out.items()}
+
+    def dirty_tensors(self) -> frozenset[str]:
+        """Tensors written in this epoch: what a selective refresh must propagate."""
+        return frozenset(self._dirty)
+
+    def dirty_layers(self) -> list[str]:
+        seen = {self.layer_of_name[n] for n in self._dirty}
+        return [layer for layer in self.tensors_of_layer if layer in seen]

@@ -1,0 +1,158 @@
+"""Storage identity: what a captured CUDA graph holds on to, and the checks that it did not move.
+
+Identity = (data_ptr, storage_offset, shape, stride, dtype, device), as vLLM RFC #48478 defines it.
+
+>>> import torch
+>>> t = torch.zeros(4, 2)
+>>> a = StorageIdentity.of(t)
+>>> t.copy_(torch.ones(4, 2)) is t and StorageIdentity.of(t) == a
+True
+>>> describe_changes("w", a, StorageIdentity.of(t.t()))
+['w: shape (4, 2) -> (2, 4)', 'w: stride (2, 1) -> (1, 2)']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass(frozen=True)
+class StorageIdentity:
+    data_ptr: int
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    device: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> StorageIdentity:
+        return cls(
+            data_ptr=0 if t.is_meta else t.data_ptr(),
+            storage_offset=t.storage_offset(),
+            shape=tuple(t.shape),
+            stride=tuple(t.stride()),
+            dtype=str(t.dtype).removeprefix("torch."),
+            device=str(t.device),
+        )
+
+    @property
+    def layout(self) -> tuple[tuple[int, ...], tuple[int, ...], str, str]:
+        """Everything but the address: what must match for an in-place write to be possible."""
+        return (self.shape, self.stride, self.dtype, self.device)
+
+    def as_log(self) -> dict[str, object]:
+        return {"data_ptr": hex(self.data_ptr), "shape": list(self.shape), "dtype": self.dtype, "device": self.device}
+
+
+_FIELDS = ("data_ptr", "storage_offset", "shape", "stride", "dtype", "device")
+
+
+def describe_changes(name: str, old: StorageIdentity, new: StorageIdentity, fields: tuple[str, ...] = _FIELDS
+                     ) -> list[str]:
+    """One line per changed field, `name: field old -> new` (pointers in hex)."""
+    out = []
+    for f in fields:
+        a, b = getattr(old, f), getattr(new, f)
+        if a != b:
+            if f == "data_ptr":
+                a, b = hex(a), hex(b)
+            out.append(f"{name}: {f} {a} -> {b}")
+    return out
+
+
+@dataclass
+class PinnedStorage:
+    """Storage identities snapshotted at graph capture. Verification compares them with the live tensors."""
+
+    identities: dict[str, StorageIdentity] = field(default_factory=dict)
+
+    @classmethod
+    def snapshot(cls, tensors: Mapping[str, torch.Tensor]) -> PinnedStorage:
+        return cls({name: StorageIdentity.of(t) for name, t in tensors.items()})
+
+    def changes(self, live: Mapping[str, torch.Tensor | None]) -> list[str]:
+        problems: list[str] = []
+        for name, old in self.identities.items():
+            t = live.get(name)
+            if t is None:
+                problems.append(f"{name}: pinned tensor is gone (was {hex(old.data_ptr)})")
+                continue
+            problems.extend(describe_changes(name, old, StorageIdentity.of(t)))
+        return problems
+
+    def __len__(self) -> int:
+        return len(self.identities)
+
+
+# ---- counting allocations (tests and benchmarks) ---------------------------------------------------------
+
+
+@dataclass
+class AllocationRecord:
+    op: str
+    nbytes: int
+
+
+@dataclass
+class AllocationLog:
+    records: list[AllocationRecord] = field(default_factory=list)
+
+    @property
+    def storages_created(self) -> int:
+        return len(self.records)
+
+    @property
+    def bytes_allocated(self) -> int:
+        return sum(r.nbytes for r in self.records)
+
+    def at_least(self, nbytes: int) -> list[AllocationRecord]:
+        return [r for r in self.records if r.nbytes >= nbytes]
+
+
+class _CountNewStorages(TorchDispatchMode):
+    """Counts op outputs whose storage is new: neither an input's storage nor one seen before."""
+
+    def __init__(self, log: AllocationLog) -> None:
+        super().__init__()
+        self.log = log
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and not t.is_meta
+        }
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr in inputs or ptr in self._seen:
+                continue
+            self._seen.add(ptr)
+            self.log.records.append(AllocationRecord(str(func), st.nbytes()))
+        return out
+
+
+@contextmanager
+def count_allocations() -> Iterator[AllocationLog]:
+    """Record every new tensor storage created by torch ops inside the block.
+
+    >>> with count_allocations() as log:
+    ...     buf = torch.zeros(8)
+    ...     _ = buf.copy_(torch.ones(8))
+    >>> log.storages_created  # zeros and ones; copy_ wrote in place
+    2
+    """
+    log = AllocationLog()
+    with _CountNewStorages(log):
+        yield log
