@@ -135,8 +135,14 @@ def plan_buckets(names: Sequence[str], layer_key: Callable[[str], str], *, bucke
             rng.shuffle(names)
         buckets = [names[i:i + bucket_by] for i in range(0, len(names), bucket_by)]
     for n in rng.sample(names, min(duplicates, len(names))):
-        later = rng.randrange(len(buckets))
-        buckets[later].append(n)
+        # strictly after the bucket that first sends `n`; a fixed-size plan gets the resend as its own bucket
+        # so no bucket exceeds `bucket_by` (bucket_by=1 stays one tensor at a time)
+        first = next(i for i, b in enumerate(buckets) if n in b)
+        later = rng.randrange(first + 1, len(buckets) + 1)
+        if bucket_by == "layer" and later < len(buckets):
+            buckets[later].append(n)
+        else:
+            buckets.insert(later, [n])
     return buckets
 
 
@@ -236,8 +242,8 @@ def load_safetensors(
         report.layers_completed.extend(completed)
         done += len(bucket)
         # per bucket (possibly per tensor): debug level, so it costs a filtered call unless asked for
-        lc.audit_event("loader_bucket", level="debug", bucket=i, buckets=len(buckets), tensors=len(bucket), nbytes=nbytes,
-                       layers_completed=completed, layers_ready=lc.readiness.layers_ready,
+        lc.audit_event("loader_bucket", level="debug", bucket=i, buckets=len(buckets), tensors=len(bucket),
+                       nbytes=nbytes, layers_completed=completed, layers_ready=lc.readiness.layers_ready,
                        layers_total=lc.readiness.layers_total)
         if progress is not None:
             progress(LoadProgress(i + 1, len(buckets), done, sum(map(len, buckets)),

@@ -4,10 +4,11 @@
 >>> lc = BackboneLifecycle("toy", {"layers.0.w": TensorSpec((2,), torch.float32)})
 >>> lc.weights_loaded(["layers.0.w"]), lc.state
 (['layers.0'], <LifecycleState.FULLY_LOADED: 'FULLY_LOADED'>)
->>> lc.capture_graphs()
-Traceback (most recent call last):
-...
-lifecycle.errors.IllegalTransitionError: [backbone 'toy', state FULLY_LOADED] trigger 'capture_graphs' is not allowed from state FULLY_LOADED; it is allowed from: DERIVED_REFRESHED
+>>> try:
+...     lc.capture_graphs()
+... except IllegalTransitionError as e:
+...     print(e.reason)
+trigger 'capture_graphs' is not allowed from state FULLY_LOADED; it is allowed from: DERIVED_REFRESHED
 
 The machine holds the state and picks conditional destinations; guards named in the table raise with the full
 reason before the state changes; the effect of a trigger (a refresh) runs after the guards and before the
@@ -32,7 +33,6 @@ from . import audit
 from .errors import (
     IllegalTransitionError,
     LayersNotReadyError,
-    LifecycleError,
     StorageDriftError,
     UnknownWeightError,
 )
@@ -188,9 +188,10 @@ class BackboneLifecycle:
             if not fired:
                 raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
                                              allowed_from=["(no row's condition held)"])
-        except LifecycleError as e:
-            self._audit("refused", trigger=trigger, src=src.value, error=type(e).__name__, reason=e.reason,
-                        duration_ms=_ms(t0), **self._readiness_fields(), **_missing_fields(e))
+        except Exception as e:  # guards' refusals and effects' failures alike: audited, state unchanged
+            self._audit("refused", trigger=trigger, src=src.value, error=type(e).__name__,
+                        reason=getattr(e, "reason", str(e)), duration_ms=_ms(t0), **self._readiness_fields(),
+                        **_missing_fields(e))
             raise
         self._audit("transition", trigger=trigger, src=src.value, dst=self.state.value, duration_ms=_ms(t0),
                     **self._readiness_fields(), **log)
@@ -282,6 +283,7 @@ class BackboneLifecycle:
                                 **_missing_fields(e))
                     raise
             result = self._fire("refresh_derived", effect, **log)
+            self.readiness.clear_dirty()  # every write since the last refresh is now in the derived buffers
             if self.pinned is not None:
                 self._fire("graphs_verified", pinned=len(self.pinned))
             return result  # type: ignore[return-value]
@@ -346,7 +348,7 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 3)
 
 
-def _missing_fields(e: LifecycleError) -> dict[str, Any]:
+def _missing_fields(e: Exception) -> dict[str, Any]:
     if not isinstance(e, LayersNotReadyError):
         return {}
     flat = [n for names in e.missing.values() for n in names]

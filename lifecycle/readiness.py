@@ -41,7 +41,9 @@ class LayerReadiness:
         self._loaded_epoch: dict[str, int] = dict.fromkeys(self.layer_of_name, -1)
         self._count: dict[str, int] = dict.fromkeys(self.tensors_of_layer, 0)
         self._complete = 0
-        # names written in this epoch (dirty) vs declared unchanged (ready, not dirty)
+        # names written since the last successful refresh (dirty) vs declared unchanged (ready, not dirty).
+        # Kept across epochs: an epoch that ends without a refresh (aborted, or a second begin_reload) leaves
+        # its writes to be propagated by the next refresh; `clear_dirty` is called once a refresh succeeded.
         self._dirty: set[str] = set()
 
     # ---- epochs -------------------------------------------------------------------------------------------
@@ -49,7 +51,6 @@ class LayerReadiness:
         self.epoch += 1
         self._count = dict.fromkeys(self.tensors_of_layer, 0)
         self._complete = 0
-        self._dirty = set()
         return self.epoch
 
     # ---- hot path -----------------------------------------------------------------------------------------
@@ -116,8 +117,13 @@ class LayerReadiness:
         return {k: tuple(v) for k, v in out.items()}
 
     def dirty_tensors(self) -> frozenset[str]:
-        """Tensors written in this epoch: what a selective refresh must propagate."""
+        """Tensors written since the last successful refresh (this epoch or an earlier one that ended without
+        a refresh): what a selective refresh must propagate."""
         return frozenset(self._dirty)
+
+    def clear_dirty(self) -> None:
+        """A refresh propagated every dirty tensor into the derived buffers."""
+        self._dirty = set()
 
     def dirty_layers(self) -> list[str]:
         seen = {self.layer_of_name[n] for n in self._dirty}
