@@ -122,7 +122,13 @@ class DraftBackbone(nn.Module):
         first load, `reload` afterwards). Returns the names of the hooks that ran."""
         lc = self.lifecycle
         lc.finish_loading(keep_untouched=keep_untouched)
-        return self._run_hooks(Phase.RELOAD if lc.in_reload else Phase.COLD_LOAD)
+        # cold_load hooks run until they have completed once, not merely in epoch 0: a cold load that was aborted
+        # (QUARANTINED) and retried through begin_reload still needs its one-time initialisation
+        if self.__dict__.get("_cold_hooks_done", False):
+            return self._run_hooks(Phase.RELOAD)
+        ran = self._run_hooks(Phase.COLD_LOAD)
+        self._cold_hooks_done = True
+        return ran
 
     def refresh_derived_buffers(self, *, full: bool = False, rebuild: bool = False) -> RefreshReport:
         """Build (first time) or refresh in place every derived buffer. All buffers are validated before any
@@ -133,8 +139,12 @@ class DraftBackbone(nn.Module):
             raise ValueError(f"backbone {lc.name!r}: rebuild=True needs release_graphs() first (storage is pinned)")
 
         def refresh() -> RefreshReport:
+            # a buffer leaving fallback kept values from before it was disabled: every slice of it is stale
+            dirty = lc.readiness.dirty_tensors() | {
+                n for spec in self.derived_buffers if spec.name in self._derived_fallbacks
+                for n in spec.source_names(self)}
             plan = plan_refresh(
-                self, self.derived_buffers, tensor_specs=lc.specs, dirty=lc.readiness.dirty_tensors(),
+                self, self.derived_buffers, tensor_specs=lc.specs, dirty=dirty,
                 context={"backbone": lc.name, "state": lc.state.value}, full=full,
                 pinned=lc.graphs_pinned, allow_realloc=rebuild,
             )

@@ -23,12 +23,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import torch
 from torch import nn
 
-from .errors import SourceLayoutError, StorageDriftError, StorageReallocationError
+from .errors import LayersNotReadyError, SourceLayoutError, StorageDriftError, StorageReallocationError
+from .readiness import layer_of
 from .storage import StorageIdentity, describe_changes
 from .types import BufferReport, RefreshReport, TensorSpec
 
@@ -141,16 +143,36 @@ def _fmt_layout(t: torch.Tensor | StorageIdentity) -> str:
     return f"shape {ident.shape} stride {ident.stride} {ident.dtype} on {ident.device}"
 
 
-def _check_source(name: str, t: torch.Tensor | None, tensor_specs: Mapping[str, TensorSpec]) -> str | None:
-    if t is None:
-        return f"{name}: source tensor does not exist"
-    if t.is_meta:
-        return f"{name}: source is on META"
-    spec = tensor_specs.get(name)
-    if spec is not None and (tuple(t.shape) != spec.shape or t.dtype != spec.dtype):
-        return (f"{name}: source has layout {tuple(t.shape)} {_dtype(t.dtype)} but the builder expects the "
-                f"checkpoint layout {spec.shape} {_dtype(spec.dtype)} (emptied or packed by post-processing?)")
-    return None
+@dataclass
+class _SourceCheck:
+    """Sorts what is wrong with sources: not ready (absent or META) vs not in the builder's layout."""
+
+    resolve: Callable[[str], torch.Tensor | None]
+    tensor_specs: Mapping[str, TensorSpec]
+    not_ready: dict[str, list[str]] = field(default_factory=dict)
+    layout: list[str] = field(default_factory=list)
+
+    def check(self, label: str, names: Sequence[str], fallback: str | None) -> tuple[bool, str]:
+        """(usable, fallback reason). Unready sources are recorded and never routed to a fallback."""
+        wrong = []
+        ready = True
+        for name in names:
+            t = self.resolve(name)
+            if t is None or t.is_meta:
+                self.not_ready.setdefault(layer_of(name), []).append(f"{name} ({'absent' if t is None else 'META'})")
+                ready = False
+                continue
+            spec = self.tensor_specs.get(name)
+            if spec is not None and (tuple(t.shape) != spec.shape or t.dtype != spec.dtype):
+                wrong.append(f"{name}: source has layout {tuple(t.shape)} {_dtype(t.dtype)} but the builder "
+                             f"expects the checkpoint layout {spec.shape} {_dtype(spec.dtype)} "
+                             "(emptied or packed by post-processing?)")
+        if not ready:
+            return False, ""
+        if wrong and not fallback:
+            self.layout.extend(f"{label} <- {w}" for w in wrong)
+            return False, ""
+        return not wrong, "; ".join(wrong)
 
 
 def _dtype(d: torch.dtype) -> str:
@@ -167,45 +189,43 @@ def plan_refresh(
     full: bool = False,
     pinned: bool = False,
     allow_realloc: bool = False,
+    resolve: Callable[[str], torch.Tensor | None] | None = None,
 ) -> RefreshPlan:
     """Validate every buffer and decide every write. Raises before anything is written.
 
     `dirty`: tensors written in this epoch; only slices that read them are rewritten (all when `full`).
     `pinned`: graphs are captured, so an alias may not be re-pointed at a source that moved.
     `allow_realloc`: an explicit cold rebuild (graphs released): existing buffers may be replaced.
+    `resolve`: name -> live tensor (default: walk the module tree).
+    Raises LayersNotReadyError (a source absent or on META), SourceLayoutError, StorageReallocationError.
     """
-    layout_problems: list[str] = []
+    sources = _SourceCheck(resolve or partial(resolve_tensor, backbone), tensor_specs)
     realloc_problems: list[str] = []
     plans: list[_BufferPlan] = []
     for spec in specs:
         existing = None if allow_realloc else current_buffer(backbone, spec.name)
+        names = spec.source_names(backbone)
+        usable, fallback_reason = sources.check(f"{spec.kind} {spec.name}", names, spec.fallback)
+        if fallback_reason:
+            plans.append(_BufferPlan(spec, "fallback", existing=existing, reason=fallback_reason))
+        if not usable:
+            continue
+
         if spec.kind == "alias":
-            src_name = spec.sources[0]
-            target = resolve_tensor(backbone, src_name)
-            problem = _check_source(src_name, target, tensor_specs)
-            if problem:
-                layout_problems.append(f"alias {spec.name} -> {problem}")
-                continue
+            target = sources.resolve(names[0])
             assert target is not None
             if pinned and existing is not None and existing is not target:
                 old, new = StorageIdentity.of(existing), StorageIdentity.of(target)
                 if old != new:
                     realloc_problems.append(
-                        f"alias {spec.name}: its source {src_name} moved, re-pointing would change: "
+                        f"alias {spec.name}: its source {names[0]} moved, re-pointing would change: "
                         + "; ".join(describe_changes(spec.name, old, new)))
                     continue
             plans.append(_BufferPlan(spec, "alias", existing=existing, new_tensor=target))
             continue
 
         if spec.kind == "custom":
-            bad = [p for n in spec.sources if (p := _check_source(n, resolve_tensor(backbone, n), tensor_specs))]
-            if bad:
-                if spec.fallback:
-                    plans.append(_BufferPlan(spec, "fallback", existing=existing, reason="; ".join(bad)))
-                else:
-                    layout_problems.extend(f"custom {spec.name} <- {p}" for p in bad)
-                continue
-            if existing is not None and not full and not any(n in dirty for n in spec.sources):
+            if existing is not None and not full and not any(n in dirty for n in names):
                 plans.append(_BufferPlan(spec, "skipped", existing=existing))
                 continue
             assert spec.build is not None
@@ -224,25 +244,13 @@ def plan_refresh(
         # concat / stack: one slice per layer
         assert spec.per_layer is not None
         layers = _layers(backbone, spec.layers_attr)
-        bad = []
-        for i in range(len(layers)):
-            for s in spec.sources:
-                n = f"{spec.layers_attr}.{i}.{s}"
-                if p := _check_source(n, resolve_tensor(backbone, n), tensor_specs):
-                    bad.append(p)
-        if bad:
-            if spec.fallback:
-                plans.append(_BufferPlan(spec, "fallback", existing=existing, reason="; ".join(bad)))
-            else:
-                layout_problems.extend(f"{spec.kind} {spec.name} <- {p}" for p in bad)
-            continue
         slices = [spec.per_layer(layer) for layer in layers]
         shapes = {tuple(s.shape) for s in slices}
         dtypes = {s.dtype for s in slices}
         if len(dtypes) > 1 or (spec.kind == "stack" and len(shapes) > 1) or (
             spec.kind == "concat" and len({sh[:spec.dim] + sh[spec.dim + 1:] for sh in shapes}) > 1
         ):
-            layout_problems.append(f"{spec.kind} {spec.name}: per-layer slices disagree: shapes "
+            sources.layout.append(f"{spec.kind} {spec.name}: per-layer slices disagree: shapes "
                                    f"{sorted(shapes)}, dtypes {sorted(map(_dtype, dtypes))}")
             continue
         if spec.kind == "stack":
@@ -273,8 +281,11 @@ def plan_refresh(
                                  slices_total=len(slices)))
 
     ctx = dict(context)
-    if layout_problems:
-        raise SourceLayoutError(layout_problems, backbone=ctx.get("backbone", "?"), state=ctx.get("state", "?"))
+    if sources.not_ready:
+        raise LayersNotReadyError("derived-buffer build", sources.not_ready, backbone=ctx.get("backbone", "?"),
+                                  state=ctx.get("state", "?"))
+    if sources.layout:
+        raise SourceLayoutError(sources.layout, backbone=ctx.get("backbone", "?"), state=ctx.get("state", "?"))
     if realloc_problems:
         raise StorageReallocationError(realloc_problems, backbone=ctx.get("backbone", "?"),
                                        state=ctx.get("state", "?"))

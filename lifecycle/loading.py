@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .errors import CheckpointError, UnknownWeightError, WeightShapeError
+from .errors import CheckpointError, LifecycleError, UnknownWeightError, WeightShapeError
 
 if TYPE_CHECKING:
     from .backbone import DraftBackbone
@@ -106,11 +106,14 @@ def validate_index(backbone: DraftBackbone, index: dict[str, IndexEntry], names:
     names = list(names)
     unknown = lc.readiness.unknown(names)
     files = ", ".join(sorted({str(index[n].path) for n in names})) if names else ""
+    error: LifecycleError | None = None
     if unknown:
-        raise UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value, source=files)
-    problems = [p for n in names if (p := lc.specs[n].mismatch(n, index[n].shape, index[n].dtype))]
-    if problems:
-        raise WeightShapeError(problems, backbone=lc.name, state=lc.state.value, source=files)
+        error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value, source=files)
+    elif problems := [p for n in names if (p := lc.specs[n].mismatch(n, index[n].shape, index[n].dtype))]:
+        error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value, source=files)
+    if error is not None:
+        lc.record_refusal("weights_loaded", error)
+        raise error
 
 
 def plan_buckets(names: Sequence[str], layer_key: Callable[[str], str], *, bucket_by: BucketBy = "layer",
@@ -186,11 +189,14 @@ def apply_bucket(backbone: DraftBackbone, bucket: Sequence[tuple[str, torch.Tens
     lc.ensure_loading_allowed()
     names = [n for n, _ in bucket]
     unknown = lc.readiness.unknown(names)
+    error: LifecycleError | None = None
     if unknown:
-        raise UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value)
-    problems = [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]
-    if problems:
-        raise WeightShapeError(problems, backbone=lc.name, state=lc.state.value)
+        error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value)
+    elif problems := [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]:
+        error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value)
+    if error is not None:
+        lc.record_refusal("weights_loaded", error)
+        raise error
     for name, value in bucket:
         write_tensor(backbone, name, value, device)
     return lc.weights_loaded(names)
@@ -214,7 +220,12 @@ def load_safetensors(
     several files or sessions). `subset`: names, or a predicate on names, to load only part of the file.
     """
     t0 = time.perf_counter()
-    index = checkpoint_index(paths)
+    try:
+        index = checkpoint_index(paths)
+    except CheckpointError as e:  # checkpoint_index knows no backbone: name it and its state, as every error does
+        error = CheckpointError(e.reason, backbone=backbone.lifecycle.name, state=backbone.lifecycle.state.value)
+        backbone.lifecycle.record_refusal("weights_loaded", error)
+        raise error from e
     if subset is None:
         names = list(index)
     elif callable(subset):
@@ -223,8 +234,10 @@ def load_safetensors(
         wanted = list(subset)
         absent = [n for n in wanted if n not in index]
         if absent:
-            raise CheckpointError(f"subset names not in the checkpoint: {', '.join(absent[:20])}",
-                                  backbone=backbone.lifecycle.name, state=backbone.lifecycle.state.value)
+            error = CheckpointError(f"subset names not in the checkpoint: {', '.join(absent[:20])}",
+                                    backbone=backbone.lifecycle.name, state=backbone.lifecycle.state.value)
+            backbone.lifecycle.record_refusal("weights_loaded", error)
+            raise error
         names = wanted
     validate_index(backbone, index, names)
     lc = backbone.lifecycle

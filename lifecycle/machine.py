@@ -159,6 +159,8 @@ class BackboneLifecycle:
 
     def require_pinned_unchanged(self, action: str) -> None:
         problems = self.pinned_changes()
+        self._audit("storage_check", action=action, checked=len(self.pinned) if self.pinned else 0,
+                    ok=not problems, problems=audit.capped(problems)[0])
         if problems:
             raise StorageDriftError(problems, backbone=self.name, state=self.state.value)
 
@@ -320,12 +322,13 @@ class BackboneLifecycle:
     def verify_pinned(self) -> int:
         """Check every pinned identity against the live tensors now. Returns how many were checked."""
         with self._lock:
-            problems = self.pinned_changes()
-            n = len(self.pinned) if self.pinned else 0
-            self._audit("storage_check", checked=n, ok=not problems, problems=audit.capped(problems)[0])
-            if problems:
-                raise StorageDriftError(problems, backbone=self.name, state=self.state.value)
-            return n
+            self.require_pinned_unchanged("verify_pinned")
+            return len(self.pinned) if self.pinned else 0
+
+    def record_refusal(self, trigger: str, error: Exception) -> None:
+        """Audit a refusal decided outside the machine (the loader's checks of names, shapes, files)."""
+        self._audit("refused", trigger=trigger, src=self.state.value, error=type(error).__name__,
+                    reason=getattr(error, "reason", str(error)), **self._readiness_fields())
 
     def audit_event(self, event: str, *, level: str = "info", **fields: Any) -> None:
         """Emit an event in this backbone's context (used by the backbone, loader and hooks)."""

@@ -1,0 +1,170 @@
+"""Audit events: the transition path of a cold load and a reload, refusals, and the JSON-lines sink."""
+
+from __future__ import annotations
+
+import io
+from datetime import datetime, timedelta
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from lifecycle.audit import LIST_CAP, SCHEMA_VERSION, configure_audit, emit, read_events
+from lifecycle.errors import IllegalTransitionError, LayersNotReadyError
+from lifecycle.loading import load_safetensors
+from lifecycle.states import LifecycleState, possible_destinations
+from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
+
+S = LifecycleState
+
+
+def _cold_and_reload(cfg: DFlashConfig, a: Path, b: Path) -> DFlashQwen3Draft:
+    m = DFlashQwen3Draft(cfg, name="draft-r3", rank=3)
+    load_safetensors(m, a)
+    m.finalize_loading()
+    m.refresh_derived_buffers()
+    m.capture_graphs()
+    m.begin_reload()
+    load_safetensors(m, b, bucket_by=3, shuffle=True, seed=7)
+    m.finalize_loading()
+    m.refresh_derived_buffers()
+    return m
+
+
+def test_cold_load_and_reload_transition_path(tiny_cfg: DFlashConfig, ckpt_a: Path, ckpt_b: Path) -> None:
+    with capture_logs() as logs:
+        m = _cold_and_reload(tiny_cfg, ckpt_a, ckpt_b)
+    assert m.lifecycle.state is S.GRAPH_CAPTURED
+    transitions = [e for e in logs if e["event"] == "transition"]
+
+    # a chain: each event starts where the previous one ended, and each is a row of the table
+    cur = S.META
+    for ev in transitions:
+        assert ev["src"] == cur.value
+        assert S(ev["dst"]) in possible_destinations(ev["trigger"], S(ev["src"]))
+        cur = S(ev["dst"])
+    assert cur is S.GRAPH_CAPTURED
+
+    states = [k for k, _ in groupby([transitions[0]["src"]] + [e["dst"] for e in transitions])]
+    assert states == ["META", "PARTIALLY_LOADED", "FULLY_LOADED", "DERIVED_REFRESHED", "GRAPH_CAPTURED",
+                      "PARTIALLY_LOADED", "FULLY_LOADED", "DERIVED_REFRESHED", "GRAPH_CAPTURED"]
+    triggers = [k for k, _ in groupby(e["trigger"] for e in transitions)]
+    assert triggers == ["weights_loaded", "finish_loading", "refresh_derived", "capture_graphs", "begin_reload",
+                        "weights_loaded", "finish_loading", "refresh_derived", "graphs_verified"]
+    # one weights_loaded event per bucket that completed a layer, never per tensor
+    n_layers = m.lifecycle.readiness.layers_total
+    cold_loads = [e for e in transitions if e["trigger"] == "weights_loaded" and e["epoch"] == 0]
+    assert len(cold_loads) == n_layers  # bucket_by="layer": each bucket completes one layer
+    assert len([e for e in logs if e["event"] == "layer_ready"]) == 2 * n_layers
+
+    for ev in [*logs, *m.lifecycle.recent_events]:
+        assert ev["backbone"] == "draft-r3" and ev["rank"] == 3, ev
+        assert isinstance(ev["epoch"], int)
+    reload_at = next(i for i, e in enumerate(logs) if e.get("trigger") == "begin_reload")
+    assert {e["epoch"] for e in logs[:reload_at]} == {0}
+    assert {e["epoch"] for e in logs[reload_at:]} == {1}
+    assert logs[reload_at]["pinned"] is True
+    for ev in transitions:
+        assert ev["layers_total"] == n_layers and 0 <= ev["layers_ready"] <= n_layers
+        assert ev["duration_ms"] >= 0
+
+    refreshes = [e for e in logs if e["event"] == "refresh"]
+    assert len(refreshes) == 2
+    for buf in refreshes[1]["buffers"]:
+        live = m._buffers[buf["name"]]
+        assert buf["data_ptr"] == hex(live.data_ptr())
+        assert buf["nbytes"] == live.numel() * live.element_size()
+    assert {b["mode"] for b in refreshes[0]["buffers"]} == {"cold", "alias"}
+    assert {b["mode"] for b in refreshes[1]["buffers"]} == {"in_place", "alias"}
+
+
+def test_refusals_are_events_with_error_and_reason(tiny_cfg: DFlashConfig, ckpt_a: Path) -> None:
+    m = DFlashQwen3Draft(tiny_cfg)
+    lc = m.lifecycle
+    with capture_logs() as logs:
+        with pytest.raises(LayersNotReadyError) as not_ready:
+            m.refresh_derived_buffers()
+        load_safetensors(m, ckpt_a)
+        with pytest.raises(IllegalTransitionError) as illegal:
+            m.capture_graphs()
+    refused = [e for e in logs if e["event"] == "refused"]
+    assert len(refused) == 2
+    first, second = refused
+    assert (first["trigger"], first["src"], first["error"]) == ("refresh_derived", "META", "LayersNotReadyError")
+    assert first["reason"] == not_ready.value.reason
+    n_names = len(lc.specs)
+    assert n_names > LIST_CAP
+    assert len(first["missing"]) == LIST_CAP and first["missing_more"] == n_names - LIST_CAP
+    assert set(first["missing"]) <= set(lc.specs)
+    assert (second["trigger"], second["src"], second["error"]) == ("capture_graphs", "FULLY_LOADED",
+                                                                   "IllegalTransitionError")
+    assert second["reason"] == illegal.value.reason and "DERIVED_REFRESHED" in second["reason"]
+    for ev in refused:
+        assert (ev["backbone"], ev["rank"], ev["epoch"]) == ("dflash", 0, 0)
+        assert "dst" not in ev
+    # the most recent events are also kept on the lifecycle, for an error report
+    assert [e["event"] for e in lc.recent_events if e["event"] == "refused"] == ["refused", "refused"]
+
+
+def _floats_in_lists(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_floats_in_lists(v) for v in value.values())
+    if isinstance(value, list):
+        return any(isinstance(v, float) or _floats_in_lists(v) for v in value)
+    return False
+
+
+def _parse_utc(ts: str) -> datetime:
+    assert ts.endswith(("Z", "+00:00")), ts
+    parsed = datetime.fromisoformat(ts.replace("Z", "+00:00"))
+    assert parsed.utcoffset() == timedelta(0)
+    return parsed
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_json_lines_sink(tiny_cfg: DFlashConfig, ckpt_a: Path, ckpt_b: Path, tmp_path: Path, level: str) -> None:
+    path = tmp_path / "logs" / "audit.jsonl"
+    sink = configure_audit(json_path=path, console=False, level=level)
+    assert sink is not None
+    m = _cold_and_reload(tiny_cfg, ckpt_a, ckpt_b)
+    m.release_graphs()
+    with pytest.raises(IllegalTransitionError):
+        m.release_graphs()
+    configure_audit(console=False)  # closes the sink
+    events = read_events(path)
+
+    kinds = {e["event"] for e in events}
+    assert {"transition", "refused", "refresh", "layer_ready", "hook_run"} <= kinds
+    assert ("loader_bucket" in kinds) == (level == "debug")  # per-bucket detail only at debug level
+    times = []
+    for ev in events:
+        times.append(_parse_utc(ev["ts"]))
+        assert ev["schema"] == SCHEMA_VERSION
+        assert ev["level"] in ("info", "debug")
+        assert ev["backbone"] == "draft-r3" and ev["rank"] == 3 and isinstance(ev["epoch"], int)
+        assert not _floats_in_lists(ev), f"tensor values in {ev['event']}"
+        assert "tensor(" not in str(ev)
+    assert times == sorted(times)
+    assert abs(datetime.now(times[-1].tzinfo) - times[-1]) < timedelta(minutes=5)
+    (refused,) = [e for e in events if e["event"] == "refused"]
+    assert refused["trigger"] == "release_graphs" and refused["error"] == "IllegalTransitionError"
+    refresh = [e for e in events if e["event"] == "refresh"][-1]
+    assert all(isinstance(b["data_ptr"], str) and b["data_ptr"].startswith("0x") for b in refresh["buffers"])
+    # the JSON transitions are the same path the structlog events describe
+    path_states = [k for k, _ in groupby(e["dst"] for e in events if e["event"] == "transition")]
+    assert path_states == ["PARTIALLY_LOADED", "FULLY_LOADED", "DERIVED_REFRESHED", "GRAPH_CAPTURED",
+                           "PARTIALLY_LOADED", "FULLY_LOADED", "DERIVED_REFRESHED", "GRAPH_CAPTURED",
+                           "DERIVED_REFRESHED"]
+
+
+def test_console_output_is_optional(tmp_path: Path) -> None:
+    out = io.StringIO()
+    configure_audit(console=True, stream=out)
+    emit("transition", backbone="draft", rank=0, epoch=1, trigger="begin_reload")
+    assert "transition" in out.getvalue() and "begin_reload" in out.getvalue()
+    quiet = io.StringIO()
+    configure_audit(console=False, stream=quiet)
+    emit("transition", backbone="draft", rank=0, epoch=1, trigger="begin_reload")
+    assert quiet.getvalue() == ""

@@ -1,0 +1,228 @@
+"""Post-load hooks: explicit phase opt-in; one-time conversions never replay on reload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from lifecycle.errors import StorageReallocationError
+from lifecycle.hooks import Phase, collect_hooks, post_load_hook
+from lifecycle.loading import load_safetensors, write_checkpoint
+from lifecycle.states import LifecycleState
+from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+
+S = LifecycleState
+
+
+class HookedDraft(DFlashQwen3Draft):
+    """Records every hook call with the lifecycle state and whether derived buffers existed at that moment."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__(config)
+        self.calls: list[tuple[str, int, LifecycleState, bool]] = []
+
+    def _record(self, name: str) -> None:
+        lc = self.lifecycle
+        self.calls.append((name, lc.epoch, lc.state, self._buffers["_fused_kv_weight"] is not None))
+
+    @post_load_hook(Phase.COLD_LOAD)
+    def cold_only(self) -> None:
+        self._record("cold_only")
+
+    @post_load_hook(Phase.RELOAD)
+    def reload_only(self) -> None:
+        self._record("reload_only")
+
+    @post_load_hook("cold_load", "reload")
+    def both(self) -> None:
+        self._record("both")
+
+
+def test_hooks_run_in_their_phases_only(tiny_cfg: DFlashConfig, ckpt_a: Path, ckpt_b: Path) -> None:
+    m = HookedDraft(tiny_cfg)
+    load_safetensors(m, ckpt_a)
+    with capture_logs() as logs:
+        ran = m.finalize_loading()
+    assert ran == ["init_rope_caches", "cold_only", "both"]  # base-class hooks first, then declaration order
+    assert [(e["hook"], e["phase"]) for e in logs if e["event"] == "hook_run"] == [
+        ("init_rope_caches", "cold_load"), ("cold_only", "cold_load"), ("both", "cold_load")]
+    # hooks run after every layer is ready, before the derived buffers are built
+    assert m.calls == [("cold_only", 0, S.FULLY_LOADED, False), ("both", 0, S.FULLY_LOADED, False)]
+    m.refresh_derived_buffers()
+
+    for epoch, ckpt in ((1, ckpt_b), (2, ckpt_a)):
+        m.calls.clear()
+        m.begin_reload()
+        load_safetensors(m, ckpt)
+        assert m.finalize_loading() == ["reload_only", "both"]
+        assert m.calls == [("reload_only", epoch, S.FULLY_LOADED, True), ("both", epoch, S.FULLY_LOADED, True)]
+        m.refresh_derived_buffers()
+
+
+class ConvertingDraft(DFlashQwen3Draft):
+    """A one-time weight conversion: the checkpoint stores k_norm weights at half the runtime scale."""
+
+    conversions = 0
+
+    @post_load_hook(Phase.COLD_LOAD)
+    def double_k_norms(self) -> None:
+        type(self).conversions += 1
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.self_attn.k_norm.weight.mul_(2)
+
+
+def _k_norms(m: DFlashQwen3Draft) -> list[torch.Tensor]:
+    return [layer.self_attn.k_norm.weight.detach().clone() for layer in m.layers]
+
+
+def test_one_time_conversion_is_never_replayed(tiny_cfg: DFlashConfig, ckpt_a: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ConvertingDraft, "conversions", 0)
+    raw = random_weights(tiny_cfg, 0)  # what ckpt_a holds
+    m = ConvertingDraft(tiny_cfg)
+    load_safetensors(m, ckpt_a)
+    assert "double_k_norms" in m.finalize_loading()
+    m.refresh_derived_buffers()
+    converted = _k_norms(m)
+    for i, w in enumerate(converted):
+        assert torch.equal(w, raw[f"layers.{i}.self_attn.k_norm.weight"] * 2)
+    assert torch.equal(m._k_norm_weights, torch.stack(converted))  # the refresh saw the converted weights
+    assert torch.equal(m.layers[0].self_attn.qkv_proj.weight, raw["layers.0.self_attn.qkv_proj.weight"])
+
+    # A reload delivers weights in the runtime layout (a trainer's state_dict): they are taken as they are.
+    # A replayed conversion would double them again; untouched layers would be doubled too.
+    runtime = write_checkpoint({n: t.detach() for n, t in m.state_dict().items()}, tmp_path / "runtime.safetensors")
+    m.begin_reload()
+    load_safetensors(m, runtime)
+    assert m.finalize_loading() == []
+    m.refresh_derived_buffers()
+    assert all(torch.equal(w, c) for w, c in zip(_k_norms(m), converted, strict=True))
+    assert torch.equal(m._k_norm_weights, torch.stack(converted))
+
+    m.begin_reload()
+    load_safetensors(m, runtime, subset=lambda n: n.startswith("layers.1."))
+    assert m.finalize_loading(keep_untouched=True) == []
+    m.refresh_derived_buffers()
+    assert all(torch.equal(w, c) for w, c in zip(_k_norms(m), converted, strict=True))
+
+    # Reloading the raw checkpoint therefore gives the raw values: the reload is not converted again
+    m.begin_reload()
+    load_safetensors(m, ckpt_a)
+    m.finalize_loading()
+    m.refresh_derived_buffers()
+    for i, w in enumerate(_k_norms(m)):
+        assert torch.equal(w, raw[f"layers.{i}.self_attn.k_norm.weight"])
+    assert torch.equal(m._k_norm_weights, torch.stack(_k_norms(m)))
+    assert ConvertingDraft.conversions == 1
+
+
+def test_runtime_registered_hooks(tiny_cfg: DFlashConfig, ckpt_a: Path, ckpt_b: Path) -> None:
+    m = DFlashQwen3Draft(tiny_cfg)
+    calls: list[tuple[str, int]] = []
+    m.register_post_load_hook(lambda b: calls.append(("scales", b.lifecycle.epoch)), Phase.COLD_LOAD, "reload",
+                              name="recompute_scales")
+
+    def warm_cache(b: DFlashQwen3Draft) -> None:
+        calls.append(("warm_cache", b.lifecycle.epoch))
+
+    m.register_post_load_hook(warm_cache, "cold_load")
+    assert [h.name for h in m.post_load_hooks(Phase.RELOAD)] == ["recompute_scales"]
+    load_safetensors(m, ckpt_a)
+    assert m.finalize_loading() == ["init_rope_caches", "recompute_scales", "warm_cache"]
+    m.refresh_derived_buffers()
+    m.begin_reload()
+    load_safetensors(m, ckpt_b)
+    assert m.finalize_loading() == ["recompute_scales"]
+    assert calls == [("scales", 0), ("warm_cache", 0), ("scales", 1)]
+    with pytest.raises(ValueError, match="at least one phase"):
+        m.register_post_load_hook(warm_cache)
+    with pytest.raises(ValueError):
+        m.register_post_load_hook(warm_cache, "warmup")
+    assert [h.name for h in m.post_load_hooks(Phase.COLD_LOAD)] == ["init_rope_caches", "recompute_scales",
+                                                                    "warm_cache"]
+
+
+def test_post_load_hook_needs_an_explicit_phase() -> None:
+    with pytest.raises(ValueError, match="at least one phase"):
+        post_load_hook()
+    with pytest.raises(ValueError):
+        post_load_hook("after_load")
+
+
+def test_overriding_a_hook_without_opting_in_removes_it() -> None:
+    class NoRope(DFlashQwen3Draft):
+        def init_rope_caches(self) -> None:  # not decorated: no longer a hook
+            pass
+
+    assert [h.name for h in collect_hooks(DFlashQwen3Draft, Phase.COLD_LOAD)] == ["init_rope_caches"]
+    assert collect_hooks(NoRope) == []
+
+
+def test_failing_hook_is_audited_and_raised(tiny_cfg: DFlashConfig, ckpt_a: Path) -> None:
+    m = DFlashQwen3Draft(tiny_cfg)
+
+    def broken(_: DFlashQwen3Draft) -> None:
+        raise RuntimeError("scale table missing")
+
+    m.register_post_load_hook(broken, Phase.COLD_LOAD)
+    load_safetensors(m, ckpt_a)
+    with capture_logs() as logs, pytest.raises(RuntimeError, match="scale table missing"):
+        m.finalize_loading()
+    (ev,) = [e for e in logs if e["event"] == "hook_failed"]
+    assert ev["hook"] == "broken" and "scale table missing" in ev["error"]
+
+
+def test_rope_init_does_not_run_on_reload(loaded: DFlashQwen3Draft, ckpt_b: Path) -> None:
+    lc = loaded.lifecycle
+    loaded.capture_graphs()
+    cache = loaded.layers[0].self_attn.rotary_emb.cos_sin_cache
+    assert loaded._rope_cos_sin_cache is cache
+    ptr, values = cache.data_ptr(), cache.clone()
+    loaded.begin_reload()
+    load_safetensors(loaded, ckpt_b)
+    assert loaded.finalize_loading() == []
+    loaded.refresh_derived_buffers()
+    assert lc.state is S.GRAPH_CAPTURED
+    assert loaded._rope_cos_sin_cache is cache and loaded._rope_cos_sin_cache.data_ptr() == ptr
+    assert loaded.layers[0].self_attn.rotary_emb.cos_sin_cache is cache
+    assert torch.equal(cache, values)
+
+
+def test_replaying_rope_init_under_captured_graphs_would_be_refused(loaded: DFlashQwen3Draft, ckpt_b: Path) -> None:
+    """Why the RoPE hook is cold-only: replaying it gives the table new storage under the captured alias."""
+    lc = loaded.lifecycle
+    loaded.capture_graphs()
+    old_ptr = loaded._rope_cos_sin_cache.data_ptr()
+    loaded.begin_reload()
+    load_safetensors(loaded, ckpt_b)
+    loaded.finalize_loading()
+    loaded.init_rope_caches()  # the replay a phase-less hook system would do
+    with pytest.raises(StorageReallocationError, match="_rope_cos_sin_cache") as ei:
+        loaded.refresh_derived_buffers()
+    assert hex(old_ptr) in str(ei.value)
+    assert lc.state is S.FULLY_LOADED
+    assert loaded._rope_cos_sin_cache.data_ptr() == old_ptr
+
+
+def test_cold_hooks_run_when_an_aborted_cold_load_is_retried(tiny_cfg: DFlashConfig, ckpt_a: Path,
+                                                             ckpt_b: Path) -> None:
+    m = DFlashQwen3Draft(tiny_cfg)
+    load_safetensors(m, ckpt_a, subset=lambda n: n.startswith("layers.0."))
+    m.abort_reload("cold load interrupted")
+    m.begin_reload()
+    load_safetensors(m, ckpt_a)
+    assert m.finalize_loading() == ["init_rope_caches"]  # the one-time initialisation never ran before
+    m.refresh_derived_buffers()
+    assert m.lifecycle.state is S.DERIVED_REFRESHED
+    assert not m._rope_cos_sin_cache.is_meta
+    ctx, pos = torch.randn(3, tiny_cfg.hidden_size), torch.arange(3)
+    for fused, ref in zip(m.precompute_context_kv(ctx, pos), m.precompute_context_kv_reference(ctx, pos),
+                          strict=True):
+        torch.testing.assert_close(fused, ref)
+    m.begin_reload()
+    load_safetensors(m, ckpt_b)
+    assert m.finalize_loading() == []  # and never again
