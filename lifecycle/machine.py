@@ -158,6 +158,8 @@ class BackboneLifecycle:
                                          allowed_from=["DERIVED_REFRESHED with graphs captured"])
 
     def require_pinned_unchanged(self, action: str) -> None:
+        if self.pinned is None:
+            return
         problems = self.pinned_changes()
         self._audit("storage_check", action=action, checked=len(self.pinned) if self.pinned else 0,
                     ok=not problems, problems=audit.capped(problems)[0])
@@ -218,8 +220,7 @@ class BackboneLifecycle:
             unknown = self.readiness.unknown(names)
             if unknown:
                 err = UnknownWeightError(unknown, backbone=self.name, state=self.state.value)
-                self._audit("refused", trigger="weights_loaded", src=self.state.value, error=type(err).__name__,
-                            reason=err.reason)
+                self.record_refusal("weights_loaded", err)
                 raise err
             completed = self.readiness.mark_loaded(names)
             for layer in completed:
@@ -232,10 +233,12 @@ class BackboneLifecycle:
         """Declare tensors restored unchanged in this epoch (ready, but nothing derived from them is dirty)."""
         names = list(names)
         with self._lock:
+            self._require_allowed_audited("weights_loaded")
             unknown = self.readiness.unknown(names)
             if unknown:
-                raise UnknownWeightError(unknown, backbone=self.name, state=self.state.value)
-            self._require_allowed_audited("weights_loaded")
+                err = UnknownWeightError(unknown, backbone=self.name, state=self.state.value)
+                self.record_refusal("weights_loaded", err)
+                raise err
             completed = self.readiness.mark_unchanged(names)
             if completed:
                 self._audit("layers_unchanged", layers=audit.capped(completed)[0],

@@ -66,8 +66,9 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(
         "refresh_derived", (S.FULLY_LOADED,), S.DERIVED_REFRESHED,
-        guards=("require_all_layers_ready",),
-        doc="derived buffers were built (cold) or refreshed in place, all validated before any write",
+        guards=("require_all_layers_ready", "require_pinned_unchanged"),
+        doc="derived buffers were built (cold) or refreshed in place, all validated (and, under captured "
+            "graphs, every pinned identity checked) before any write",
     ),
     Transition(
         "graphs_verified", (S.DERIVED_REFRESHED,), S.GRAPH_CAPTURED,

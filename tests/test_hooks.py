@@ -8,7 +8,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from lifecycle.errors import StorageReallocationError
+from lifecycle.errors import StorageDriftError
 from lifecycle.hooks import Phase, collect_hooks, post_load_hook
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.states import LifecycleState
@@ -201,7 +201,8 @@ def test_replaying_rope_init_under_captured_graphs_would_be_refused(loaded: DFla
     load_safetensors(loaded, ckpt_b)
     loaded.finalize_loading()
     loaded.init_rope_caches()  # the replay a phase-less hook system would do
-    with pytest.raises(StorageReallocationError, match="_rope_cos_sin_cache") as ei:
+    # the pinned table moved: refused before any write, naming the table and its old address
+    with pytest.raises(StorageDriftError, match="cos_sin_cache: data_ptr") as ei:
         loaded.refresh_derived_buffers()
     assert hex(old_ptr) in str(ei.value)
     assert lc.state is S.FULLY_LOADED
