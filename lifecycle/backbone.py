@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -49,11 +48,19 @@ class DraftBackbone(nn.Module):
         for spec in self.derived_buffers:
             self.register_buffer(spec.name, None, persistent=False)
         tensor_specs = {n: TensorSpec.of(t) for n, t in self.state_dict(keep_vars=True).items()}
+        # name -> (owning module, attribute): modules stay put while their tensors are replaced, so a lookup is two
+        # dict hits instead of a walk of the module tree. Shared tensors keep every name (an alias and its source
+        # are pinned separately: either moving is drift).
+        self._tensor_slots: dict[str, tuple[nn.Module, str]] = {
+            f"{mod_name}.{leaf}" if mod_name else leaf: (mod, leaf)
+            for mod_name, mod in self.named_modules(remove_duplicate=False)
+            for leaf in (*mod._parameters, *mod._buffers)
+        }
         self._lifecycle = BackboneLifecycle(
             name or type(self).__name__,
             tensor_specs,
             rank=rank,
-            resolve=partial(resolve_tensor, self),
+            resolve=self.live_tensor,
             pinned_tensors=self.graph_visible_tensors,
             locked=locked,
         )
@@ -78,11 +85,19 @@ class DraftBackbone(nn.Module):
     def derived_usable(self, name: str) -> bool:
         return current_buffer(self, name) is not None and name not in self._derived_fallbacks
 
+    def live_tensor(self, name: str) -> torch.Tensor | None:
+        """The parameter or buffer called `name` as it is now (None when absent)."""
+        slot = self._tensor_slots.get(name)
+        if slot is None:
+            return resolve_tensor(self, name)
+        mod, leaf = slot
+        t = mod._parameters.get(leaf)
+        return t if t is not None else mod._buffers.get(leaf)
+
     def graph_visible_tensors(self) -> dict[str, torch.Tensor | None]:
-        """What captured graphs read: every derived buffer, parameter and buffer (pinned at capture)."""
-        out: dict[str, torch.Tensor | None] = dict(self.named_parameters())
-        out.update(self.named_buffers())
-        return out
+        """What captured graphs read: every derived buffer, parameter and buffer, under every name it has
+        (pinned at capture)."""
+        return {name: self.live_tensor(name) for name in self._tensor_slots}
 
     def derived_buffer_names(self) -> list[str]:
         return [s.name for s in self.derived_buffers]
@@ -146,7 +161,7 @@ class DraftBackbone(nn.Module):
             plan = plan_refresh(
                 self, self.derived_buffers, tensor_specs=lc.specs, dirty=dirty,
                 context={"backbone": lc.name, "state": lc.state.value}, full=full,
-                pinned=lc.graphs_pinned, allow_realloc=rebuild,
+                pinned=lc.graphs_pinned, allow_realloc=rebuild, resolve=self.live_tensor,
             )
             report = apply_refresh(self, plan)
             for b in report.buffers:

@@ -140,7 +140,7 @@ def current_buffer(backbone: nn.Module, name: str) -> torch.Tensor | None:
 
 def _fmt_layout(t: torch.Tensor | StorageIdentity) -> str:
     ident = t if isinstance(t, StorageIdentity) else StorageIdentity.of(t)
-    return f"shape {ident.shape} stride {ident.stride} {ident.dtype} on {ident.device}"
+    return f"shape {ident.shape} stride {ident.stride} {_dtype(ident.dtype)} on {ident.device}"
 
 
 @dataclass

@@ -27,19 +27,14 @@ class StorageIdentity:
     storage_offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    dtype: str
-    device: str
+    dtype: torch.dtype
+    device: torch.device
 
     @classmethod
     def of(cls, t: torch.Tensor) -> StorageIdentity:
-        return cls(
-            data_ptr=0 if t.is_meta else t.data_ptr(),
-            storage_offset=t.storage_offset(),
-            shape=tuple(t.shape),
-            stride=tuple(t.stride()),
-            dtype=str(t.dtype).removeprefix("torch."),
-            device=str(t.device),
-        )
+        # objects, not strings: this runs for every pinned tensor at every check
+        return cls(0 if t.is_meta else t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                   t.device)
 
     @property
     def layout(self) -> tuple[tuple[int, ...], tuple[int, ...], str, str]:
@@ -47,7 +42,12 @@ class StorageIdentity:
         return (self.shape, self.stride, self.dtype, self.device)
 
     def as_log(self) -> dict[str, object]:
-        return {"data_ptr": hex(self.data_ptr), "shape": list(self.shape), "dtype": self.dtype, "device": self.device}
+        return {"data_ptr": hex(self.data_ptr), "shape": list(self.shape), "dtype": _name(self.dtype),
+                "device": str(self.device)}
+
+
+def _name(x: object) -> str:
+    return str(x).removeprefix("torch.")
 
 
 _FIELDS = ("data_ptr", "storage_offset", "shape", "stride", "dtype", "device")
@@ -62,6 +62,8 @@ def describe_changes(name: str, old: StorageIdentity, new: StorageIdentity, fiel
         if a != b:
             if f == "data_ptr":
                 a, b = hex(a), hex(b)
+            elif f in ("dtype", "device"):
+                a, b = _name(a), _name(b)
             out.append(f"{name}: {f} {a} -> {b}")
     return out
 
