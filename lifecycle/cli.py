@@ -1,6 +1,7 @@
 """`reload-lifecycle` console script.
 
-    reload-lifecycle demo [--layers N] [--out DIR] [--seed S] [--bucket-size K] [--device cpu|cuda] [-v]
+    reload-lifecycle models
+    reload-lifecycle demo [--model NAME] [--layers N] [--out DIR] [--seed S] [--bucket-size K] [--device cpu|cuda] [-v]
     reload-lifecycle diagram [--state STATE] [-o FILE]
 """
 
@@ -17,9 +18,17 @@ from .states import LifecycleState
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    result = run_demo(layers=args.layers, out_dir=args.out, seed=args.seed, bucket_size=args.bucket_size,
-                      device=args.device, verbose=args.verbose)
+    result = run_demo(model_name=args.model, layers=args.layers, out_dir=args.out, seed=args.seed,
+                      bucket_size=args.bucket_size, device=args.device, verbose=args.verbose)
     return 0 if result.ok else 1
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from models import FAMILIES
+
+    for fam in FAMILIES.values():
+        print(f"{fam.name:<12} {fam.summary}\n{'':<12} derives: {fam.derives}")
+    return 0
 
 
 def _cmd_diagram(args: argparse.Namespace) -> int:
@@ -53,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
             "PASS/FAIL per check; writes audit.jsonl and lifecycle.mmd to --out. Exit status 1 if a check fails."
         ),
     )
+    demo.add_argument("--model", default="dflash", help="draft family (see `reload-lifecycle models`; default dflash)")
     demo.add_argument("--layers", type=int, default=4, help="decoder layers of the draft (default 4)")
     demo.add_argument("--out", type=Path, default=None, help="output folder (default: a new temporary folder)")
     demo.add_argument("--seed", type=int, default=0, help="seed for weights and bucket order (default 0)")
@@ -60,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("-v", "--verbose", action="store_true", help="also print every audit event to stderr")
     demo.set_defaults(func=_cmd_demo)
+
+    models = sub.add_parser("models", help="list the draft families and what each derives")
+    models.set_defaults(func=_cmd_models)
 
     diagram = sub.add_parser("diagram", help="print the state diagram (mermaid) drawn from the transition table")
     diagram.add_argument("--state", choices=[s.value for s in LifecycleState], default=None,

@@ -33,6 +33,8 @@ from .loading import (
 )
 from .storage import StorageIdentity, count_allocations
 
+DEMO_BACKBONE = "draft"
+
 
 @dataclass
 class DemoResult:
@@ -56,6 +58,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def run_demo(
     *,
+    model_name: str = "dflash",
     layers: int = 4,
     out_dir: str | Path | None = None,
     seed: int = 0,
@@ -64,7 +67,9 @@ def run_demo(
     verbose: bool = False,
     stream: TextIO | None = None,
 ) -> DemoResult:
-    from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+    from models import get_family
+
+    family = get_family(model_name)
 
     say: Callable[[str], None] = lambda s="": print(s, file=stream or sys.stdout, flush=True)  # noqa: E731
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="reload-lifecycle-demo-"))
@@ -79,13 +84,13 @@ def run_demo(
     def check(name: str, ok: bool, detail: str = "") -> None:
         result.checks.append((name, bool(ok), detail))
 
-    cfg = DFlashConfig(num_hidden_layers=layers)
-    path_a = write_checkpoint(random_weights(cfg, seed), out / "checkpoint_A.safetensors")
-    path_b = write_checkpoint(random_weights(cfg, seed + 1), out / "checkpoint_B.safetensors")
-    say(f"reload-lifecycle demo: DFlash draft, {layers} layers, device {dev}, output in {out}")
+    cfg = family.config(num_hidden_layers=layers)
+    path_a = write_checkpoint(family.random_weights(cfg, seed), out / "checkpoint_A.safetensors")
+    path_b = write_checkpoint(family.random_weights(cfg, seed + 1), out / "checkpoint_B.safetensors")
+    say(f"reload-lifecycle demo: {family.summary}, {layers} layers, device {dev}, output in {out}")
 
     # ---- 1. cold load of A, layer by layer --------------------------------------------------------------
-    model = DFlashQwen3Draft(cfg, device="meta", name="dflash-draft")
+    model = family.build(cfg, device="meta", name=DEMO_BACKBONE)
     lc = model.lifecycle
     say(f"\n[1] cold load of A, one bucket per layer ({lc.readiness.layers_total} layers incl. fc/norms)")
     load_safetensors(model, path_a, bucket_by="layer", device=dev,
@@ -97,19 +102,18 @@ def run_demo(
     say(f"    refresh (cold build): {lc.state.value}")
 
     # ---- 2. capture -------------------------------------------------------------------------------------
-    ctx_states = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(seed + 7)).to(dev)
-    ctx_pos = torch.arange(6, device=dev) * 3
-    graph = static_k = None
+    inputs = family.example_inputs(cfg, seed + 7, dev)
+    graph = static_out = None
     if use_cuda_graph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(3):
-                model.precompute_context_kv(ctx_states, ctx_pos)
+                family.fused(model, inputs)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_k, _static_v = model.precompute_context_kv(ctx_states, ctx_pos)
+            static_out = family.fused(model, inputs)
     pinned = model.capture_graphs()
     say(f"\n[2] capture: {'CUDA graph captured, ' if graph else 'no CUDA: '}{pinned} storage identities pinned "
         f"-> {lc.state.value}")
@@ -166,23 +170,25 @@ def run_demo(
     except Exception as e:  # reported, not hidden: the demo prints FAIL
         check("lifecycle verify_pinned()", False, str(e).splitlines()[0])
 
-    cold = DFlashQwen3Draft(cfg, device="meta", name="dflash-cold-B")
+    cold = family.build(cfg, device="meta", name="cold-B")
     load_safetensors(cold, path_b, device=dev)
     cold.finalize_loading()
     cold.refresh_derived_buffers()
     unequal = [n for n in model.derived_buffer_names() if not torch.equal(getattr(model, n), getattr(cold, n))]
     check("every derived buffer bit-equal to a cold build from B", not unequal, ", ".join(unequal) or "all equal")
 
-    k, v = model.precompute_context_kv(ctx_states, ctx_pos)
-    kc, vc = cold.precompute_context_kv(ctx_states, ctx_pos)
-    check("fused output bit-equal to the cold-loaded B model", torch.equal(k, kc) and torch.equal(v, vc))
-    kr, vr = model.precompute_context_kv_reference(ctx_states, ctx_pos)
-    diff = max((k - kr).abs().max().item(), (v - vr).abs().max().item())
+    warm_out = family.fused(model, inputs)
+    cold_out = family.fused(cold, inputs)
+    check("fused output bit-equal to the cold-loaded B model",
+          all(torch.equal(w, c) for w, c in zip(warm_out, cold_out, strict=True)))
+    ref_out = family.reference(model, inputs)
+    diff = max((w - r).abs().max().item() for w, r in zip(warm_out, ref_out, strict=True))
     check("fused path equals the per-layer reference path", diff <= 1e-5, f"max |diff| = {diff:.2e}")
-    if graph is not None and static_k is not None:
+    if graph is not None and static_out is not None:
         graph.replay()
         torch.cuda.synchronize()
-        check("CUDA graph replay (no re-capture) reads the new weights", torch.equal(static_k, kc))
+        check("CUDA graph replay (no re-capture) reads the new weights",
+              all(torch.equal(s, c) for s, c in zip(static_out, cold_out, strict=True)))
 
     # ---- summary ----------------------------------------------------------------------------------------
     rows = []
@@ -211,7 +217,7 @@ def _state_path(log_path: Path) -> list[str]:
     """The states one backbone went through, read back from the audit log (self-loops collapsed)."""
     path: list[str] = []
     for e in read_events(log_path):
-        if e.get("event") != "transition" or e.get("backbone") != "dflash-draft":
+        if e.get("event") != "transition" or e.get("backbone") != DEMO_BACKBONE:
             continue
         if not path:
             path.append(e["src"])

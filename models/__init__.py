@@ -1,0 +1,11 @@
+"""Draft backbones that share the reload lifecycle through inheritance. `FAMILIES` lists them by name.
+
+>>> sorted(FAMILIES)[:1]
+['dflash']
+"""
+
+from __future__ import annotations
+
+from .registry import FAMILIES, DraftFamily, get_family, random_checkpoint
+
+__all__ = ["FAMILIES", "DraftFamily", "get_family", "random_checkpoint"]

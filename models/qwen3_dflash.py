@@ -216,13 +216,6 @@ class DFlashQwen3Draft(DraftBackbone):
 
 def random_weights(config: DFlashConfig, seed: int) -> dict[str, torch.Tensor]:
     """A full checkpoint of random weights (norm weights near 1), in vLLM's parameter names."""
-    gen = torch.Generator().manual_seed(seed)
-    model = DFlashQwen3Draft(config, device="meta")
-    out = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if name.endswith("norm.weight"):
-            value = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
-        else:
-            value = torch.randn(t.shape, generator=gen) / t.shape[-1] ** 0.5
-        out[name] = value.to(config.dtype).contiguous()
-    return out
+    from .registry import random_checkpoint
+
+    return random_checkpoint(DFlashQwen3Draft(config, device="meta"), seed)

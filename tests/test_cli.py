@@ -69,3 +69,12 @@ def test_demo_help_documents_the_steps(capsys: pytest.CaptureFixture[str]) -> No
     assert ei.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "shuffled buckets" in out and "--bucket-size" in out and "Exit status 1" in out
+
+
+def test_models_lists_every_family_with_what_it_derives(capsys: pytest.CaptureFixture[str]) -> None:
+    from models import FAMILIES
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for fam in FAMILIES.values():
+        assert fam.name in out and fam.derives in out
