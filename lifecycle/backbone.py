@@ -21,7 +21,7 @@ Then: load (the loader reports `weights_loaded`), `finalize_loading()` (finish +
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -42,12 +42,15 @@ class DraftBackbone(nn.Module):
 
     derived_buffers: ClassVar[tuple[DerivedSpec, ...]] = ()
 
-    def init_lifecycle(self, name: str | None = None, *, rank: int = 0, locked: bool = False) -> BackboneLifecycle:
+    def init_lifecycle(self, name: str | None = None, *, rank: int = 0, locked: bool = False,
+                       tensors: Mapping[str, torch.Tensor] | None = None) -> BackboneLifecycle:
         """Register every derived buffer as an (empty) non-persistent buffer and build the state machine from
-        the checkpoint tensors this module expects (its state_dict: parameters and persistent buffers)."""
+        the checkpoint tensors this module expects: its state_dict (parameters and persistent buffers), or
+        `tensors` when the caller knows better (vLLM drafts share their embeddings with the target)."""
         for spec in self.derived_buffers:
             self.register_buffer(spec.name, None, persistent=False)
-        tensor_specs = {n: TensorSpec.of(t) for n, t in self.state_dict(keep_vars=True).items()}
+        tracked = self.state_dict(keep_vars=True) if tensors is None else tensors
+        tensor_specs = {n: TensorSpec.of(t) for n, t in tracked.items()}
         # name -> (owning module, attribute): modules stay put while their tensors are replaced, so a lookup is two
         # dict hits instead of a walk of the module tree. Shared tensors keep every name (an alias and its source
         # are pinned separately: either moving is drift).

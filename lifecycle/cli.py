@@ -1,7 +1,8 @@
 """`reload-lifecycle` console script.
 
     reload-lifecycle models
-    reload-lifecycle demo [--model NAME] [--layers N] [--out DIR] [--seed S] [--bucket-size K] [--device cpu|cuda] [-v]
+    reload-lifecycle demo [--engine torch|vllm] [--model NAME] [--layers N] [--out DIR] [--seed S]
+                          [--bucket-size K] [--device cpu|cuda] [-v]
     reload-lifecycle diagram [--state STATE] [-o FILE]
 """
 
@@ -16,6 +17,10 @@ from .states import LifecycleState
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from .vllm.demo import run_vllm_demo
+
+        return 0 if run_vllm_demo(args.out, bucket_size=args.bucket_size or 5, seed=args.seed) else 1
     from .demo import run_demo
 
     result = run_demo(model_name=args.model, layers=args.layers, out_dir=args.out, seed=args.seed,
@@ -62,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
             "PASS/FAIL per check; writes audit.jsonl and lifecycle.mmd to --out. Exit status 1 if a check fails."
         ),
     )
+    demo.add_argument("--engine", choices=["torch", "vllm"], default="torch",
+                      help="torch: the pure-PyTorch backbones (default); vllm: a real in-process vLLM engine "
+                           "(needs the vllm extra) with a DFlash draft reloaded in buckets")
     demo.add_argument("--model", default="dflash", help="draft family (see `reload-lifecycle models`; default dflash)")
     demo.add_argument("--layers", type=int, default=4, help="decoder layers of the draft (default 4)")
     demo.add_argument("--out", type=Path, default=None, help="output folder (default: a new temporary folder)")

@@ -1,0 +1,15 @@
+"""The lifecycle-enabled draft classes by family name, for `ModelRegistry.register_model(arch, "lifecycle.vllm.
+registered:<family>")`. Built on first access, so importing this module imports no vLLM model code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    from .drafts import FAMILIES, lifecycle_class
+
+    for family in FAMILIES:
+        if family.name == name:
+            return lifecycle_class(family)
+    raise AttributeError(name)

