@@ -166,3 +166,17 @@ def test_unknown_vllm_version_is_refused_unless_forced(monkeypatch: pytest.Monke
 
     monkeypatch.delenv(FORCE_ENV)
     assert check_vllm_version() == vllm.__version__
+
+
+@pytest.fixture(scope="module")
+def tp2(workdir: Path) -> dict[str, Any]:
+    return run_scenario("tp2", workdir)
+
+
+def test_two_tensor_parallel_ranks_each_reload_and_report_their_rank(tp2: dict[str, Any]) -> None:
+    assert tp2["reload"]["ok"], tp2["reload"]
+    drafts = [s for rank_states in tp2["states"] for s in rank_states if s["role"] == "draft"]
+    assert sorted(d["rank"] for d in drafts) == [0, 1]
+    assert all(d["state"] == "GRAPH_CAPTURED" and d["epoch"] == 1 for d in drafts)
+    assert all(v["ok"] for per_rank in tp2["verify"] for v in per_rank.values())
+    assert tp2["generate_after"]["ok"] and tp2["generate_after"]["value"] == tp2["generate_before"]["value"]

@@ -95,6 +95,24 @@ def scenario_warm(work: Path) -> dict[str, Any]:
     return out
 
 
+def scenario_tp2(work: Path) -> dict[str, Any]:
+    """Two tensor-parallel ranks: each rank's draft backbone reloads its own shard; events carry the rank."""
+    from vllm import LLM
+
+    from lifecycle.vllm.tiny import engine_kwargs
+
+    llm = LLM(**engine_kwargs(work / "target", work / "draftA"), tensor_parallel_size=2,
+              distributed_executor_backend="mp")
+    out: dict[str, Any] = {"generate_before": _try(lambda: _generate(llm))}
+    out["pinned"] = llm.collective_rpc("lifecycle_pin")
+    out["reload"] = _try(lambda: llm.collective_rpc(
+        "reload_draft_weights", args=(str(work / "draftB"),), kwargs={"bucket_size": 6, "shuffle": True}))
+    out["states"] = llm.collective_rpc("lifecycle_states")
+    out["verify"] = llm.collective_rpc("lifecycle_verify")
+    out["generate_after"] = _try(lambda: _generate(llm))
+    return out
+
+
 def scenario_cold(work: Path) -> dict[str, Any]:
     llm = _engine(work, "draftB")
     return {"generate": _try(lambda: _generate(llm)), "states": llm.collective_rpc("lifecycle_states"),
