@@ -31,7 +31,7 @@ from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.storage import StorageIdentity, count_allocations
 from lifecycle.types import TensorSpec
 from models import get_family
-from models.laguna_dflash import DFlashLagunaDraft, LagunaDFlashConfig
+from models.laguna_dflash import DFlashLagunaDraft, LagunaDFlashConfig, apply_partial_rope
 
 S = LifecycleState
 FAMILY = get_family("laguna-dflash")
@@ -103,6 +103,24 @@ def test_fused_path_matches_per_layer_reference(model, ckpts, which):
     assert fused[0].shape == (L, 6, CFG.num_key_value_heads, CFG.head_dim)
     for f, r in zip(fused, ref, strict=True):
         torch.testing.assert_close(f, r, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("variant", [{"gating": "per-element", "partial_rotary_factor": 1.0},
+                                     {"gating": False, "partial_rotary_factor": 0.25}], ids=["per-element", "no-gate"])
+def test_config_variants_fused_path_matches_reference(tmp_path, variant):
+    cfg = LagunaDFlashConfig(num_hidden_layers=2, **variant)
+    m = cold_load(FAMILY, cfg, write_checkpoint(FAMILY.random_weights(cfg, 0), tmp_path / "v.safetensors"))
+    rotary_dim = int(cfg.head_dim * variant["partial_rotary_factor"])
+    assert m._rope_cos_sin_cache.shape == (cfg.max_position_embeddings, rotary_dim)
+    assert (m.layers[0].self_attn.g_proj is None) == (variant["gating"] is False)
+    x = FAMILY.example_inputs(cfg, 3, "cpu")
+    for f, r in zip(outputs(FAMILY, m, x), outputs(FAMILY, m, x, FAMILY.reference), strict=True):
+        torch.testing.assert_close(f, r, atol=1e-5, rtol=0)
+    # partial rotary: channels past rotary_dim pass through, the first rotary_dim are rotated
+    k = torch.randn(3, 2, cfg.head_dim)
+    roped = apply_partial_rope(k, torch.tensor([1, 5, 9]), m._rope_cos_sin_cache)
+    assert torch.equal(roped[..., rotary_dim:], k[..., rotary_dim:])
+    assert not torch.allclose(roped[..., :rotary_dim], k[..., :rotary_dim])
 
 
 @pytest.mark.parametrize("buffer", list(STACKED))
