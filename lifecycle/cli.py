@@ -31,8 +31,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_models(args: argparse.Namespace) -> int:
     from models import FAMILIES
 
+    width = max(map(len, FAMILIES))
     for fam in FAMILIES.values():
-        print(f"{fam.name:<12} {fam.summary}\n{'':<12} derives: {fam.derives}")
+        print(f"{fam.name:<{width}} {fam.summary}\n{'':<{width}} derives: {fam.derives}")
     return 0
 
 

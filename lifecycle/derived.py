@@ -16,6 +16,21 @@ Every refresh runs in two phases. `plan_refresh` validates EVERY buffer (sources
 layout, the new layout equal to the existing buffer's) and raises before anything is written. `apply_refresh`
 then writes: a cold build allocates once; every later refresh copies into the existing storage, only the
 slices whose sources were written in this epoch, and checks afterwards that no storage moved.
+
+A `stack(..., computed=True)` slice is a real per-layer computation (it allocates a slice-sized result), so it
+is evaluated lazily, one slice at a time and only for the slices that are written: at most one slice-sized
+temporary lives at any moment, never a buffer-sized one.
+
+>>> calls = []
+>>> def scaled(layer):
+...     calls.append(layer)
+...     return layer.weight * 2.0   # a new tensor: a computation, not a view
+>>> spec2 = stack("doubled", sources=("weight",), per_layer=scaled, computed=True)
+>>> plan = plan_refresh(toy, [spec2], tensor_specs={n: TensorSpec.of(p) for n, p in toy.named_parameters()},
+...                     dirty=frozenset(names), context={"backbone": "toy", "state": "FULLY_LOADED"})
+>>> report = apply_refresh(toy, plan)
+>>> toy.doubled.shape, report["doubled"].mode, len(calls)  # plan validated 2 slices, apply computed 2
+(torch.Size([2, 3, 2]), 'cold', 4)
 """
 
 from __future__ import annotations
@@ -57,6 +72,11 @@ class DerivedSpec:
     dim: int = 0
     layers_attr: str = "layers"
     fallback: str | None = None
+    computed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.computed and self.kind != "stack":
+            raise ValueError(f"{self.name}: computed=True is only supported for stack specs (got {self.kind})")
 
     def source_names(self, backbone: nn.Module) -> list[str]:
         """Absolute names of every tensor this buffer reads."""
@@ -74,10 +94,17 @@ def concat(name: str, *, sources: Sequence[str], per_layer: PerLayer, dim: int =
 
 
 def stack(name: str, *, sources: Sequence[str], per_layer: PerLayer, layers_attr: str = "layers",
-          fallback: str | None = None) -> DerivedSpec:
-    """One slice per layer, stacked along a new leading dim (e.g. the k-norm weights)."""
+          fallback: str | None = None, computed: bool = False) -> DerivedSpec:
+    """One slice per layer, stacked along a new leading dim (e.g. the k-norm weights).
+
+    `computed=True`: `per_layer` computes its slice (a new slice-sized tensor, e.g. MLA's absorbed `W_UK_T`
+    from `kv_b_proj.weight`) instead of returning a view. Slices are then evaluated one at a time and only
+    where written (plan: to validate the layout, result dropped; apply: computed again and copied into the
+    buffer's slice), so a refresh never holds more than one slice-sized temporary. `per_layer` must be a
+    deterministic function of the layer's declared `sources`: a slice whose sources were not written is not
+    re-evaluated (its layout is what the last refresh validated)."""
     return DerivedSpec(name, "stack", tuple(sources), per_layer=per_layer, layers_attr=layers_attr,
-                       fallback=fallback)
+                       fallback=fallback, computed=computed)
 
 
 def alias(name: str, *, source: str) -> DerivedSpec:
@@ -101,8 +128,11 @@ class _BufferPlan:
     mode: str
     existing: torch.Tensor | None = None
     new_tensor: torch.Tensor | None = None  # cold build result or alias target
-    copies: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (start, length, src) along dim
+    # (start, length, src) along dim; src None: a computed stack slice, evaluated at apply time
+    copies: list[tuple[int, int, torch.Tensor | None]] = field(default_factory=list)
     slices_total: int = 0
+    # a computed stack's cold build: (slice shape, dtype, device); the buffer is allocated once, filled per slice
+    cold_layout: tuple[tuple[int, ...], torch.dtype, torch.device] | None = None
     reason: str = ""
 
 
@@ -241,9 +271,15 @@ def plan_refresh(
                 plans.append(_BufferPlan(spec, "in_place", existing=existing, copies=[(0, 0, value)]))
             continue
 
-        # concat / stack: one slice per layer
         assert spec.per_layer is not None
         layers = _layers(backbone, spec.layers_attr)
+        if spec.computed:
+            problem = _plan_computed_stack(spec, layers, existing, dirty, full, plans)
+            if problem:
+                (sources.layout if problem[0] == "layout" else realloc_problems).append(problem[1])
+            continue
+
+        # concat / stack: one slice per layer
         slices = [spec.per_layer(layer) for layer in layers]
         shapes = {tuple(s.shape) for s in slices}
         dtypes = {s.dtype for s in slices}
@@ -292,6 +328,39 @@ def plan_refresh(
     return RefreshPlan(plans, ctx)
 
 
+def _plan_computed_stack(spec: DerivedSpec, layers: Sequence[nn.Module], existing: torch.Tensor | None,
+                         dirty: frozenset[str], full: bool, plans: list[_BufferPlan]) -> tuple[str, str] | None:
+    """Plan a `stack(..., computed=True)`: evaluate only the slices that will be written, one at a time, and keep
+    their layout, not their values. Returns ("layout" | "realloc", problem) or None (a plan was appended)."""
+    assert spec.per_layer is not None
+    n = len(layers)
+    written = [i for i in range(n) if existing is None or full
+               or any(f"{spec.layers_attr}.{i}.{s}" in dirty for s in spec.sources)]
+    layouts: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[int]] = {}
+    for i in written:
+        value = spec.per_layer(layers[i])
+        layouts.setdefault((tuple(value.shape), value.dtype, value.device), []).append(i)
+        del value  # a slice-sized temporary; the apply phase computes it again right before its copy
+    if len(layouts) > 1:
+        return "layout", (f"stack {spec.name}: computed per-layer slices disagree: "
+                          + "; ".join(f"layers {ix}: {sh} {_dtype(dt)} on {dev}"
+                                      for (sh, dt, dev), ix in layouts.items()))
+    if existing is None:
+        ((layout, _),) = layouts.items()
+        plans.append(_BufferPlan(spec, "cold", cold_layout=layout, slices_total=n))
+        return None
+    if layouts:
+        (((shape, dt, dev), _),) = layouts.items()
+        if ((n, *shape) != tuple(existing.shape) or dt != existing.dtype or dev != existing.device
+                or not existing.is_contiguous()):
+            return "realloc", (f"{spec.name}: a rebuild would have shape {(n, *shape)} {_dtype(dt)} on {dev}, "
+                               f"the existing buffer is {_fmt_layout(existing)}")
+    copies: list[tuple[int, int, torch.Tensor | None]] = [(i, 1, None) for i in written]
+    plans.append(_BufferPlan(spec, "in_place" if copies else "skipped", existing=existing, copies=copies,
+                             slices_total=n))
+    return None
+
+
 # ---- apply ---------------------------------------------------------------------------------------------------
 
 
@@ -305,6 +374,8 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     for bp in plan.buffers:
         spec = bp.spec
         rep = BufferReport(spec.name, spec.kind, bp.mode, slices_total=bp.slices_total, reason=bp.reason)
+        if bp.mode == "cold" and bp.cold_layout is not None:
+            bp.new_tensor = _build_computed_stack(backbone, spec, bp.cold_layout)
         if bp.mode in ("cold", "alias"):
             assert bp.new_tensor is not None
             if bp.mode == "cold":
@@ -315,7 +386,11 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
             buf = bp.existing
             assert buf is not None
             before[spec.name] = StorageIdentity.of(buf)
+            layers = _layers(backbone, spec.layers_attr) if spec.computed else ()
             for start, length, src in bp.copies:
+                if src is None:  # a computed slice: evaluated now, copied, dropped
+                    assert spec.per_layer is not None
+                    src = spec.per_layer(layers[start])
                 if spec.kind == "custom":
                     dst = buf
                 elif spec.kind == "stack":
@@ -341,3 +416,16 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
                                 state=plan.context.get("state", "?"))
     report.duration_ms = (time.perf_counter() - t0) * 1e3
     return report
+
+
+def _build_computed_stack(backbone: nn.Module, spec: DerivedSpec,
+                          layout: tuple[tuple[int, ...], torch.dtype, torch.device]) -> torch.Tensor:
+    """The cold build of a computed stack: the buffer is allocated once and filled slice by slice (never a
+    `torch.stack` of L computed temporaries)."""
+    assert spec.per_layer is not None
+    layers = _layers(backbone, spec.layers_attr)
+    shape, dtype, device = layout
+    buf = torch.empty((len(layers), *shape), dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        buf[i].copy_(spec.per_layer(layer))
+    return buf

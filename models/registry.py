@@ -65,7 +65,70 @@ def _dflash() -> DraftFamily:
     )
 
 
-FAMILIES: dict[str, DraftFamily] = {f.name: f for f in (_dflash(),)}
+def _draft_step_inputs(hidden_size: int, seed: int, device: str) -> Inputs:
+    """Context states and positions for the context K/V, plus a query block for the draft step."""
+    g = torch.Generator().manual_seed(seed)
+    return {"context_states": torch.randn(6, hidden_size, generator=g).to(device),
+            "context_positions": (torch.arange(6) * 3).to(device),
+            "input_embeds": torch.randn(4, hidden_size, generator=g).to(device),
+            "positions": torch.arange(18, 22).to(device)}
+
+
+def _laguna_dflash() -> DraftFamily:
+    from .laguna_dflash import DFlashLagunaDraft, LagunaDFlashConfig
+
+    def run(m: DraftBackbone, x: Inputs, reference: bool) -> tuple[torch.Tensor, ...]:
+        args = (x["input_embeds"], x["positions"], x["context_states"], x["context_positions"])
+        if reference:
+            k, v = m.precompute_context_kv_reference(x["context_states"], x["context_positions"])
+            return k, v, m.forward_reference(*args)
+        k, v = m.precompute_context_kv(x["context_states"], x["context_positions"])
+        return k, v, m(*args)
+
+    return DraftFamily(
+        name="laguna-dflash",
+        summary="Laguna DFlash draft (vLLM DFlashLagunaModel)",
+        derives="`_kv_weights` (stack of qkv_proj K/V rows, one bmm), `_input_layernorm_weights` (stack), "
+                "`_k_norm_weights` (stack), `_rope_cos_sin_cache` (alias); `mask_embedding` is a non-persistent "
+                "buffer made once at cold load",
+        config=LagunaDFlashConfig,
+        build=DFlashLagunaDraft,
+        example_inputs=lambda cfg, seed, device: _draft_step_inputs(cfg.hidden_size, seed, device),
+        fused=lambda m, x: run(m, x, reference=False),
+        reference=lambda m, x: run(m, x, reference=True),
+    )
+
+
+def _kimi_k3_mla() -> DraftFamily:
+    from .kimi_k3_mla_dspark import K3DSparkConfig, K3DSparkDraft
+
+    def run(m: DraftBackbone, x: Inputs, reference: bool) -> tuple[torch.Tensor, ...]:
+        args = (x["input_embeds"], x["positions"], x["context_states"], x["context_positions"])
+        if reference:
+            kv_c, k_pe = m.precompute_context_kv_reference(x["context_states"], x["context_positions"])
+            return kv_c, k_pe, m.forward_reference(*args)
+        kv_c, k_pe = m.precompute_context_kv(x["context_states"], x["context_positions"])
+        return kv_c, k_pe, m(*args)
+
+    return DraftFamily(
+        name="kimi-k3-mla",
+        summary="Kimi-K3 MLA DSpark draft (vLLM K3DSparkModel)",
+        derives="`_context_kv_weight` (cat of the kv_a_proj_with_mqa rows of fused_qkv_a_proj), "
+                "`_context_kv_norm_weights` (stack of kv_a_layernorm), `_rope_cos_sin_cache` (alias), "
+                "`_W_UK_T` / `_W_UV` (MLA-absorbed matrices computed per layer from kv_b_proj.weight, stacked)",
+        config=K3DSparkConfig,
+        build=K3DSparkDraft,
+        example_inputs=lambda cfg, seed, device: _draft_step_inputs(cfg.hidden_size, seed, device),
+        fused=lambda m, x: run(m, x, reference=False),
+        reference=lambda m, x: run(m, x, reference=True),
+    )
+
+
+FAMILIES: dict[str, DraftFamily] = {f.name: f for f in (
+    _dflash(),
+    _laguna_dflash(),
+    _kimi_k3_mla(),
+)}
 
 
 def get_family(name: str) -> DraftFamily:

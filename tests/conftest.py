@@ -5,10 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from lifecycle.audit import configure_audit
 from lifecycle.loading import load_safetensors, write_checkpoint
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_intra_op_thread():
+    """The test tensors are tiny: a second OpenMP thread only adds barrier waits, and on a loaded 2-core machine
+    those turn a 0.05 ms attention call into tens of milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,268 @@
+"""A Laguna-DFlash draft backbone in plain PyTorch, with vLLM's parameter names (vLLM's `DFlashLagunaModel`).
+
+    model = DFlashLagunaDraft(LagunaDFlashConfig(), device="meta")   # parameters on META until loaded
+    load_safetensors(model, "a.safetensors")                         # lifecycle: META -> ... -> FULLY_LOADED
+    model.finalize_loading(); model.refresh_derived_buffers()        # -> DERIVED_REFRESHED
+    k, v = model.precompute_context_kv(context, positions)           # the fused path reads the derived buffers
+
+Laguna differs from the Qwen3 DFlash draft where the context K/V are made: every layer normalises the context
+with its OWN `input_layernorm` (not one shared `hidden_norm`) and projects it with its own K/V rows, so vLLM
+stacks per-layer tensors and runs one batched GEMM (`torch.bmm`) instead of concatenating into one wide GEMM.
+The derived state is what vLLM's `DFlashLagunaModel._build_context_kv_buffers()` (plus the RoPE part of
+`_build_fused_kv_buffers()`) builds, declared instead of rebuilt with `torch.stack` after every `load_weights`:
+  _kv_weights               stack of qkv_proj.weight[q_size:]   [L, 2*kv_size, hidden]   one bmm for all layers
+  _input_layernorm_weights  stack of input_layernorm.weight      [L, hidden]              one grouped RMSNorm
+  _k_norm_weights           stack of k_norm.weight               [L, head_dim]            one grouped RMSNorm
+  _rope_cos_sin_cache       alias of layers.0 rotary cos/sin cache (partial rotary: [max_pos, rotary_dim])
+
+`mask_embedding` is, as in vLLM, a NON-persistent zero buffer: not in the checkpoint (so the loader never
+writes it and readiness does not track it), materialised once by a cold_load hook, and read by
+`apply_mask_embedding` only when a separate mask embedding is in use, which vLLM's Laguna loader never turns on
+(it does not read `mask_embedding.pt`; the Qwen3 DFlash loader does). Captured graphs still pin it, so a hook
+that re-created it on reload would be caught as storage drift: it opts into cold_load only.
+
+Left out (vLLM has them, the lifecycle does not depend on them): MoE layers (the drafter's MLP is dense), the
+optional `attention_bias` (`_kv_biases`), sliding-window attention and attention sinks, YaRN RoPE scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lifecycle import DraftBackbone, Phase, alias, post_load_hook, stack
+
+from .qwen3_dflash import RMSNorm, apply_rope, rms_norm
+
+
+@dataclass(frozen=True)
+class LagunaDFlashConfig:
+    hidden_size: int = 64
+    intermediate_size: int = 96
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    partial_rotary_factor: float = 0.5  # RoPE on the first head_dim * factor channels of each head
+    gating: bool | str = True  # True / "per-head": one softplus gate per head; "per-element": per channel
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 500_000.0
+    max_position_embeddings: int = 256
+    target_hidden_size: int = 48  # the verifier's hidden size (vllm_config.model_config.get_hidden_size())
+    num_target_features: int = 2  # len(dflash_config.target_layer_ids): one aux_hidden_norm per feature
+    mask_token_id: int | None = None  # dflash_config.mask_token_id
+    dtype: torch.dtype = torch.float32
+
+
+def apply_partial_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of the first `rotary_dim` channels (the cache's width); the rest pass through."""
+    rot = cos_sin_cache.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rope(x, positions, cos_sin_cache)
+    return torch.cat((apply_rope(x[..., :rot], positions, cos_sin_cache), x[..., rot:]), dim=-1)
+
+
+class LagunaRotaryEmbedding(nn.Module):
+    """The cos/sin table as a NON-persistent buffer: not in the checkpoint, computed once at cold load."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float) -> None:
+        super().__init__()
+        self.head_size = head_dim
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.base = base
+        self.is_neox_style = True
+        self.register_buffer("cos_sin_cache", torch.empty(max_position, rotary_dim), persistent=False)
+
+    def compute_cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim))
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float64), inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device, dtype=torch.float32)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return apply_partial_rope(x, positions, self.cos_sin_cache)
+
+
+class LagunaAttention(nn.Module):
+    def __init__(self, c: LagunaDFlashConfig) -> None:
+        super().__init__()
+        self.head_dim = c.head_dim
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.gate_per_head = c.gating is True or c.gating == "per-head"
+        self.g_proj = (nn.Linear(c.hidden_size, self.num_heads if self.gate_per_head else self.q_size, bias=False)
+                       if c.gating else None)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        rotary_dim = int(self.head_dim * c.partial_rotary_factor)
+        self.rotary_emb = LagunaRotaryEmbedding(self.head_dim, rotary_dim, c.max_position_embeddings, c.rope_theta)
+
+    def context_kv(self, normed_context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference (per-layer) context K/V from this layer's input_layernorm output: [n, nkv, hd] each."""
+        n = normed_context.shape[0]
+        kv = self.qkv_proj(normed_context)[:, self.q_size:].view(n, 2, self.num_kv_heads, self.head_dim)
+        k = self.rotary_emb(positions, self.k_norm(kv[:, 0]))
+        return k, kv[:, 1]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor
+                ) -> torch.Tensor:
+        """Query tokens attend (non-causally) to the context K/V plus their own; softplus output gate."""
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rotary_emb(positions, self.q_norm(q.view(n, self.num_heads, self.head_dim)))
+        k = self.rotary_emb(positions, self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        k, v = torch.cat((ctx_k, k)), torch.cat((ctx_v, v))  # [ctx + n, nkv, hd]
+        rep = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             scale=self.scaling).transpose(0, 1)  # [n, heads, hd]
+        if self.g_proj is not None:
+            gate = F.softplus(self.g_proj(x).float()).type_as(out)
+            out = out * (gate.unsqueeze(-1) if self.gate_per_head else gate.view(n, self.num_heads, self.head_dim))
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class LagunaMLP(nn.Module):
+    """Dense MLP; vLLM keeps gate_proj and up_proj separate for Laguna (NVFP4 global scales)."""
+
+    def __init__(self, c: LagunaDFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LagunaDecoderLayer(nn.Module):
+    def __init__(self, c: LagunaDFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = LagunaAttention(c)
+        self.mlp = LagunaMLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor
+                ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashLagunaDraft(DraftBackbone):
+    """The draft backbone (vLLM's `DFlashLagunaModel`): decoder layers, per-feature `aux_hidden_norms` + `fc` +
+    `hidden_norm` for the verifier's hidden states, final `norm`. Embeddings and lm_head are the target's."""
+
+    derived_buffers = (
+        stack("_kv_weights", sources=("self_attn.qkv_proj.weight",),
+              per_layer=lambda layer: layer.self_attn.qkv_proj.weight[layer.self_attn.q_size:]),
+        stack("_input_layernorm_weights", sources=("input_layernorm.weight",),
+              per_layer=lambda layer: layer.input_layernorm.weight),
+        stack("_k_norm_weights", sources=("self_attn.k_norm.weight",),
+              per_layer=lambda layer: layer.self_attn.k_norm.weight),
+        alias("_rope_cos_sin_cache", source="layers.0.self_attn.rotary_emb.cos_sin_cache"),
+    )
+
+    def __init__(self, config: LagunaDFlashConfig | None = None, *, device: str | torch.device = "meta",
+                 name: str = "laguna-dflash", rank: int = 0) -> None:
+        super().__init__()
+        c = self.config = config or LagunaDFlashConfig()
+        self.mask_token_id = c.mask_token_id
+        self.has_separate_mask_embedding = False  # vLLM's Laguna loader never sets it
+        with torch.device(device):
+            self.register_buffer("mask_embedding", torch.zeros(c.hidden_size), persistent=False)
+            self.layers = nn.ModuleList(LagunaDecoderLayer(c) for _ in range(c.num_hidden_layers))
+            self.aux_hidden_norms = nn.ModuleList(
+                RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(c.num_target_features))
+            self.fc = nn.Linear(c.target_hidden_size * c.num_target_features, c.hidden_size, bias=False)
+            self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.to(c.dtype)
+        self.init_lifecycle(name, rank=rank)
+
+    # One-time cold-start buffers, neither in the checkpoint. Replaying either on reload would give the tensor new
+    # storage under captured graphs (the RoPE table under its alias), so both opt into cold_load only.
+    @post_load_hook(Phase.COLD_LOAD)
+    def init_rope_caches(self) -> None:
+        device = self.norm.weight.device
+        for layer in self.layers:
+            rot = layer.self_attn.rotary_emb
+            rot.register_buffer("cos_sin_cache", rot.compute_cos_sin_cache(device), persistent=False)
+
+    @post_load_hook(Phase.COLD_LOAD)
+    def init_mask_embedding(self) -> None:
+        if self.mask_embedding.is_meta:
+            self.register_buffer("mask_embedding", torch.zeros(self.config.hidden_size, dtype=self.config.dtype,
+                                                               device=self.norm.weight.device), persistent=False)
+
+    # ---- verifier hidden states -> draft context (vLLM: DFlashLagunaForCausalLM.combine_hidden_states) ---------
+    def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        slices = hidden_states.view(n, len(self.aux_hidden_norms), -1)
+        normed = torch.stack([norm(slices[:, i]) for i, norm in enumerate(self.aux_hidden_norms)], dim=1)
+        return self.hidden_norm(self.fc(normed.reshape(n, -1)))
+
+    def apply_mask_embedding(self, input_embeds: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """vLLM's `embed_input_ids` after the (shared) embedding lookup: masked slots take `mask_embedding` only
+        when a separate one is in use."""
+        if self.has_separate_mask_embedding and self.mask_token_id is not None:
+            is_mask = (input_ids == self.mask_token_id).unsqueeze(-1)
+            return torch.where(is_mask, self.mask_embedding.to(input_embeds.dtype), input_embeds)
+        return input_embeds
+
+    # ---- context K/V: fused path (reads the derived buffers) -------------------------------------------------
+    def precompute_context_kv(self, context_states: torch.Tensor, positions: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the context for every layer at once: [L, n, nkv, hd] each. One grouped norm, one bmm, one
+        grouped k-norm, one RoPE."""
+        self.require_usable("precompute_context_kv")
+        attn0 = self.layers[0].self_attn
+        L, (n, hidden), nkv, hd = len(self.layers), context_states.shape, attn0.num_kv_heads, attn0.head_dim
+        eps = self.layers[0].input_layernorm.variance_epsilon
+        x = rms_norm(context_states.unsqueeze(0).expand(L, n, hidden), self._input_layernorm_weights.unsqueeze(1),
+                     eps)
+        kv = torch.bmm(x, self._kv_weights.transpose(1, 2)).view(L, n, 2, nkv, hd).permute(2, 0, 1, 3, 4)
+        k, v = kv[0], kv[1]  # [L, n, nkv, hd]
+        k = rms_norm(k, self._k_norm_weights.view(L, 1, 1, hd), attn0.k_norm.variance_epsilon)
+        k = apply_partial_rope(k, positions, self._rope_cos_sin_cache)
+        return k.contiguous(), v.contiguous()
+
+    # ---- context K/V: reference path (per layer, no derived buffers) ----------------------------------------
+    def precompute_context_kv_reference(self, context_states: torch.Tensor, positions: torch.Tensor
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        ks, vs = zip(*(layer.self_attn.context_kv(layer.input_layernorm(context_states), positions)
+                       for layer in self.layers), strict=True)
+        return torch.stack(ks), torch.stack(vs)
+
+    # ---- the draft step -----------------------------------------------------------------------------------
+    def _decode(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor
+                ) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, ctx_k[i], ctx_v[i])
+        return self.norm(h)
+
+    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, context_states: torch.Tensor,
+                context_positions: torch.Tensor) -> torch.Tensor:
+        ctx_k, ctx_v = self.precompute_context_kv(context_states, context_positions)
+        return self._decode(input_embeds, positions, ctx_k, ctx_v)
+
+    def forward_reference(self, input_embeds: torch.Tensor, positions: torch.Tensor, context_states: torch.Tensor,
+                          context_positions: torch.Tensor) -> torch.Tensor:
+        ctx_k, ctx_v = self.precompute_context_kv_reference(context_states, context_positions)
+        return self._decode(input_embeds, positions, ctx_k, ctx_v)
+
+
+def random_weights(config: LagunaDFlashConfig, seed: int) -> dict[str, torch.Tensor]:
+    """A full checkpoint of random weights (norm weights near 1), in vLLM's parameter names."""
+    from .registry import random_checkpoint
+
+    return random_checkpoint(DFlashLagunaDraft(config, device="meta"), seed)
