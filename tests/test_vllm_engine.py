@@ -119,6 +119,23 @@ def test_target_reload_leaves_the_draft_lifecycle_valid(warm: dict[str, Any]) ->
     assert warm["generate_after_target_reload"]["ok"]
 
 
+def test_native_draft_weight_transfer_session_drives_the_lifecycle(warm: dict[str, Any], workdir: Path) -> None:
+    """start_draft_weight_update -> update_weights -> finish_weight_update (SkyRL / NeMo-RL), with this
+    package's safetensors_file transfer engine: the draft is refreshed in place to draft A's weights."""
+    from lifecycle.vllm.demo import expected_dflash_digests
+
+    assert warm["session"]["ok"], warm["session"]
+    before, after = draft_state(warm["states_after_target_reload"]), draft_state(warm["states_session"])
+    assert after["state"] == LifecycleState.GRAPH_CAPTURED.value and after["epoch"] == before["epoch"] + 1
+    assert after["derived"] == before["derived"]  # same storage identities
+    (digests,) = warm["digests_session"]
+    expected = expected_dflash_digests(workdir / "draftA")
+    for backbone_digests in digests.values():
+        for name, digest in expected.items():
+            assert backbone_digests[name] == digest, name
+    assert warm["generate_after_session"]["ok"]
+
+
 def test_partial_draft_payload_quarantines_and_builds_nothing_from_meta(warm: dict[str, Any]) -> None:
     partial = warm["partial_reload"]
     assert not partial["ok"] and partial["error"] == "LayersNotReadyError"
@@ -126,8 +143,8 @@ def test_partial_draft_payload_quarantines_and_builds_nothing_from_meta(warm: di
     draft = draft_state(warm["states_partial"])
     assert draft["state"] == LifecycleState.QUARANTINED.value
     assert "layers.1" in draft["quarantine_reason"]
-    # the derived buffers kept their last good values (those of draft B), bit for bit
-    (good,), (now,) = warm["digests"], warm["digests_partial"]
+    # the derived buffers kept their last good values (draft A's, from the transfer session), bit for bit
+    (good,), (now,) = warm["digests_session"], warm["digests_partial"]
     for backbone, digests in good.items():
         for name in ("_fused_kv_weight", "_k_norm_weights"):
             assert now[backbone][name] == digests[name]

@@ -18,12 +18,12 @@ from typing import Any
 PROMPT = [1, 5, 7, 9, 11]
 
 
-def _engine(work: Path, draft: str) -> Any:
+def _engine(work: Path, draft: str, *, plugin: bool = True) -> Any:
     from vllm import LLM
 
     from lifecycle.vllm.tiny import engine_kwargs
 
-    return LLM(**engine_kwargs(work / "target", work / draft))
+    return LLM(**engine_kwargs(work / "target", work / draft, plugin=plugin))
 
 
 def _generate(llm: Any) -> list[int]:
@@ -57,7 +57,7 @@ def _raw_draft_reload(worker: Any, path: str, bucket: int) -> str:
 
 
 def scenario_noplugin(work: Path) -> dict[str, Any]:
-    llm = _engine(work, "draftA")
+    llm = _engine(work, "draftA", plugin=False)
     out: dict[str, Any] = {"generate_before": _try(lambda: _generate(llm))}
     out["reload"] = _try(lambda: llm.collective_rpc(_raw_draft_reload, args=(str(work / "draftB" / "model.safetensors"),
                                                                               5)))
@@ -84,6 +84,16 @@ def scenario_warm(work: Path) -> dict[str, Any]:
     out["states_after_target_reload"] = llm.collective_rpc("lifecycle_states")
     out["verify_after_target_reload"] = llm.collective_rpc("lifecycle_verify")
     out["generate_after_target_reload"] = _try(lambda: _generate(llm))
+    # vLLM's native weight-transfer session for the draft (SkyRL / NeMo-RL style), back to draft A
+    def draft_session() -> Any:
+        llm.collective_rpc("start_draft_weight_update")
+        llm.collective_rpc("update_weights", args=({"path": str(work / "draftA")},))
+        return llm.collective_rpc("finish_weight_update")
+
+    out["session"] = _try(draft_session)
+    out["states_session"] = llm.collective_rpc("lifecycle_states")
+    out["digests_session"] = llm.collective_rpc("lifecycle_derived_digests")
+    out["generate_after_session"] = _try(lambda: _generate(llm))
     # an incomplete draft payload: layer 1 missing
     out["partial_reload"] = _try(lambda: llm.collective_rpc(
         "reload_draft_weights", args=(str(work / "draftA"),), kwargs={"bucket_size": 4,

@@ -26,13 +26,14 @@ def activate() -> None:
     _configure_audit_from_env()
     from vllm import ModelRegistry
 
-    from . import patches
+    from . import patches, transfer
     from .drafts import FAMILIES
 
     for family in FAMILIES:
         for arch in family.architectures:
             ModelRegistry.register_model(arch, f"lifecycle.vllm.registered:{family.name}")
     patches.install()
+    transfer.register()
     _active = True
 
 

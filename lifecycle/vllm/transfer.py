@@ -1,0 +1,73 @@
+"""A vLLM weight-transfer engine that reads safetensors files: `weight_transfer_config={"backend":
+"safetensors_file"}`. A trainer that writes checkpoints to a shared file system drives vLLM's native session with it:
+
+    llm.collective_rpc("start_draft_weight_update")            # or start_weight_update for the target
+    llm.collective_rpc("update_weights", args=({"path": "/ckpt/step-100/draft"},))   # once per file or chunk
+    llm.collective_rpc("finish_weight_update")
+
+Like vLLM's IPC/NCCL engines it runs the layerwise reload inside the session, so the lifecycle drives the draft
+exactly as with those engines (and it makes that path testable on a CPU machine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+BACKEND = "safetensors_file"
+
+
+@dataclass
+class FileInitInfo:
+    pass
+
+
+@dataclass
+class FileUpdateInfo:
+    path: str  # a .safetensors file or a folder of them
+    exclude_prefixes: list[str] = field(default_factory=list)  # leave tensors out (to test incomplete payloads)
+
+
+def engine_class() -> type:
+    """Built on demand so that importing this module imports no vLLM."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    from .worker import _read_safetensors
+
+    class SafetensorsFileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
+        init_info_cls = FileInitInfo
+        update_info_cls = FileUpdateInfo
+        supports_draft_weight_update = True
+
+        def init_transfer_engine(self, init_info: FileInitInfo) -> None:
+            pass
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def receive_weights(self, update_info: FileUpdateInfo) -> None:
+            prefixes = tuple(update_info.exclude_prefixes)
+            items = [(n, t) for n, t in _read_safetensors(update_info.path) if not n.startswith(prefixes)]
+            self.model.load_weights(items)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            pass
+
+    return SafetensorsFileWeightTransferEngine
+
+
+def register() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, engine_class())
+
+
+__all__: list[Any] = ["BACKEND", "register"]
