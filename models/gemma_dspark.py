@@ -173,7 +173,8 @@ class GemmaDSparkDraft(DSparkHeads, DraftBackbone):
         super().__init__()
         c = self.config = config or GemmaDSparkConfig()
         with torch.device(device):
-            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            embed = torch.empty(c.vocab_size, c.hidden_size)  # given as _weight: no random init, the load writes it
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=embed)
             self.register_buffer("normalizer", torch.empty((), dtype=c.dtype), persistent=False)
             self.fc = nn.Linear(c.hidden_size * c.num_target_features, c.hidden_size, bias=False)
             self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)

@@ -54,7 +54,7 @@ class DSparkMarkovHead(nn.Module):
 
     def __init__(self, vocab_size: int, draft_vocab_size: int, markov_rank: int) -> None:
         super().__init__()
-        self.markov_w1 = nn.Embedding(vocab_size, markov_rank)
+        self.markov_w1 = nn.Embedding(vocab_size, markov_rank, _weight=torch.empty(vocab_size, markov_rank))  # no init
         self.markov_w2 = nn.Linear(markov_rank, draft_vocab_size, bias=False)  # vLLM: ParallelLMHead, weight [V, r]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

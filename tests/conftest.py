@@ -5,10 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from lifecycle.audit import configure_audit
 from lifecycle.loading import load_safetensors, write_checkpoint
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+
+# Tiny tensors gain nothing from intra-op threads, and on a shared machine OpenMP's barriers cost tens of ms per
+# op (a 4x8x32 attention: ~30 ms with 2 threads under load, ~0.03 ms with 1). Results do not depend on it.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
