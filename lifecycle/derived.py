@@ -100,8 +100,8 @@ def custom(name: str, *, build: Callable[[nn.Module], torch.Tensor], depends_on:
     buffer size. The writer is first dry-run on a fake copy of the buffer (`FakeTensorMode`: no data is read or
     written) so that a value that would not fit is refused before any buffer is written.
 
-    With no dependencies the buffer is a constant: built once at the cold build and never rewritten or
-    reallocated afterwards, not by `full=True` nor by `rebuild=True`.
+    With no dependencies the buffer is a constant: built once at the cold build and never rewritten afterwards,
+    not even by `full=True`. `rebuild=True` (graphs released) reallocates it only if its layout changed.
     """
     return DerivedSpec(name, "custom", tuple(depends_on), build=build, fallback=fallback, into=into)
 
@@ -241,8 +241,13 @@ def plan_refresh(
         if spec.kind == "custom":
             live = current_buffer(backbone, spec.name)
             if not names and live is not None:
-                # a constant: nothing a refresh (full or rebuild) could change, so it is never written again
-                plans.append(_BufferPlan(spec, "skipped", existing=live))
+                # a constant: no refresh rewrites it. An explicit rebuild (graphs released) replaces it only when
+                # its layout changed (a reconfigured backbone); otherwise the built value is dropped.
+                value = spec.build(backbone) if allow_realloc and spec.build is not None else live
+                if _same_layout(value, live):
+                    plans.append(_BufferPlan(spec, "skipped", existing=live))
+                else:
+                    plans.append(_BufferPlan(spec, "cold", new_tensor=value.detach().clone().contiguous()))
                 continue
             if existing is not None and not full and not any(n in dirty for n in names):
                 plans.append(_BufferPlan(spec, "skipped", existing=existing))
@@ -258,8 +263,7 @@ def plan_refresh(
             value = spec.build(backbone)
             if existing is None:
                 plans.append(_BufferPlan(spec, "cold", new_tensor=value.detach().clone().contiguous()))
-            elif (tuple(value.shape), value.dtype, value.device) != (
-                    tuple(existing.shape), existing.dtype, existing.device):
+            elif not _same_layout(value, existing):
                 realloc_problems.append(
                     f"{spec.name}: new value {_fmt_layout(value)} differs from the existing buffer "
                     f"{_fmt_layout(existing)}")
@@ -316,6 +320,10 @@ def plan_refresh(
         raise StorageReallocationError(realloc_problems, backbone=ctx.get("backbone", "?"),
                                        state=ctx.get("state", "?"))
     return RefreshPlan(plans, ctx)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (tuple(a.shape), a.dtype, a.device) == (tuple(b.shape), b.dtype, b.device)
 
 
 def _dry_run_into(spec: DerivedSpec, backbone: nn.Module, existing: torch.Tensor) -> str:

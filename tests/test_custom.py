@@ -25,13 +25,14 @@ class CustomDraft(DraftBackbone):
     derived_buffers = (
         custom("_copied", build=lambda m: m.head.weight * 2.0, depends_on=("head.weight",)),
         custom("_written", build=lambda m: m.head.weight * 2.0, into=_scaled_into, depends_on=("head.weight",)),
-        custom("_const", build=lambda m: torch.full((N,), 7.0), depends_on=()),
+        custom("_const", build=lambda m: torch.full((m.const_size,), 7.0), depends_on=()),
     )
 
     def __init__(self) -> None:
         super().__init__()
         self.head = nn.Linear(N, 1, bias=False)  # weight [1, N]
         self.other = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.const_size = N  # configuration, not a weight: what the constant's layout follows
         self.requires_grad_(False)
         self.init_lifecycle("custom-toy")
 
@@ -145,3 +146,12 @@ def test_constant_is_built_once_and_never_rewritten_or_reallocated() -> None:
     assert report["_copied"].mode == "cold" and report["_const"].mode == "skipped"
     assert m._const is const and const.data_ptr() == ptr
     assert bool((const == -1.0).all())
+    # a reconfigured backbone: only an explicit rebuild gives the constant its new layout (and new values)
+    m.const_size = 2 * N
+    reload(m, {"head.weight": 5.0})
+    assert m.refresh_derived_buffers()["_const"].mode == "skipped"
+    assert m._const is const
+    reload(m, {"head.weight": 6.0})
+    report = m.refresh_derived_buffers(rebuild=True)
+    assert report["_const"].mode == "cold" and report["_const"].elements_written == 2 * N
+    assert m._const is not const and torch.equal(m._const, torch.full((2 * N,), 7.0))
