@@ -23,6 +23,11 @@ Derived state, as vLLM's `Gemma4DSparkModel._build_context_kv_buffers()` builds 
 bucket during a reload), moving it under captured graphs; here it is a `custom` buffer with no dependencies,
 built once and never rewritten or reallocated. `normalizer` is not derived from weights: a non-persistent
 buffer computed by a cold_load hook, never replaced on reload (captured graphs read it).
+
+Simplifications against vLLM: every layer is full attention with K = V and the same head_dim / KV heads (vLLM's
+fused precompute asserts uniform K = V layers too); no attention bias (so no `_fused_k_bias`); RoPE is neox over
+the whole head_dim with `rope_theta` (vLLM takes Gemma4's per-layer-type RoPE parameters from the config); no
+logit soft-capping.
 """
 
 from __future__ import annotations

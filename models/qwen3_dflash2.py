@@ -21,6 +21,10 @@ Derived state: exactly what DFlash derives (inherited: `_fused_kv_weight`, `_k_n
 that layer's sequential block pass on that layer's own rows (nothing to fuse across layers), and vLLM's Triton
 kernel reads `base_kernel[side]` as it is. So a reload that changes only convolution or selector weights writes
 no derived buffer, and the block pass reads the new weights directly.
+
+Simplifications against vLLM: the convolution is vLLM's non-CUDA path (`_grouped_conv`), not its Triton kernel;
+`input_embedding_scale` and the candidate logits processor act on embeddings and `lm_head`, which live outside the
+backbone; the selector is not compiled separately.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ turns a concat plus an (hidden + r)-dot per drafted position into an hidden-dot 
 modules' weights, so it is a `custom` buffer with dependencies, refreshed in place through an `into=` writer
 (no vocab-sized temporary), and skipped when a reload touches neither head. Declared only when the config has
 a confidence head that takes the Markov embedding (vLLM's `confidence_head_with_markov`).
+
+Simplifications against vLLM: no quantized Markov head (vLLM keeps NVFP4 weights aside for the gathered bias; that
+is quantization state, not modelled); `lm_head` and the `d2t` map live on the causal-LM wrapper, not here; whether
+the confidence head exists follows the config (vLLM also drops it at load when the checkpoint lacks it).
 """
 
 from __future__ import annotations
