@@ -17,7 +17,7 @@ not vLLM's: the confidence head's Markov half depends only on the previous token
 
   _markov_confidence_logits = markov_w1.weight @ proj.weight[0, hidden:] + proj.bias      [vocab], float32
 
-turns a concat plus an (hidden + r)-dot per drafted position into an hidden-dot plus one gather. It reads two
+turns a concat plus an (hidden + r)-dot per drafted position into a hidden-size dot plus one gather. It reads two
 modules' weights, so it is a `custom` buffer with dependencies, refreshed in place through an `into=` writer
 (no vocab-sized temporary), and skipped when a reload touches neither head. Declared only when the config has
 a confidence head that takes the Markov embedding (vLLM's `confidence_head_with_markov`).

@@ -79,13 +79,14 @@ def _query_inputs(cfg: Any, seed: int, device: str, n_q: int = 4) -> Inputs:
     return {k: v.to(device) for k, v in x.items()}
 
 
-def _dspark_step(m: Any, x: Inputs, reference: bool) -> tuple[torch.Tensor, ...]:
-    """Context K/V, the parallel block pass, then the sequential stage's Markov bias and confidence."""
+def _dspark_step(m: Any, x: Inputs, reference: bool, own_embeddings: bool = False) -> tuple[torch.Tensor, ...]:
+    """Context K/V, the parallel block pass, then the sequential stage's Markov bias and confidence.
+    `own_embeddings`: the draft embeds the query tokens itself (Gemma); otherwise they come embedded."""
     if reference:
         k, v = m.precompute_context_kv_reference(x["context_states"], x["context_positions"])
     else:
         k, v = m.precompute_context_kv(x["context_states"], x["context_positions"])
-    embeds = m.embed_input_ids(x["input_ids"]) if hasattr(m, "embed_input_ids") else x["input_embeds"]
+    embeds = m.embed_input_ids(x["input_ids"]) if own_embeddings else x["input_embeds"]
     h = m.draft_block(embeds, x["positions"], k, v)
     prev = x["prev_token_ids"]
     conf = m.compute_confidence_reference(h, prev) if reference else m.compute_confidence(h, prev)
@@ -156,8 +157,8 @@ def _gemma_dspark() -> DraftFamily:
         config=GemmaDSparkConfig,
         build=GemmaDSparkDraft,
         example_inputs=_query_inputs,
-        fused=lambda m, x: _dspark_step(m, x, reference=False),
-        reference=lambda m, x: _dspark_step(m, x, reference=True),
+        fused=lambda m, x: _dspark_step(m, x, reference=False, own_embeddings=True),
+        reference=lambda m, x: _dspark_step(m, x, reference=True, own_embeddings=True),
     )
 
 
