@@ -36,6 +36,7 @@ temporary lives at any moment, never a buffer-sized one.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,6 +44,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode  # the dry-run engine torch.compile uses
 
 from .errors import LayersNotReadyError, SourceLayoutError, StorageDriftError, StorageReallocationError
 from .readiness import layer_of
@@ -62,6 +64,8 @@ class DerivedSpec:
     `fallback`: when set, a source in the wrong layout disables the buffer (its last values stay, the model
     takes the named fallback path) instead of refusing the refresh. Never silent: the report and the audit
     event say so.
+    `into`: custom only, an in-place writer `into(backbone, out) -> out` that a refresh uses instead of `build`
+    (so no temporary the size of the buffer is created).
     """
 
     name: str
@@ -77,6 +81,7 @@ class DerivedSpec:
     def __post_init__(self) -> None:
         if self.computed and self.kind != "stack":
             raise ValueError(f"{self.name}: computed=True is only supported for stack specs (got {self.kind})")
+    into: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
     def source_names(self, backbone: nn.Module) -> list[str]:
         """Absolute names of every tensor this buffer reads."""
@@ -113,10 +118,19 @@ def alias(name: str, *, source: str) -> DerivedSpec:
 
 
 def custom(name: str, *, build: Callable[[nn.Module], torch.Tensor], depends_on: Sequence[str] = (),
-           fallback: str | None = None) -> DerivedSpec:
-    """Any computation from absolute tensor names `depends_on`; its result is copied into the buffer in place.
-    With no dependencies it is built once (a constant) and never rewritten."""
-    return DerivedSpec(name, "custom", tuple(depends_on), build=build, fallback=fallback)
+           fallback: str | None = None,
+           into: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> DerivedSpec:
+    """Any computation from absolute tensor names `depends_on`. `build(backbone)` makes the cold value.
+
+    A refresh (a dependency was written) copies a new `build` result into the buffer, or, when `into` is given,
+    calls `into(backbone, out)`, which must write the new value into `out` and return it: no temporary of
+    buffer size. The writer is first dry-run on a fake copy of the buffer (`FakeTensorMode`: no data is read or
+    written) so that a value that would not fit is refused before any buffer is written.
+
+    With no dependencies the buffer is a constant: built once at the cold build and never rewritten afterwards,
+    not even by `full=True`. `rebuild=True` (graphs released) reallocates it only if its layout changed.
+    """
+    return DerivedSpec(name, "custom", tuple(depends_on), build=build, fallback=fallback, into=into)
 
 
 # ---- plan ----------------------------------------------------------------------------------------------------
@@ -255,15 +269,31 @@ def plan_refresh(
             continue
 
         if spec.kind == "custom":
+            live = current_buffer(backbone, spec.name)
+            if not names and live is not None:
+                # a constant: no refresh rewrites it. An explicit rebuild (graphs released) replaces it only when
+                # its layout changed (a reconfigured backbone); otherwise the built value is dropped.
+                value = spec.build(backbone) if allow_realloc and spec.build is not None else live
+                if _same_layout(value, live):
+                    plans.append(_BufferPlan(spec, "skipped", existing=live))
+                else:
+                    plans.append(_BufferPlan(spec, "cold", new_tensor=value.detach().clone().contiguous()))
+                continue
             if existing is not None and not full and not any(n in dirty for n in names):
                 plans.append(_BufferPlan(spec, "skipped", existing=existing))
                 continue
             assert spec.build is not None
+            if existing is not None and spec.into is not None:
+                problem = _dry_run_into(spec, backbone, existing)
+                if problem:
+                    realloc_problems.append(problem)
+                else:
+                    plans.append(_BufferPlan(spec, "in_place", existing=existing))
+                continue
             value = spec.build(backbone)
             if existing is None:
                 plans.append(_BufferPlan(spec, "cold", new_tensor=value.detach().clone().contiguous()))
-            elif (tuple(value.shape), value.dtype, value.device) != (
-                    tuple(existing.shape), existing.dtype, existing.device):
+            elif not _same_layout(value, existing):
                 realloc_problems.append(
                     f"{spec.name}: new value {_fmt_layout(value)} differs from the existing buffer "
                     f"{_fmt_layout(existing)}")
@@ -359,6 +389,25 @@ def _plan_computed_stack(spec: DerivedSpec, layers: Sequence[nn.Module], existin
     plans.append(_BufferPlan(spec, "in_place" if copies else "skipped", existing=existing, copies=copies,
                              slices_total=n))
     return None
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (tuple(a.shape), a.dtype, a.device) == (tuple(b.shape), b.dtype, b.device)
+
+
+def _dry_run_into(spec: DerivedSpec, backbone: nn.Module, existing: torch.Tensor) -> str:
+    """Run a custom buffer's `into` writer on a fake copy of the buffer: "" when the value fits in place,
+    otherwise the problem (new vs existing layout). Fake tensors carry no data: nothing is read or written."""
+    assert spec.into is not None
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # an out= op resizing the fake output warns; the check below reports it
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            out = mode.from_tensor(existing)
+            result = spec.into(backbone, out)
+            if result is out and tuple(out.shape) == tuple(existing.shape):
+                return ""
+            layout = f"shape {tuple(result.shape)} {_dtype(result.dtype)} on {result.device}"
+    how = "resizes" if result is out else "returns a new tensor instead of writing into"
+    return f"{spec.name}: its in-place writer {how} the buffer: new value {layout}, the existing buffer is " \
+           f"{_fmt_layout(existing)}"
 
 
 # ---- apply ---------------------------------------------------------------------------------------------------
@@ -387,6 +436,9 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
             assert buf is not None
             before[spec.name] = StorageIdentity.of(buf)
             layers = _layers(backbone, spec.layers_attr) if spec.computed else ()
+            if spec.kind == "custom" and spec.into is not None:
+                spec.into(backbone, buf)
+                rep.elements_written = buf.numel()
             for start, length, src in bp.copies:
                 if src is None:  # a computed slice: evaluated now, copied, dropped
                     assert spec.per_layer is not None

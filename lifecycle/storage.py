@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -117,6 +118,11 @@ class AllocationLog:
         return [r for r in self.records if r.nbytes >= nbytes]
 
 
+def _real(t: object) -> bool:
+    """A tensor with real storage: not META, not a fake tensor of a dry run (`custom(..., into=)`)."""
+    return isinstance(t, torch.Tensor) and not t.is_meta and not isinstance(t, FakeTensor)
+
+
 class _CountNewStorages(TorchDispatchMode):
     """Counts op outputs whose storage is new: neither an input's storage nor one seen before."""
 
@@ -130,11 +136,11 @@ class _CountNewStorages(TorchDispatchMode):
         inputs = {
             t.untyped_storage().data_ptr()
             for t in torch.utils._pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and not t.is_meta
+            if _real(t)
         }
         out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.is_meta:
+            if not _real(t):
                 continue
             st = t.untyped_storage()
             ptr = st.data_ptr()

@@ -84,8 +84,12 @@ def split_kv_b_proj(weight: torch.Tensor, act_dtype: torch.dtype, kv_lora_rank: 
     """vLLM's `split_kv_b_proj` (unquantized): `W_UK` [L, N, P] and `W_UV` [L, N, V], views of the weight when
     it is already in `act_dtype`."""
     w = weight.to(act_dtype).T
-    assert w.shape == (kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim)), w.shape
-    return w.view(kv_lora_rank, num_heads, qk_nope_head_dim + v_head_dim).split([qk_nope_head_dim, v_head_dim], -1)
+    per_head = qk_nope_head_dim + v_head_dim
+    if w.shape[1] % per_head:
+        raise ValueError(f"kv_b_proj.weight has shape {tuple(weight.shape)}: expected [heads * {per_head}, rank] "
+                         f"(configured: {num_heads} heads, rank {kv_lora_rank})")
+    # heads and rank follow the weight, so a checkpoint of another layout yields (and is refused as) a new layout
+    return w.view(w.shape[0], w.shape[1] // per_head, per_head).split([qk_nope_head_dim, v_head_dim], -1)
 
 
 class K3RotaryEmbedding(nn.Module):

@@ -15,7 +15,9 @@ rebuilt with `torch.cat` after every `load_weights` call:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -158,17 +160,25 @@ class DFlashQwen3Draft(DraftBackbone):
         alias("_hidden_norm_weight", source="hidden_norm.weight"),
     )
 
+    decoder_layer_cls: ClassVar[Callable[[Any], nn.Module]] = DFlashQwen3DecoderLayer  # as in vLLM: subclasses swap it
+
     def __init__(self, config: DFlashConfig | None = None, *, device: str | torch.device = "meta",
                  name: str = "dflash", rank: int = 0) -> None:
         super().__init__()
         c = self.config = config or DFlashConfig()
         with torch.device(device):
-            self.layers = nn.ModuleList(DFlashQwen3DecoderLayer(c) for _ in range(c.num_hidden_layers))
+            self.layers = nn.ModuleList(self.decoder_layer_cls(c) for _ in range(c.num_hidden_layers))
             self.fc = nn.Linear(c.hidden_size * c.num_target_features, c.hidden_size, bias=False)
             self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.to(c.dtype)
+        with torch.device(device):
+            self.build_heads(c)
         self.init_lifecycle(name, rank=rank)
+
+    def build_heads(self, config: Any) -> None:
+        """Subclasses add their extra modules here (DSpark's Markov head, DFlash2's candidate selector), in the
+        dtypes they need, before the lifecycle reads the checkpoint tensors."""
 
     # A one-time cold-start transform: the RoPE tables are computed once. Replaying this on reload would give
     # the cache new storage under the alias that captured graphs read, so it opts into cold_load only.
@@ -208,6 +218,11 @@ class DFlashQwen3Draft(DraftBackbone):
     def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, context_states: torch.Tensor,
                 context_positions: torch.Tensor) -> torch.Tensor:
         ctx_k, ctx_v = self.precompute_context_kv(context_states, context_positions)
+        return self.draft_block(input_embeds, positions, ctx_k, ctx_v)
+
+    def draft_block(self, input_embeds: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor,
+                    ctx_v: torch.Tensor) -> torch.Tensor:
+        """The parallel pass over one query block, given every layer's context K/V ([L, n_ctx, nkv, hd])."""
         h = input_embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, positions, ctx_k[i], ctx_v[i])

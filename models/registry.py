@@ -124,8 +124,108 @@ def _kimi_k3_mla() -> DraftFamily:
     )
 
 
+def _query_inputs(cfg: Any, seed: int, device: str, n_q: int = 4) -> Inputs:
+    """Context states and positions, then a query block after them (its embeddings, or token ids when the draft
+    embeds its own, and the previously sampled token of every position)."""
+    g = torch.Generator().manual_seed(seed)
+    n_ctx = 6
+    x = {"context_states": torch.randn(n_ctx, cfg.hidden_size, generator=g),
+         "context_positions": torch.arange(n_ctx) * 3,
+         "input_embeds": torch.randn(n_q, cfg.hidden_size, generator=g),
+         "input_ids": torch.randint(cfg.vocab_size, (n_q,), generator=g),
+         "positions": torch.arange(n_q) + 3 * n_ctx,
+         "prev_token_ids": torch.randint(cfg.vocab_size, (n_q,), generator=g)}
+    return {k: v.to(device) for k, v in x.items()}
+
+
+def _dspark_step(m: Any, x: Inputs, reference: bool, own_embeddings: bool = False) -> tuple[torch.Tensor, ...]:
+    """Context K/V, the parallel block pass, then the sequential stage's Markov bias and confidence.
+    `own_embeddings`: the draft embeds the query tokens itself (Gemma); otherwise they come embedded."""
+    if reference:
+        k, v = m.precompute_context_kv_reference(x["context_states"], x["context_positions"])
+    else:
+        k, v = m.precompute_context_kv(x["context_states"], x["context_positions"])
+    embeds = m.embed_input_ids(x["input_ids"]) if own_embeddings else x["input_embeds"]
+    h = m.draft_block(embeds, x["positions"], k, v)
+    prev = x["prev_token_ids"]
+    conf = m.compute_confidence_reference(h, prev) if reference else m.compute_confidence(h, prev)
+    return k, v, h, conf, m.markov_bias(m.markov_embed(prev))
+
+
+def _dspark() -> DraftFamily:
+    from .qwen3_dspark import DSparkConfig, Qwen3DSparkDraft
+
+    return DraftFamily(
+        name="dspark",
+        summary="Qwen3 DSpark draft (vLLM Qwen3DSparkModel): DFlash backbone + Markov / confidence heads",
+        derives="DFlash's four (inherited) + `_markov_confidence_logits` (custom, in place via `into=`: "
+                "markov_w1 @ confidence weights + bias; ours, not vLLM's)",
+        config=DSparkConfig,
+        build=Qwen3DSparkDraft,
+        example_inputs=_query_inputs,
+        fused=lambda m, x: _dspark_step(m, x, reference=False),
+        reference=lambda m, x: _dspark_step(m, x, reference=True),
+    )
+
+
+def _dflash2_step(m: Any, x: Inputs, reference: bool) -> tuple[torch.Tensor, ...]:
+    """Context K/V, the block pass through the grouped convolutions, then the candidate selector's scores."""
+    if reference:
+        k, v = m.precompute_context_kv_reference(x["context_states"], x["context_positions"])
+    else:
+        k, v = m.precompute_context_kv(x["context_states"], x["context_positions"])
+    h = m.draft_block(x["input_embeds"], x["positions"], k, v)
+    scores = m.score_candidates(x["candidate_ids"], x["unary_logits"], h.unsqueeze(0), x["anchor_token_ids"])
+    return k, v, h, scores
+
+
+def _dflash2() -> DraftFamily:
+    from .qwen3_dflash2 import DFlash2Config, DFlash2Qwen3Draft
+
+    def inputs(cfg: DFlash2Config, seed: int, device: str) -> Inputs:
+        x = _query_inputs(cfg, seed, device, n_q=cfg.block_size)
+        g = torch.Generator().manual_seed(seed + 1)
+        shape = (1, cfg.block_size, cfg.selector_top_k)
+        extra = {"candidate_ids": torch.randint(cfg.vocab_size, shape, generator=g),
+                 "unary_logits": torch.randn(shape, generator=g),
+                 "anchor_token_ids": torch.randint(cfg.vocab_size, (1,), generator=g)}
+        return x | {k: v.to(device) for k, v in extra.items()}
+
+    return DraftFamily(
+        name="dflash2",
+        summary="Qwen3 DFlash2 draft (vLLM DFlash2Qwen3Model): grouped local convolutions + candidate selector",
+        derives="DFlash's four, inherited (`_fused_kv_weight`, `_k_norm_weights`, `_rope_cos_sin_cache`, "
+                "`_hidden_norm_weight`); the convolution and selector weights derive nothing",
+        config=DFlash2Config,
+        build=DFlash2Qwen3Draft,
+        example_inputs=inputs,
+        fused=lambda m, x: _dflash2_step(m, x, reference=False),
+        reference=lambda m, x: _dflash2_step(m, x, reference=True),
+    )
+
+
+def _gemma_dspark() -> DraftFamily:
+    from .gemma_dspark import GemmaDSparkConfig, GemmaDSparkDraft
+
+    return DraftFamily(
+        name="gemma-dspark",
+        summary="Gemma4 DSpark draft (vLLM Gemma4DSparkModel): K=V attention, own embeddings, DSpark heads",
+        derives="`_fused_k_weight` (cat of k_proj), `_k_norm_weights` (stack), `_v_norm_weights` (constant ones, "
+                "no sources: built once), `_rope_cos_sin_cache` / `_hidden_norm_weight` (aliases), "
+                "`_markov_confidence_logits` (custom, ours); `normalizer` buffer from a cold_load hook",
+        config=GemmaDSparkConfig,
+        build=GemmaDSparkDraft,
+        example_inputs=_query_inputs,
+        fused=lambda m, x: _dspark_step(m, x, reference=False, own_embeddings=True),
+        reference=lambda m, x: _dspark_step(m, x, reference=True, own_embeddings=True),
+    )
+
+
 FAMILIES: dict[str, DraftFamily] = {f.name: f for f in (
     _dflash(),
+    _dspark(),
+    _dflash2(),
+    _gemma_dspark(),
     _laguna_dflash(),
     _kimi_k3_mla(),
 )}
