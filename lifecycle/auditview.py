@@ -21,7 +21,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [list(headers), *[[str(c) for c in r] for r in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     fmt = " | ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*headers), "-+-".join("-" * w for w in widths)]
+    lines = [fmt.format(*headers).rstrip(), "-+-".join("-" * w for w in widths)]
     lines += [fmt.format(*r).rstrip() for r in cells[1:]]
     return "\n".join(lines)
 
