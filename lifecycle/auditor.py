@@ -64,10 +64,11 @@ MAX_BUFFERS = 1024
 
 S = LifecycleState
 _STATES: dict[str, LifecycleState] = {s.value: s for s in LifecycleState}
-_ROWS: dict[tuple[str, LifecycleState], tuple[Transition, ...]] = {}
+#: (trigger, src, dst) -> the first row of the table that has it. The replay works on state names (plain strings).
+_ROW: dict[tuple[str, str, str], Transition] = {}
 for _t in TRANSITIONS:
     for _s in _t.sources:
-        _ROWS[(_t.trigger, _s)] = (*_ROWS.get((_t.trigger, _s), ()), _t)
+        _ROW.setdefault((_t.trigger, _s.value, _t.dest.value), _t)
 
 # What the replay must know about the table's names: guards and conditions it can check from a log, and the
 # triggers whose effect (beyond the state) it replays. `unknown_table_names()` is empty for the shipped table.
@@ -93,9 +94,10 @@ def unknown_table_names(transitions: Iterable[Transition] = TRANSITIONS) -> list
 if unknown_table_names():  # pragma: no cover - a table change the auditor must learn about
     raise ImportError(f"lifecycle.auditor does not know {unknown_table_names()} of the transition table")
 
-LOADING_STATES = frozenset(allowed_sources("finish_loading"))
-WEIGHTS_STATES = frozenset(allowed_sources(WEIGHTS))
-REFRESH_STATES = frozenset(allowed_sources(REFRESH))
+LOADING_STATES = frozenset(s.value for s in allowed_sources("finish_loading"))
+WEIGHTS_STATES = frozenset(s.value for s in allowed_sources(WEIGHTS))
+REFRESH_STATES = frozenset(s.value for s in allowed_sources(REFRESH))
+_INITIAL = INITIAL_STATE.value
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class StreamReplay:
 
     rank: int
     backbone: str
-    state: LifecycleState = INITIAL_STATE
+    state_name: str = _INITIAL
     epoch: int = 0
     seq: int = 0
     events: int = 0
@@ -137,8 +139,13 @@ class StreamReplay:
     epochs_begun: int = 0
     edges: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     illegal_edges: Counter[tuple[str, str, str]] = field(default_factory=Counter)
-    visited: set[str] = field(default_factory=lambda: {INITIAL_STATE.value})
+    visited: set[str] = field(default_factory=lambda: {_INITIAL})
     violations: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def state(self) -> LifecycleState:
+        """The replayed state."""
+        return _STATES[self.state_name]
 
     @property
     def key(self) -> tuple[int, str]:
@@ -150,7 +157,7 @@ class StreamReplay:
 
     def restart(self) -> None:
         """A new lifecycle under the same (rank, backbone): `seq` started again at 1."""
-        self.state, self.epoch, self.seq = INITIAL_STATE, 0, 0
+        self.state_name, self.epoch, self.seq = _INITIAL, 0, 0
         self.layers_total, self.ready_extra, self.pinned = None, 0, False
         self.ready.clear()
         self.pinned_ptrs.clear()
@@ -161,7 +168,7 @@ class StreamReplay:
     def summary(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "backbone": self.backbone, "events": self.events, "incarnations": self.incarnations,
-            "final_state": self.state.value, "final_epoch": self.epoch, "pinned": self.pinned,
+            "final_state": self.state_name, "final_epoch": self.epoch, "pinned": self.pinned,
             "reloads": self.epochs_begun, "layers_ready": self.layers_ready, "layers_total": self.layers_total,
             "violations": dict(self.violations),
             "transitions": [{"trigger": t, "src": s, "dst": d, "count": n} for (t, s, d), n in self.edges.items()],
@@ -319,54 +326,52 @@ class Auditor:
         r.epoch_done = False
         r.epoch_began = ev.where
 
-    def _src_matches(self, r: StreamReplay, ev: LogEvent, what: str) -> LifecycleState | None:
-        src_name = ev.fields.get("src")
-        src = _STATES.get(src_name) if isinstance(src_name, str) else None
-        if src is None:
-            self._violate(r, "illegal_transition", ev.where, f"{what}: unknown src state {src_name!r}")
+    def _src_matches(self, r: StreamReplay, ev: LogEvent, what: str) -> str | None:
+        src = ev.fields.get("src")
+        if src not in _STATES:
+            self._violate(r, "illegal_transition", ev.where, f"{what}: unknown src state {src!r}")
             return None
-        if src is not r.state:
+        if src != r.state_name:
             self._violate(r, "state_mismatch", ev.where,
-                          f"{what}: the log says src {src.value}, the replay says {r.state.value}")
-        return src
+                          f"{what}: the log says src {src}, the replay says {r.state_name}")
+        return src  # type: ignore[no-any-return]
 
-    def _in_state(self, r: StreamReplay, ev: LogEvent, states: frozenset[LifecycleState], trigger: str) -> bool:
-        if r.state in states:
+    def _in_state(self, r: StreamReplay, ev: LogEvent, states: frozenset[str], trigger: str) -> bool:
+        if r.state_name in states:
             return True
         self._violate(r, "event_out_of_state", ev.where,
-                      f"{ev.fields['event']} in state {r.state.value}, where {trigger} is not allowed "
+                      f"{ev.fields['event']} in state {r.state_name}, where {trigger} is not allowed "
                       f"(allowed from: {', '.join(s.value for s in allowed_sources(trigger))})")
         return False
 
     def _transition(self, r: StreamReplay, ev: LogEvent) -> None:
         f = ev.fields
-        trigger, dst_name = f.get("trigger"), f.get("dst")
+        trigger, dst = f.get("trigger"), f.get("dst")
         if trigger not in TRIGGERS:
             self._violate(r, "illegal_transition", ev.where,
                           f"unknown trigger {trigger!r}; the table knows: {', '.join(TRIGGERS)}")
             return
         src = self._src_matches(r, ev, trigger)
-        dst = _STATES.get(dst_name) if isinstance(dst_name, str) else None
-        if src is None or dst is None:
-            if dst is None:
-                self._violate(r, "illegal_transition", ev.where, f"{trigger}: unknown dst state {dst_name!r}")
+        if dst not in _STATES:
+            self._violate(r, "illegal_transition", ev.where, f"{trigger}: unknown dst state {dst!r}")
+            return
+        if src is None:
             return
         self._note_total(r, f)
-        row = next((t for t in _ROWS.get((trigger, src), ()) if t.dest is dst), None)
-        edge = (trigger, src.value, dst.value)
+        edge = (trigger, src, dst)
+        row = _ROW.get(edge)
         if row is None:
             r.illegal_edges[edge] += 1
-            dests = possible_destinations(trigger, src)
-            why = (f"{trigger} from {src.value} leads to {' or '.join(d.value for d in dests)}, not {dst.value}"
-                   if dests else
-                   f"{trigger} is not allowed from {src.value} (allowed from: "
+            dests = possible_destinations(trigger, _STATES[src])
+            why = (f"{trigger} from {src} leads to {' or '.join(d.value for d in dests)}, not {dst}" if dests else
+                   f"{trigger} is not allowed from {src} (allowed from: "
                    f"{', '.join(s.value for s in allowed_sources(trigger))})")
             self._violate(r, "illegal_transition", ev.where, why)
         else:
             r.edges[edge] += 1
             if row.condition in READY_CONDITIONS or READY_GUARDS.intersection(row.guards):
-                self._check_ready(r, ev, f"{trigger} {src.value} -> {dst.value}")
-            if PINNED_GUARDS.intersection(row.guards) and not r.pinned:
+                self._check_ready(r, ev, f"{trigger} {src} -> {dst}")
+            if not r.pinned and PINNED_GUARDS.intersection(row.guards):
                 self._violate(r, "illegal_transition", ev.where,
                               f"{trigger} without captured graphs (guard {', '.join(PINNED_GUARDS)})")
         if trigger == BEGIN:
@@ -378,9 +383,9 @@ class Auditor:
         elif trigger == RELEASE:
             r.pinned = False
             r.pinned_ptrs.clear()
-        r.state = dst
-        r.visited.add(dst.value)
-        if dst not in LOADING_STATES and dst is not INITIAL_STATE:
+        r.state_name = dst
+        r.visited.add(dst)
+        if dst not in LOADING_STATES and dst != _INITIAL:
             r.epoch_done = True
 
     def _storage_check(self, r: StreamReplay, ev: LogEvent) -> None:
@@ -437,9 +442,9 @@ class Auditor:
 
     # ---- end ----------------------------------------------------------------------------------------------
     def _end_of_incarnation(self, r: StreamReplay, how: str) -> None:
-        if r.state in LOADING_STATES and r.epoch > 0:
+        if r.state_name in LOADING_STATES and r.epoch > 0:
             self._violate(r, "ends_mid_reload", r.last_where,
-                          f"{how} in state {r.state.value}, epoch {r.epoch} (begun at {r.epoch_began or '?'}) "
+                          f"{how} in state {r.state_name}, epoch {r.epoch} (begun at {r.epoch_began or '?'}) "
                           "never refreshed or aborted")
 
     def finish(self) -> AuditResult:
