@@ -78,3 +78,24 @@ def test_models_lists_every_family_with_what_it_derives(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     for fam in FAMILIES.values():
         assert fam.name in out and fam.derives in out
+
+
+def test_diagram_as_dot_is_drawn_from_the_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import re
+
+    assert main(["diagram", "--format", "dot", "--state", "QUARANTINED"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("digraph reload_lifecycle {") and out.rstrip().endswith("}")
+    edges = re.findall(r"^\s+(\w+) -> (\w+) \[label=\"([^\"]+)\"\];$", out, re.M)
+    expected = [(s.value, t.dest.value, t.trigger + (f" [{t.condition}]" if t.condition else ""))
+                for t in TRANSITIONS for s in t.sources]
+    assert edges == expected
+    nodes = dict(re.findall(r"^\s+(\w+) \[(label=.*)\];$", out, re.M))
+    assert set(nodes) == {s.value for s in LifecycleState}
+    assert "fillcolor" in nodes["QUARANTINED"] and "fillcolor" not in nodes["META"]
+    assert out.count("{") == out.count("}")  # balanced: a well-formed graph body
+    target = tmp_path / "lifecycle.dot"
+    assert main(["diagram", "--format", "dot", "-o", str(target)]) == 0
+    assert target.read_text().startswith("digraph")
+    with pytest.raises(SystemExit):
+        main(["diagram", "--format", "png"])
