@@ -24,7 +24,8 @@ def test_demo_runs_and_every_check_passes(tmp_path: Path, capsys: pytest.Capture
     for check in ("every derived buffer's storage identity unchanged",
                   "every derived buffer bit-equal to a cold build from B",
                   "fused path equals the per-layer reference path",
-                  "refused refresh wrote nothing"):
+                  "refused refresh wrote nothing",
+                  "the audit log replays clean through the transition table"):
         assert f"PASS  {check}" in out
     events = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert events and all(e["backbone"] and "epoch" in e and "ts" in e for e in events)
