@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import torch
 
 from .audit import configure_audit, read_events
+from .auditor import audit_logs
 from .diagram import mermaid
 from .errors import LayersNotReadyError
 from .loading import (
@@ -199,6 +200,9 @@ def run_demo(
                        "elements written"], rows))
 
     result.states = _state_path(log_path)
+    audited = audit_logs([log_path])  # the JSON-lines sink is line-buffered: the log is complete here
+    check("the audit log replays clean through the transition table", audited.status == 0,
+          f"{audited.events} events" + "".join(f"; {v.kind} at {v.where}" for v in audited.violations[:3]))
     say("\nstate sequence: " + " -> ".join(result.states))
     say("\nchecks:")
     for name, ok, detail in result.checks:

@@ -79,6 +79,9 @@ class BackboneLifecycle:
         self.pinned: PinnedStorage | None = None
         self.quarantine_reason: str | None = None
         self.recent_events: deque[dict[str, Any]] = deque(maxlen=recent_events)
+        #: Number of the last info-level audit event of this lifecycle (1, 2, ...): the auditor sees a deleted,
+        #: duplicated or reordered line as a gap or a step back, and a restart (seq 1 again) as a new lifecycle.
+        self._seq = 0
         self._resolve = resolve
         self._pinned_tensors = pinned_tensors
         self._lock: AbstractContextManager[Any] = threading.RLock() if locked else nullcontext()
@@ -161,8 +164,9 @@ class BackboneLifecycle:
         if self.pinned is None:
             return
         problems = self.pinned_changes()
+        shown, more = audit.capped(problems)
         self._audit("storage_check", action=action, checked=len(self.pinned) if self.pinned else 0,
-                    ok=not problems, problems=audit.capped(problems)[0])
+                    ok=not problems, problems=shown, problems_more=more)
         if problems:
             raise StorageDriftError(problems, backbone=self.name, state=self.state.value)
 
@@ -205,10 +209,14 @@ class BackboneLifecycle:
         return {"layers_ready": self.readiness.layers_ready, "layers_total": self.readiness.layers_total}
 
     def _audit(self, event: str, *, level: str = "info", **fields: Any) -> None:
-        if level != "debug":
-            self.recent_events.append(
-                {"event": event, "backbone": self.name, "rank": self.rank, "epoch": self.epoch, **fields})
-        audit.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
+        if level == "debug":  # per-bucket detail: not numbered, a log at info level has no gaps in `seq`
+            audit.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
+            return
+        self._seq += 1
+        self.recent_events.append({"event": event, "backbone": self.name, "rank": self.rank, "epoch": self.epoch,
+                                   "seq": self._seq, **fields})
+        audit.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, seq=self._seq,
+                   **fields)
 
     # ---- triggers ---------------------------------------------------------------------------------------------
     def weights_loaded(self, names: Iterable[str]) -> list[str]:
@@ -241,8 +249,8 @@ class BackboneLifecycle:
                 raise err
             completed = self.readiness.mark_unchanged(names)
             if completed:
-                self._audit("layers_unchanged", layers=audit.capped(completed)[0],
-                            **self._readiness_fields())
+                shown, more = audit.capped(completed)
+                self._audit("layers_unchanged", layers=shown, layers_more=more, **self._readiness_fields())
                 self._fire("weights_loaded", tensors=0, unchanged=len(names))
 
     def begin_reload(self) -> int:
@@ -270,8 +278,8 @@ class BackboneLifecycle:
                 names = [n for layer in untouched for n in self.readiness.tensors_of_layer[layer]]
                 if names:
                     completed = self.readiness.mark_unchanged(names)
-                    self._audit("layers_unchanged", layers=audit.capped(completed)[0],
-                                layers_more=audit.capped(completed)[1], **self._readiness_fields())
+                    shown, more = audit.capped(completed)
+                    self._audit("layers_unchanged", layers=shown, layers_more=more, **self._readiness_fields())
             self._fire("finish_loading", keep_untouched=keep_untouched)
 
     def refresh_derived(self, effect: Callable[[], T], **log: Any) -> T:
@@ -316,11 +324,8 @@ class BackboneLifecycle:
             def quarantine() -> None:
                 self.quarantine_reason = reason
 
-            self._fire("abort_reload", quarantine, reason=reason, missing=self._missing_list())
-
-    def _missing_list(self) -> list[str]:
-        flat = [n for names in self.missing().values() for n in names]
-        return audit.capped(flat)[0]
+            shown, more = audit.capped(n for names in self.missing().values() for n in names)
+            self._fire("abort_reload", quarantine, reason=reason, missing=shown, missing_more=more)
 
     def verify_pinned(self) -> int:
         """Check every pinned identity against the live tensors now. Returns how many were checked."""

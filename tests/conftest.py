@@ -47,3 +47,24 @@ def loaded(tiny_cfg: DFlashConfig, ckpt_a: Path) -> DFlashQwen3Draft:
     model.finalize_loading()
     model.refresh_derived_buffers()
     return model
+
+
+@pytest.fixture(scope="session")
+def real_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of audit logs written by real lifecycles (tests/scenarios.py): three ranks of one backbone in
+    three files (cold load, capture, two bucketed reloads with a refused early refresh), several backbones in
+    one file (refusals, abort and recovery, a quarantined end, release and rebuild, a selective reload) and a
+    debug-level log. Tests copy it before editing it."""
+    from scenarios import debug_level, mixed_backbones, multi_rank
+
+    root = tmp_path_factory.mktemp("real-logs")
+    cfg = DFlashConfig(num_hidden_layers=3)
+    a = write_checkpoint(random_weights(cfg, 0), root / "a.safetensors")
+    b = write_checkpoint(random_weights(cfg, 1), root / "b.safetensors")
+    logs = root / "logs"
+    logs.mkdir()
+    multi_rank(logs, cfg, a, b)
+    mixed_backbones(logs / "mixed.jsonl", cfg, a, b)
+    debug_level(logs / "debug.jsonl", cfg, a, b)
+    configure_audit(console=False)
+    return logs

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import io
+import json
 from datetime import datetime, timedelta
 from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from structlog.testing import capture_logs
 
-from lifecycle.audit import LIST_CAP, SCHEMA_VERSION, configure_audit, emit, read_events
-from lifecycle.errors import IllegalTransitionError, LayersNotReadyError
+from lifecycle.audit import LIST_CAP, SCHEMA_VERSION, STR_CAP, configure_audit, emit, read_events
+from lifecycle.errors import IllegalTransitionError, LayersNotReadyError, StorageDriftError
 from lifecycle.loading import load_safetensors
 from lifecycle.states import LifecycleState, possible_destinations
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
@@ -168,3 +170,58 @@ def test_console_output_is_optional(tmp_path: Path) -> None:
     configure_audit(console=False, stream=quiet)
     emit("transition", backbone="draft", rank=0, epoch=1, trigger="begin_reload")
     assert quiet.getvalue() == ""
+
+
+def test_log_hygiene_fixed_width_utc_timestamps_contiguous_seq_bounded_fields(
+        tiny_cfg: DFlashConfig, ckpt_a: Path, ckpt_b: Path, tmp_path: Path) -> None:
+    """Schema 2: every info event carries `seq` (1, 2, ... per lifecycle, no gaps), a fixed-width UTC timestamp,
+    and fields of bounded size; debug events are not numbered."""
+    import re
+
+    path = tmp_path / "audit.jsonl"
+    configure_audit(json_path=path, console=False, level="debug")
+    m = _cold_and_reload(tiny_cfg, ckpt_a, ckpt_b)
+    m.lifecycle.audit_event("hook_failed", hook="h", error="x" * 10_000, names=[f"n{i}" for i in range(40)],
+                            value=torch.ones(2, 2))
+    configure_audit(console=False)
+    lines = path.read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    info = [e for e in events if e["level"] == "info"]
+    assert [e["seq"] for e in info] == list(range(1, len(info) + 1))
+    assert all("seq" not in e for e in events if e["level"] == "debug") and len(info) < len(events)
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", e["ts"]) for e in events)
+    last = events[-1]
+    assert len(last["error"]) == STR_CAP and last["error_truncated"] == 10_000 - STR_CAP
+    assert len(last["names"]) == LIST_CAP and last["names_more"] == 40 - LIST_CAP
+    assert last["value"] == "<tensor shape=(2, 2) dtype=torch.float32 device=cpu>"
+    assert max(map(len, lines)) < 2 * STR_CAP
+
+
+def test_capped_lists_always_say_how_many_were_left_out(ckpt_a: Path) -> None:
+    cfg = DFlashConfig(num_hidden_layers=LIST_CAP + 4)
+    m = DFlashQwen3Draft(cfg)
+    from lifecycle.loading import write_checkpoint
+    from models.qwen3_dflash import random_weights
+
+    ckpt = write_checkpoint(random_weights(cfg, 0), ckpt_a.parent / "big.safetensors")
+    with capture_logs() as logs:
+        load_safetensors(m, ckpt)
+        m.finalize_loading()
+        m.refresh_derived_buffers()
+        m.capture_graphs()
+        m.begin_reload()
+        m.abort_reload("test")  # every tensor missing
+        m.begin_reload()
+        m.lifecycle.weights_unchanged(list(m.lifecycle.specs))  # every layer declared unchanged at once
+        pinned = m.lifecycle.pinned
+        assert pinned is not None
+        m.lifecycle.bind(pinned_tensors=lambda: {n: torch.zeros(1) for n in pinned.identities})  # every one moved
+        with pytest.raises(StorageDriftError):
+            m.lifecycle.verify_pinned()
+    n_layers = m.lifecycle.readiness.layers_total
+    abort = next(e for e in logs if e.get("trigger") == "abort_reload")
+    assert len(abort["missing"]) == LIST_CAP and abort["missing_more"] == len(m.lifecycle.specs) - LIST_CAP
+    unchanged = next(e for e in logs if e["event"] == "layers_unchanged")
+    assert len(unchanged["layers"]) == LIST_CAP and unchanged["layers_more"] == n_layers - LIST_CAP
+    check = next(e for e in logs if e["event"] == "storage_check" and not e["ok"])
+    assert len(check["problems"]) == LIST_CAP and check["problems_more"] > 0

@@ -24,7 +24,8 @@ def test_demo_runs_and_every_check_passes(tmp_path: Path, capsys: pytest.Capture
     for check in ("every derived buffer's storage identity unchanged",
                   "every derived buffer bit-equal to a cold build from B",
                   "fused path equals the per-layer reference path",
-                  "refused refresh wrote nothing"):
+                  "refused refresh wrote nothing",
+                  "the audit log replays clean through the transition table"):
         assert f"PASS  {check}" in out
     events = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert events and all(e["backbone"] and "epoch" in e and "ts" in e for e in events)
@@ -78,3 +79,24 @@ def test_models_lists_every_family_with_what_it_derives(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     for fam in FAMILIES.values():
         assert fam.name in out and fam.derives in out
+
+
+def test_diagram_as_dot_is_drawn_from_the_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import re
+
+    assert main(["diagram", "--format", "dot", "--state", "QUARANTINED"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("digraph reload_lifecycle {") and out.rstrip().endswith("}")
+    edges = re.findall(r"^\s+(\w+) -> (\w+) \[label=\"([^\"]+)\"\];$", out, re.M)
+    expected = [(s.value, t.dest.value, t.trigger + (f" [{t.condition}]" if t.condition else ""))
+                for t in TRANSITIONS for s in t.sources]
+    assert edges == expected
+    nodes = dict(re.findall(r"^\s+(\w+) \[(label=.*)\];$", out, re.M))
+    assert set(nodes) == {s.value for s in LifecycleState}
+    assert "fillcolor" in nodes["QUARANTINED"] and "fillcolor" not in nodes["META"]
+    assert out.count("{") == out.count("}")  # balanced: a well-formed graph body
+    target = tmp_path / "lifecycle.dot"
+    assert main(["diagram", "--format", "dot", "-o", str(target)]) == 0
+    assert target.read_text().startswith("digraph")
+    with pytest.raises(SystemExit):
+        main(["diagram", "--format", "png"])

@@ -158,7 +158,9 @@ def test_audit_events_replay_through_the_transition_table(warm: dict[str, Any], 
     logs = sorted((workdir / "audit").glob("audit-*.jsonl"))
     assert logs, "the plugin wrote no JSON-lines audit log"
     from_file = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
-    assert all("ts" in e and "rank" in e and e["schema"] == 1 for e in from_file)
+    from lifecycle.audit import SCHEMA_VERSION
+
+    assert all("ts" in e and "rank" in e and e["schema"] == SCHEMA_VERSION for e in from_file)
     transitions = [e for e in from_file if e["event"] == "transition"]
     assert len(transitions) >= 10
     state = LifecycleState.META
@@ -168,6 +170,11 @@ def test_audit_events_replay_through_the_transition_table(warm: dict[str, Any], 
         state = LifecycleState(e["dst"])
     assert state is LifecycleState.QUARANTINED
     assert [e["event"] for e in events if e["event"] == "refused"] == ["refused"]
+    # and the auditor (reload-lifecycle audit) replays the real engine's log clean
+    from lifecycle.auditor import audit_logs
+
+    result = audit_logs([workdir / "audit"])
+    assert result.status == 0, [str(v) for v in result.violations]
 
 
 def test_unknown_vllm_version_is_refused_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,13 +194,18 @@ def test_unknown_vllm_version_is_refused_unless_forced(monkeypatch: pytest.Monke
 
 @pytest.fixture(scope="module")
 def tp2(workdir: Path) -> dict[str, Any]:
-    return run_scenario("tp2", workdir)
+    return run_scenario("tp2", workdir, RELOAD_LIFECYCLE_AUDIT_DIR=str(workdir / "audit-tp2"))
 
 
-def test_two_tensor_parallel_ranks_each_reload_and_report_their_rank(tp2: dict[str, Any]) -> None:
+def test_two_tensor_parallel_ranks_each_reload_and_report_their_rank(tp2: dict[str, Any], workdir: Path) -> None:
     assert tp2["reload"]["ok"], tp2["reload"]
     drafts = [s for rank_states in tp2["states"] for s in rank_states if s["role"] == "draft"]
     assert sorted(d["rank"] for d in drafts) == [0, 1]
     assert all(d["state"] == "GRAPH_CAPTURED" and d["epoch"] == 1 for d in drafts)
     assert all(v["ok"] for per_rank in tp2["verify"] for v in per_rank.values())
     assert tp2["generate_after"]["ok"] and tp2["generate_after"]["value"] == tp2["generate_before"]["value"]
+    from lifecycle.auditor import audit_logs
+
+    result = audit_logs([workdir / "audit-tp2"])  # one log per worker process, merged across ranks
+    assert result.status == 0, [str(v) for v in result.violations]
+    assert sorted(stream.rank for stream in result.streams) == [0, 1]

@@ -1,0 +1,479 @@
+"""Replay audit logs through the transition table and name every violation.
+
+Each (rank, backbone) stream is replayed on its own, event by event, in bounded memory: the replayed state and
+epoch, the layers ready in this epoch (at most the backbone's layer count), the derived buffers' addresses (at
+most `MAX_BUFFERS` names), a counter of the transitions taken. What is legal comes from `lifecycle.states`
+alone: a transition is legal when its (trigger, src, dst) is a row of `TRANSITIONS`; a row whose guard or
+condition needs every layer ready (`require_all_layers_ready`, `all_layers_ready`) needs it in the replay too.
+
+>>> from lifecycle.logstream import LogEvent
+>>> def ev(n, **f):
+...     base = {"backbone": "d", "rank": 0, "epoch": 0, "seq": n}
+...     return LogEvent("log", n, {**base, **f}, float(n))
+>>> a = Auditor()
+>>> _ = a.feed(ev(1, event="transition", trigger="weights_loaded", src="META", dst="PARTIALLY_LOADED",
+...               layers_ready=0, layers_total=1))
+>>> _ = a.feed(ev(2, event="transition", trigger="capture_graphs", src="PARTIALLY_LOADED", dst="GRAPH_CAPTURED"))
+>>> [(v.kind, v.where) for v in a.finish().violations]
+[('illegal_transition', 'log:2')]
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .logstream import InputProblem, Item, LogEvent, iter_events
+from .states import (
+    INITIAL_STATE,
+    TRANSITIONS,
+    TRIGGERS,
+    LifecycleState,
+    Transition,
+    allowed_sources,
+    possible_destinations,
+)
+
+#: Every violation the auditor names, and what it means.
+VIOLATION_KINDS: dict[str, str] = {
+    "illegal_transition": "src -> dst is not a row of the transition table for that trigger (or an unknown trigger "
+                          "or state, or graphs_verified without captured graphs)",
+    "state_mismatch": "an event's src is not the state the replay says the backbone was in",
+    "event_out_of_state": "a refresh, layer_ready or layers_unchanged event while the replayed state does not allow "
+                          "the trigger that emits it (refresh_derived, weights_loaded)",
+    "not_ready": "a trigger that needs every layer ready (refresh_derived, finish_loading, weights_loaded -> "
+                 "FULLY_LOADED) fired while the replayed readiness had layers missing; or a refresh event with "
+                 "missing tensors",
+    "storage_drift": "a pinned storage identity changed: a derived buffer's data_ptr in a refresh under captured "
+                     "graphs differs from the one recorded at capture_graphs, or a storage_check with ok=false",
+    "unfinished_epoch": "a reload epoch began and the next begin_reload came before it was refreshed or aborted",
+    "ends_mid_reload": "the log ends (or the lifecycle restarts) while a reload is still loading: last state "
+                       "PARTIALLY_LOADED or FULLY_LOADED in epoch > 0",
+    "epoch_disagreement": "ranks of one backbone end at different epochs",
+    "epoch_jump": "the epoch changed other than by begin_reload raising it by one",
+    "out_of_order": "within one rank/backbone: a timestamp going backwards, an epoch decreasing, or a sequence "
+                    "number repeated or going back",
+    "missing_events": "a gap in the sequence numbers (`seq`) of one rank/backbone: lines were deleted or lost",
+}
+
+#: Derived-buffer addresses remembered per stream, at most.
+MAX_BUFFERS = 1024
+
+S = LifecycleState
+_STATES: dict[str, LifecycleState] = {s.value: s for s in LifecycleState}
+#: (trigger, src, dst) -> the first row of the table that has it. The replay works on state names (plain strings).
+_ROW: dict[tuple[str, str, str], Transition] = {}
+for _t in TRANSITIONS:
+    for _s in _t.sources:
+        _ROW.setdefault((_t.trigger, _s.value, _t.dest.value), _t)
+
+# What the replay must know about the table's names: guards and conditions it can check from a log, and the
+# triggers whose effect (beyond the state) it replays. `unknown_table_names()` is empty for the shipped table.
+READY_CONDITIONS = frozenset({"all_layers_ready"})
+READY_GUARDS = frozenset({"require_all_layers_ready"})
+PINNED_GUARDS = frozenset({"require_pinned"})
+STORAGE_GUARDS = frozenset({"require_pinned_unchanged"})  # checked through storage_check events
+BEGIN, CAPTURE, RELEASE, REFRESH, WEIGHTS = (
+    "begin_reload", "capture_graphs", "release_graphs", "refresh_derived", "weights_loaded")
+
+
+def unknown_table_names(transitions: Iterable[Transition] = TRANSITIONS) -> list[str]:
+    """Guards, conditions and effect triggers the replay does not understand (must be empty)."""
+    transitions = tuple(transitions)
+    triggers = {t.trigger for t in transitions}
+    known_guards = READY_GUARDS | PINNED_GUARDS | STORAGE_GUARDS
+    out = [f"guard {g}" for t in transitions for g in t.guards if g not in known_guards]
+    out += [f"condition {t.condition}" for t in transitions if t.condition and t.condition not in READY_CONDITIONS]
+    out += [f"trigger {name}" for name in (BEGIN, CAPTURE, RELEASE, REFRESH, WEIGHTS) if name not in triggers]
+    return sorted(set(out))
+
+
+if unknown_table_names():  # pragma: no cover - a table change the auditor must learn about
+    raise ImportError(f"lifecycle.auditor does not know {unknown_table_names()} of the transition table")
+
+LOADING_STATES = frozenset(s.value for s in allowed_sources("finish_loading"))
+WEIGHTS_STATES = frozenset(s.value for s in allowed_sources(WEIGHTS))
+REFRESH_STATES = frozenset(s.value for s in allowed_sources(REFRESH))
+_INITIAL = INITIAL_STATE.value
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: str
+    rank: int
+    backbone: str
+    epoch: int
+    where: str  # file:line of the event, or the last event of the stream for end-of-log findings
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "rank": self.rank, "backbone": self.backbone, "epoch": self.epoch,
+                "where": self.where, "detail": self.detail}
+
+
+@dataclass(eq=False)
+class StreamReplay:
+    """The replayed lifecycle of one (rank, backbone): what the auditor keeps, all of it bounded."""
+
+    rank: int
+    backbone: str
+    state_name: str = _INITIAL
+    epoch: int = 0
+    seq: int = 0
+    events: int = 0
+    incarnations: int = 1
+    first_ts: float | None = None
+    last_ts: float | None = None
+    last_where: str = ""
+    layers_total: int | None = None
+    ready: set[str] = field(default_factory=set)
+    ready_extra: int = 0
+    pinned: bool = False
+    pinned_ptrs: dict[str, str] = field(default_factory=dict)
+    last_ptrs: dict[str, str] = field(default_factory=dict)
+    epoch_done: bool = True
+    epoch_began: str = ""
+    epochs_begun: int = 0
+    edges: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    illegal_edges: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    visited: set[str] = field(default_factory=lambda: {_INITIAL})
+    violations: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def state(self) -> LifecycleState:
+        """The replayed state."""
+        return _STATES[self.state_name]
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.rank, self.backbone
+
+    @property
+    def layers_ready(self) -> int:
+        return len(self.ready) + self.ready_extra
+
+    def restart(self) -> None:
+        """A new lifecycle under the same (rank, backbone): `seq` started again at 1."""
+        self.state_name, self.epoch, self.seq = _INITIAL, 0, 0
+        self.layers_total, self.ready_extra, self.pinned = None, 0, False
+        self.ready.clear()
+        self.pinned_ptrs.clear()
+        self.last_ptrs.clear()
+        self.epoch_done, self.epoch_began = True, ""
+        self.incarnations += 1
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "backbone": self.backbone, "events": self.events, "incarnations": self.incarnations,
+            "final_state": self.state_name, "final_epoch": self.epoch, "pinned": self.pinned,
+            "reloads": self.epochs_begun, "layers_ready": self.layers_ready, "layers_total": self.layers_total,
+            "violations": dict(self.violations),
+            "transitions": [{"trigger": t, "src": s, "dst": d, "count": n} for (t, s, d), n in self.edges.items()],
+        }
+
+
+@dataclass
+class AuditResult:
+    inputs: list[str]
+    events: int
+    streams: list[StreamReplay]
+    violations: list[Violation]  # the first `max_details`; `violation_counts` counts all
+    violation_counts: Counter[str]
+    input_problems: list[InputProblem]  # likewise capped; `input_problem_count` counts all
+    input_problem_count: int
+
+    @property
+    def status(self) -> int:
+        """0 clean, 1 violations, 2 unreadable input (whatever else was found)."""
+        if self.input_problem_count:
+            return 2
+        return 1 if sum(self.violation_counts.values()) else 0
+
+    @property
+    def total_violations(self) -> int:
+        return sum(self.violation_counts.values())
+
+
+class Auditor:
+    """Feed it events in log order (`feed`), then `finish()`. Memory: one `StreamReplay` per (rank, backbone)
+    plus at most `max_details` violations and input problems kept verbatim."""
+
+    def __init__(self, *, max_details: int = 1000) -> None:
+        self.max_details = max_details
+        self.streams: dict[tuple[int, str], StreamReplay] = {}
+        self.violations: list[Violation] = []
+        self.counts: Counter[str] = Counter()
+        self.input_problems: list[InputProblem] = []
+        self.input_problem_count = 0
+        self.events = 0
+        self._sources: dict[str, None] = {}  # every input seen, in order
+
+    # ---- recording ----------------------------------------------------------------------------------------
+    def _violate(self, r: StreamReplay, kind: str, where: str, detail: str, epoch: int | None = None) -> None:
+        self.counts[kind] += 1
+        r.violations[kind] += 1
+        if len(self.violations) < self.max_details:
+            self.violations.append(Violation(kind, r.rank, r.backbone, r.epoch if epoch is None else epoch,
+                                             where, detail))
+
+    def problem(self, p: InputProblem) -> None:
+        self.input_problem_count += 1
+        if len(self.input_problems) < self.max_details:
+            self.input_problems.append(p)
+        self._sources.setdefault(p.source, None)
+
+    # ---- replay -------------------------------------------------------------------------------------------
+    def feed(self, item: Item) -> StreamReplay | None:
+        """Replay one event (or record one input problem). Returns the stream the event belongs to."""
+        if isinstance(item, InputProblem):
+            self.problem(item)
+            return None
+        ev = item
+        f = ev.fields
+        self._sources.setdefault(ev.source, None)
+        key = (f["rank"], f["backbone"])
+        r = self.streams.get(key)
+        if r is None:
+            r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], first_ts=ev.ts)
+        self.events += 1
+        r.events += 1
+        name = f["event"]
+        is_begin = name == "transition" and f.get("trigger") == BEGIN
+        self._order(r, ev, is_begin)
+        if name == "transition":
+            self._transition(r, ev)
+        elif name == "refused":
+            self._src_matches(r, ev, f"refused {f.get('trigger')}")
+        elif name == "layer_ready":
+            self._note_total(r, f)
+            if self._in_state(r, ev, WEIGHTS_STATES, WEIGHTS):
+                self._mark_ready(r, (f.get("layer"),))
+        elif name == "layers_unchanged":
+            self._note_total(r, f)
+            if self._in_state(r, ev, WEIGHTS_STATES, WEIGHTS):
+                layers = f.get("layers")
+                self._mark_ready(r, layers if isinstance(layers, list) else ())
+                more = f.get("layers_more")
+                r.ready_extra += more if isinstance(more, int) else 0
+        elif name == "refresh":
+            self._refresh(r, ev)
+        elif name == "storage_check":
+            self._storage_check(r, ev)
+        r.last_where = ev.where
+        return r
+
+    @staticmethod
+    def _mark_ready(r: StreamReplay, layers: Iterable[Any]) -> None:
+        limit = r.layers_total if r.layers_total is not None else MAX_BUFFERS
+        for layer in layers:
+            if isinstance(layer, str) and len(r.ready) < limit:
+                r.ready.add(layer)
+
+    def _note_total(self, r: StreamReplay, f: dict[str, Any]) -> None:
+        total = f.get("layers_total")
+        if isinstance(total, int) and not isinstance(total, bool):
+            r.layers_total = total
+
+    def _order(self, r: StreamReplay, ev: LogEvent, is_begin: bool) -> None:
+        f = ev.fields
+        back: list[str] = []
+        seq = f.get("seq")
+        if isinstance(seq, int) and not isinstance(seq, bool):
+            if seq == 1 and r.seq > 0:  # a new lifecycle under this (rank, backbone)
+                self._end_of_incarnation(r, f"lifecycle restarted at {ev.where}")
+                r.restart()
+            elif seq > r.seq + 1:
+                gap = seq - r.seq - 1
+                after = f"after {r.last_where} (seq {r.seq})" if r.seq else "at the start of this stream"
+                self._violate(r, "missing_events", ev.where,
+                              f"{gap} event(s) missing {after}: this event has seq {seq}", f["epoch"])
+            elif seq <= r.seq:
+                back.append(f"seq {seq} after seq {r.seq} ({'repeated' if seq == r.seq else 'goes back'})")
+            r.seq = max(r.seq, seq)
+        if r.last_ts is not None and ev.ts < r.last_ts:
+            back.append(f"timestamp {f.get('ts')} is {(r.last_ts - ev.ts) * 1e3:.3f} ms before the previous "
+                        f"event's ({r.last_where})")
+        epoch = f["epoch"]
+        if is_begin:
+            if epoch <= r.epoch:
+                back.append(f"begin_reload to epoch {epoch} after epoch {r.epoch}")
+            elif epoch > r.epoch + 1:
+                self._violate(r, "epoch_jump", ev.where,
+                              f"begin_reload to epoch {epoch} from epoch {r.epoch} (expected {r.epoch + 1})", epoch)
+        elif epoch < r.epoch:
+            back.append(f"epoch went back from {r.epoch} to {epoch}")
+        elif epoch > r.epoch:
+            self._violate(r, "epoch_jump", ev.where,
+                          f"epoch {r.epoch} -> {epoch} without begin_reload ({f['event']} {f.get('trigger', '')})"
+                          .rstrip(), epoch)
+            self._new_epoch(r, ev, epoch)
+        if back:
+            self._violate(r, "out_of_order", ev.where, "; ".join(back), epoch)
+        if r.last_ts is None or ev.ts > r.last_ts:
+            r.last_ts = ev.ts
+
+    def _new_epoch(self, r: StreamReplay, ev: LogEvent, epoch: int) -> None:
+        if r.epoch > 0 and not r.epoch_done:
+            self._violate(r, "unfinished_epoch", ev.where,
+                          f"epoch {r.epoch} (begun at {r.epoch_began or '?'}) was never refreshed or aborted "
+                          f"before epoch {epoch} began", r.epoch)
+        r.epoch = max(r.epoch, epoch)
+        r.ready.clear()
+        r.ready_extra = 0
+        r.epoch_done = False
+        r.epoch_began = ev.where
+
+    def _src_matches(self, r: StreamReplay, ev: LogEvent, what: str) -> str | None:
+        src = ev.fields.get("src")
+        if src not in _STATES:
+            self._violate(r, "illegal_transition", ev.where, f"{what}: unknown src state {src!r}")
+            return None
+        if src != r.state_name:
+            self._violate(r, "state_mismatch", ev.where,
+                          f"{what}: the log says src {src}, the replay says {r.state_name}")
+        return src  # type: ignore[no-any-return]
+
+    def _in_state(self, r: StreamReplay, ev: LogEvent, states: frozenset[str], trigger: str) -> bool:
+        if r.state_name in states:
+            return True
+        self._violate(r, "event_out_of_state", ev.where,
+                      f"{ev.fields['event']} in state {r.state_name}, where {trigger} is not allowed "
+                      f"(allowed from: {', '.join(s.value for s in allowed_sources(trigger))})")
+        return False
+
+    def _transition(self, r: StreamReplay, ev: LogEvent) -> None:
+        f = ev.fields
+        trigger, dst = f.get("trigger"), f.get("dst")
+        if trigger not in TRIGGERS:
+            self._violate(r, "illegal_transition", ev.where,
+                          f"unknown trigger {trigger!r}; the table knows: {', '.join(TRIGGERS)}")
+            return
+        src = self._src_matches(r, ev, trigger)
+        if dst not in _STATES:
+            self._violate(r, "illegal_transition", ev.where, f"{trigger}: unknown dst state {dst!r}")
+            return
+        if src is None:
+            return
+        self._note_total(r, f)
+        edge = (trigger, src, dst)
+        row = _ROW.get(edge)
+        if row is None:
+            r.illegal_edges[edge] += 1
+            dests = possible_destinations(trigger, _STATES[src])
+            why = (f"{trigger} from {src} leads to {' or '.join(d.value for d in dests)}, not {dst}" if dests else
+                   f"{trigger} is not allowed from {src} (allowed from: "
+                   f"{', '.join(s.value for s in allowed_sources(trigger))})")
+            self._violate(r, "illegal_transition", ev.where, why)
+        else:
+            r.edges[edge] += 1
+            if row.condition in READY_CONDITIONS or READY_GUARDS.intersection(row.guards):
+                self._check_ready(r, ev, f"{trigger} {src} -> {dst}")
+            if not r.pinned and PINNED_GUARDS.intersection(row.guards):
+                self._violate(r, "illegal_transition", ev.where,
+                              f"{trigger} without captured graphs (guard {', '.join(PINNED_GUARDS)})")
+        if trigger == BEGIN:
+            self._new_epoch(r, ev, f["epoch"])
+            r.epochs_begun += 1
+        elif trigger == CAPTURE:
+            r.pinned = True
+            r.pinned_ptrs = dict(r.last_ptrs)
+        elif trigger == RELEASE:
+            r.pinned = False
+            r.pinned_ptrs.clear()
+        r.state_name = dst
+        r.visited.add(dst)
+        if dst not in LOADING_STATES and dst != _INITIAL:
+            r.epoch_done = True
+
+    def _storage_check(self, r: StreamReplay, ev: LogEvent) -> None:
+        f = ev.fields
+        if f.get("ok") is not False:
+            return
+        problems = f.get("problems")
+        problems = problems if isinstance(problems, list) else []
+        more = max(0, len(problems) - 4) + (f.get("problems_more") or 0)
+        self._violate(r, "storage_drift", ev.where,
+                      f"storage_check ({f.get('action')}) failed: {'; '.join(str(p) for p in problems[:4])}"
+                      + (f" (+{more} more)" if more else ""))
+
+    def _check_ready(self, r: StreamReplay, ev: LogEvent, what: str) -> None:
+        total = r.layers_total
+        if total is None:
+            return
+        replayed = r.layers_ready
+        claimed = ev.fields.get("layers_ready")
+        claimed = claimed if isinstance(claimed, int) else replayed
+        if min(replayed, claimed) < total:
+            self._violate(r, "not_ready", ev.where,
+                          f"{what} with layers missing: {replayed}/{total} ready by the replayed layer_ready events,"
+                          f" {claimed}/{total} by the event")
+
+    def _refresh(self, r: StreamReplay, ev: LogEvent) -> None:
+        f = ev.fields
+        self._in_state(r, ev, REFRESH_STATES, REFRESH)
+        missing = f.get("missing")
+        if missing:
+            self._violate(r, "not_ready", ev.where,
+                          f"refresh with {len(missing) + (f.get('missing_more') or 0)} tensor(s) missing: "
+                          + ", ".join(str(m) for m in missing[:4]))
+        buffers = f.get("buffers")
+        if not isinstance(buffers, list):
+            return
+        for b in buffers:
+            if not isinstance(b, dict):
+                continue
+            name, ptr = b.get("name"), b.get("data_ptr")
+            if not isinstance(name, str) or not isinstance(ptr, str) or ptr in ("0x0", "0"):
+                continue
+            if r.pinned:
+                pinned = r.pinned_ptrs.get(name)
+                if pinned is None:
+                    if len(r.pinned_ptrs) < MAX_BUFFERS:
+                        r.pinned_ptrs[name] = ptr  # first seen after capture: recorded now
+                elif pinned != ptr:
+                    self._violate(r, "storage_drift", ev.where,
+                                  f"derived buffer {name} moved under captured graphs: data_ptr {pinned} -> {ptr} "
+                                  f"(mode {b.get('mode')})")
+            if name in r.last_ptrs or len(r.last_ptrs) < MAX_BUFFERS:
+                r.last_ptrs[name] = ptr
+
+    # ---- end ----------------------------------------------------------------------------------------------
+    def _end_of_incarnation(self, r: StreamReplay, how: str) -> None:
+        if r.state_name in LOADING_STATES and r.epoch > 0:
+            self._violate(r, "ends_mid_reload", r.last_where,
+                          f"{how} in state {r.state_name}, epoch {r.epoch} (begun at {r.epoch_began or '?'}) "
+                          "never refreshed or aborted")
+
+    def finish(self) -> AuditResult:
+        """End-of-log checks (mid-reload endings, cross-rank epochs) and the result."""
+        by_backbone: dict[str, list[StreamReplay]] = {}
+        for r in self.streams.values():
+            self._end_of_incarnation(r, "log ends")
+            by_backbone.setdefault(r.backbone, []).append(r)
+        for backbone, group in by_backbone.items():
+            epochs = {r.rank: r.epoch for r in group}
+            top = max(epochs.values())
+            if len(set(epochs.values())) > 1:
+                ahead = ", ".join(str(k) for k, e in sorted(epochs.items()) if e == top)
+                for r in sorted(group, key=lambda x: x.rank):
+                    if r.epoch < top:
+                        self._violate(r, "epoch_disagreement", r.last_where,
+                                      f"backbone {backbone}: rank {r.rank} ends at epoch {r.epoch}, rank(s) {ahead} "
+                                      f"at epoch {top}")
+        return AuditResult(
+            inputs=list(self._sources), events=self.events,
+            streams=sorted(self.streams.values(), key=lambda r: (r.backbone, r.rank)),
+            violations=list(self.violations), violation_counts=Counter(self.counts),
+            input_problems=list(self.input_problems), input_problem_count=self.input_problem_count,
+        )
+
+
+def audit_logs(paths: Sequence[str | Path], *, max_details: int = 1000) -> AuditResult:
+    """Audit JSON-lines logs (files, directories, `-` for stdin), streaming."""
+    auditor = Auditor(max_details=max_details)
+    for item in iter_events(paths):
+        auditor.feed(item)
+    return auditor.finish()

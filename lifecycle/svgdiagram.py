@@ -1,0 +1,176 @@
+"""The state diagram as inline SVG, laid out and drawn here from the transition table (no JS, no fonts, no network),
+with the transitions a log actually took highlighted.
+
+Layout: a state's column is the longest path to it from the initial state over edges that lead to a state
+declared later in `LifecycleState` (the forward direction of the lifecycle); states sharing a column stack in
+rows. Edges of the table are grouped per (src, dst) and labelled with their triggers.
+
+>>> svg = state_diagram_svg({("capture_graphs", "DERIVED_REFRESHED", "GRAPH_CAPTURED"): 2}, current={"GRAPH_CAPTURED"})
+>>> svg.count('class="edge taken"'), 'data-state="GRAPH_CAPTURED"' in svg
+(1, True)
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+
+from .states import INITIAL_STATE, TRANSITIONS, LifecycleState
+
+COL_W, ROW_H = 310, 250  # distance between columns / rows
+NODE_W, NODE_H = 150, 44
+LEFT, TOP = 150, 280  # centre of column 0 / row 0
+LINE_H = 13  # label line height
+Edge = tuple[str, str, str]  # (trigger, src, dst)
+
+
+@dataclass
+class _Arc:
+    src: str
+    dst: str
+    labels: list[str] = field(default_factory=list)  # one per table row: "trigger [condition]"
+    triggers: list[str] = field(default_factory=list)
+
+
+@cache
+def layout() -> dict[str, tuple[int, int]]:
+    """State -> (column, row)."""
+    order = {s.value: i for i, s in enumerate(LifecycleState)}
+    col = {s.value: 0 for s in LifecycleState}
+    forward = {(s.value, t.dest.value) for t in TRANSITIONS for s in t.sources if order[t.dest.value] > order[s.value]}
+    for _ in order:  # longest path over a DAG: relax |V| times
+        for a, b in forward:
+            col[b] = max(col[b], col[a] + 1)
+    col[INITIAL_STATE.value] = 0
+    rows: dict[int, int] = {}
+    out = {}
+    for s in LifecycleState:
+        c = col[s.value]
+        out[s.value] = (c, rows.get(c, 0))
+        rows[c] = rows.get(c, 0) + 1
+    return out
+
+
+def _centre(state: str) -> tuple[float, float]:
+    c, r = layout()[state]
+    return LEFT + c * COL_W, TOP + r * ROW_H
+
+
+@cache
+def _arcs() -> tuple[_Arc, ...]:
+    arcs: dict[tuple[str, str], _Arc] = {}
+    for t in TRANSITIONS:
+        for s in t.sources:
+            arc = arcs.setdefault((s.value, t.dest.value), _Arc(s.value, t.dest.value))
+            arc.labels.append(t.trigger + (f" [{t.condition}]" if t.condition else ""))
+            arc.triggers.append(t.trigger)
+    return tuple(arcs.values())
+
+
+def _geometry(src: str, dst: str) -> tuple[str, float, float, str]:
+    """(SVG path, label x, label y, where the label sits: 'above' or 'below' that point) for an edge."""
+    (x1, y1), (x2, y2) = _centre(src), _centre(dst)
+    hw, hh = NODE_W / 2, NODE_H / 2
+    c1, r1 = layout()[src]
+    c2, r2 = layout()[dst]
+    span = abs(c2 - c1)
+    if src == dst:  # a loop under the node
+        return (f"M{x1 - 26},{y1 + hh} C{x1 - 60},{y1 + hh + 60} {x1 + 60},{y1 + hh + 60} {x1 + 26},{y1 + hh}",
+                x1, y1 + hh + 50, "below")
+    if r1 == r2:
+        if c2 == c1 + 1:  # forward neighbour: straight, labelled above
+            return f"M{x1 + hw},{y1} L{x2 - hw},{y2}", (x1 + x2) / 2, y1 - 8, "above"
+        if c2 > c1:  # forward, skipping columns: under the row, deeper than the loops
+            d = 2 * (60 + 35 * span)
+            return (f"M{x1 + 30},{y1 + hh} Q{(x1 + x2) / 2},{y1 + hh + d} {x2 - 30},{y2 + hh}",
+                    (x1 + x2) / 2, y1 + hh + d / 2 - 2, "below")
+        h = 40 + 50 * span  # backward: over the row, wider spans higher; ends spread over the node's top
+        sx, ex = x1 - 12 * span, x2 + 12 * span
+        return (f"M{sx},{y1 - hh} Q{(sx + ex) / 2},{y1 - hh - 2 * h} {ex},{y2 - hh}",
+                (sx + ex) / 2, y1 - hh - h - 5, "above")
+    if r2 > r1:  # down a row: from the bottom right of src to the left side (or top, if adjacent) of dst
+        sx = x1 + 48
+        if span <= 1:
+            return (f"M{sx},{y1 + hh} C{sx + 40},{y2 - 90} {x2 - 40},{y2 - hh - 60} {x2 - 40},{y2 - hh}",
+                    (sx + x2) / 2 + 30, (y1 + y2) / 2 + 30, "above")
+        return (f"M{sx},{y1 + hh} C{sx},{y2 - 10} {x2 - hw - 80},{y2} {x2 - hw},{y2}",
+                x2 - hw - 70, y2 - 8, "above")
+    # up a row: from the bottom of src round under everything to the bottom left of dst
+    lowest = TOP + max(r for _, r in layout().values()) * ROW_H + hh
+    return (f"M{x1},{y1 + hh} C{x1},{lowest + 90} {x2 - 70},{lowest + 90} {x2 - 52},{y2 + hh}",
+            (x1 + x2) / 2, lowest + 58, "below")
+
+
+def _label(x: float, y: float, side: str, lines: list[str], classes: list[str]) -> str:
+    n = len(lines)
+    first = y - (n - 1) * LINE_H if side == "above" else y + LINE_H
+    spans = "".join(
+        f'<tspan x="{x:.1f}" y="{first + i * LINE_H:.1f}" class="{classes[i]}">{html.escape(line)}</tspan>'
+        for i, line in enumerate(lines))
+    return f'<text class="edge-label" text-anchor="middle">{spans}</text>'
+
+
+def state_diagram_svg(taken: Mapping[Edge, int], *, illegal: Mapping[Edge, int] | None = None,
+                      visited: Collection[str] = (), current: Collection[str] = (), uid: str = "d") -> str:
+    """The table as an SVG state diagram. `taken`: (trigger, src, dst) -> how often the log took it (drawn
+    thick, with the count); `illegal`: transitions the log took that the table does not have (red, dashed);
+    `visited` and `current` states are filled and outlined."""
+    illegal = illegal or {}
+    cols = max(c for c, _ in layout().values()) + 1
+    rows = max(r for _, r in layout().values()) + 1
+    width = LEFT * 2 + (cols - 1) * COL_W
+    height = TOP + (rows - 1) * ROW_H + NODE_H / 2 + 120
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="state-diagram" id="{uid}" viewBox="0 0 {width} '
+        f'{height:.0f}" width="{width}" height="{height:.0f}" role="img" aria-label="reload lifecycle state diagram">',
+        "<defs>",
+        *(f'<marker id="{uid}-{kind}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="11" markerHeight="11" '
+          f'orient="auto-start-reverse" markerUnits="userSpaceOnUse">'
+          f'<path d="M0,0 L10,5 L0,10 z" class="arrow-{kind}"/></marker>'
+          for kind in ("plain", "taken", "illegal")),
+        "</defs>",
+    ]
+    ix, iy = _centre(INITIAL_STATE.value)
+    parts.append(f'<circle class="initial" cx="{ix - NODE_W / 2 - 40}" cy="{iy}" r="7"/>'
+                 f'<path class="edge" d="M{ix - NODE_W / 2 - 33},{iy} L{ix - NODE_W / 2},{iy}" '
+                 f'marker-end="url(#{uid}-plain)"/>')
+    for arc in _arcs():
+        d, lx, ly, side = _geometry(arc.src, arc.dst)
+        counts = [taken.get((t, arc.src, arc.dst), 0) for t in arc.triggers]
+        n = sum(dict(zip(arc.triggers, counts, strict=True)).values())  # a trigger on two rows counts once
+        cls = "edge taken" if n else "edge"
+        parts.append(f'<path class="{cls}" d="{d}" data-src="{arc.src}" data-dst="{arc.dst}" '
+                     f'marker-end="url(#{uid}-{"taken" if n else "plain"})"><title>{html.escape(arc.src)} → '
+                     f'{html.escape(arc.dst)}: {html.escape(", ".join(arc.labels))}</title></path>')
+        seen: set[str] = set()
+        lines, classes = [], []
+        for label, trig, k in zip(arc.labels, arc.triggers, counts, strict=True):
+            head, _, cond = label.partition(" ")
+            if k and trig not in seen:
+                head += f" ×{k}"
+            seen.add(trig)
+            lines += [head, cond] if cond else [head]
+            classes += ["taken" if k else "", "cond"] if cond else ["taken" if k else ""]
+        parts.append(_label(lx, ly, side, lines, classes))
+    for (trigger, src, dst), k in illegal.items():
+        if src not in layout() or dst not in layout():
+            continue
+        (x1, y1), (x2, y2) = _centre(src), _centre(dst)
+        y1, y2 = y1 + NODE_H / 2, y2 + NODE_H / 2
+        depth = 70 + 25 * abs(x2 - x1) / COL_W
+        parts.append(f'<path class="edge illegal" d="M{x1 + 10},{y1} Q{(x1 + x2) / 2},{max(y1, y2) + 2 * depth} '
+                     f'{x2 - 10},{y2}" marker-end="url(#{uid}-illegal)"><title>illegal: {html.escape(trigger)} '
+                     f'{src} → {dst}</title></path>')
+        parts.append(f'<text class="edge-label illegal" x="{(x1 + x2) / 2:.1f}" y="{max(y1, y2) + depth + 16:.1f}" '
+                     f'text-anchor="middle">illegal: {html.escape(trigger)} ×{k}</text>')
+    for state in LifecycleState:
+        x, y = _centre(state.value)
+        cls = ["state"] + (["visited"] if state.value in visited else []) + (
+            ["current"] if state.value in current else [])
+        parts.append(f'<g class="{" ".join(cls)}" data-state="{state.value}">'
+                     f'<rect x="{x - NODE_W / 2}" y="{y - NODE_H / 2}" width="{NODE_W}" height="{NODE_H}" rx="10"/>'
+                     f'<text x="{x}" y="{y + 4.5}" text-anchor="middle">{state.value}</text></g>')
+    parts.append("</svg>")
+    return "".join(parts)
