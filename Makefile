@@ -35,7 +35,13 @@ demo: $(STAMP)
 demo-vllm: $(VLLM_STAMP)
 	$(BIN)/reload-lifecycle demo --engine vllm
 
-test: $(VLLM_STAMP)
+# The HTML report's test renders it in headless Chromium (Debian's `chromium`; installing it needs root).
+CHROMIUM ?= /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update
+	DEBIAN_FRONTEND=noninteractive apt-get install -y chromium
+
+test: $(VLLM_STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
