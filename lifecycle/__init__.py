@@ -11,15 +11,21 @@ from .errors import (
     IllegalTransitionError,
     LayersNotReadyError,
     LifecycleError,
+    NonFiniteWeightError,
     QuarantinedError,
+    RecoveryError,
+    RefreshInterruptedError,
+    SessionClosedError,
     SourceLayoutError,
     StorageDriftError,
     StorageReallocationError,
     UnknownWeightError,
     WeightShapeError,
+    WeightWriteError,
 )
 from .hooks import Phase, post_load_hook
 from .machine import BackboneLifecycle
+from .session import ReloadSession, WeightSnapshot
 from .states import TRANSITIONS, LifecycleState, Transition
 from .storage import PinnedStorage, StorageIdentity, count_allocations
 from .types import BufferReport, RefreshReport, TensorSpec
@@ -37,10 +43,15 @@ __all__ = [
     "LayersNotReadyError",
     "LifecycleError",
     "LifecycleState",
+    "NonFiniteWeightError",
     "Phase",
     "PinnedStorage",
     "QuarantinedError",
+    "RecoveryError",
+    "RefreshInterruptedError",
     "RefreshReport",
+    "ReloadSession",
+    "SessionClosedError",
     "SourceLayoutError",
     "StorageDriftError",
     "StorageIdentity",
@@ -49,6 +60,8 @@ __all__ = [
     "Transition",
     "UnknownWeightError",
     "WeightShapeError",
+    "WeightSnapshot",
+    "WeightWriteError",
     "alias",
     "concat",
     "configure_audit",

@@ -16,6 +16,13 @@ Every refresh runs in two phases. `plan_refresh` validates EVERY buffer (sources
 layout, the new layout equal to the existing buffer's) and raises before anything is written. `apply_refresh`
 then writes: a cold build allocates once; every later refresh copies into the existing storage, only the
 slices whose sources were written in this epoch, and checks afterwards that no storage moved.
+
+All fallible work happens in the plan: every builder runs there (`per_layer` functions, `custom` builds,
+`torch.cat` / `torch.stack` of a cold build), and every copy is checked there to have equal shape, dtype and
+device at both ends. So a builder that raises leaves every buffer as it was. The apply phase only registers
+buffers (cold build, alias) and runs `copy_`s between those checked tensors. Should one of them raise anyway
+(a device fault), `apply_refresh` raises `RefreshInterruptedError` naming every buffer it touched; the backbone
+records them as torn, keeps its state (FULLY_LOADED, not usable) and rewrites them fully at the next refresh.
 """
 
 from __future__ import annotations
@@ -29,7 +36,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .errors import LayersNotReadyError, SourceLayoutError, StorageDriftError, StorageReallocationError
+from .errors import (
+    LayersNotReadyError,
+    RefreshInterruptedError,
+    SourceLayoutError,
+    StorageDriftError,
+    StorageReallocationError,
+)
 from .readiness import layer_of
 from .storage import StorageIdentity, describe_changes
 from .types import BufferReport, RefreshReport, TensorSpec
@@ -247,11 +260,12 @@ def plan_refresh(
         slices = [spec.per_layer(layer) for layer in layers]
         shapes = {tuple(s.shape) for s in slices}
         dtypes = {s.dtype for s in slices}
-        if len(dtypes) > 1 or (spec.kind == "stack" and len(shapes) > 1) or (
+        if len(dtypes) > 1 or len({s.device for s in slices}) > 1 or (spec.kind == "stack" and len(shapes) > 1) or (
             spec.kind == "concat" and len({sh[:spec.dim] + sh[spec.dim + 1:] for sh in shapes}) > 1
         ):
             sources.layout.append(f"{spec.kind} {spec.name}: per-layer slices disagree: shapes "
-                                   f"{sorted(shapes)}, dtypes {sorted(map(_dtype, dtypes))}")
+                                   f"{sorted(shapes)}, dtypes {sorted(map(_dtype, dtypes))}, devices "
+                                   f"{sorted({str(s.device) for s in slices})}")
             continue
         if spec.kind == "stack":
             lengths = [1] * len(slices)
@@ -302,34 +316,15 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     t0 = time.perf_counter()
     report = RefreshReport()
     before: dict[str, StorageIdentity] = {}
+    touched: list[str] = []
     for bp in plan.buffers:
-        spec = bp.spec
-        rep = BufferReport(spec.name, spec.kind, bp.mode, slices_total=bp.slices_total, reason=bp.reason)
-        if bp.mode in ("cold", "alias"):
-            assert bp.new_tensor is not None
-            if bp.mode == "cold":
-                rep.elements_written = bp.new_tensor.numel()
-                rep.slices_written = bp.slices_total
-            backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
-        elif bp.mode == "in_place":
-            buf = bp.existing
-            assert buf is not None
-            before[spec.name] = StorageIdentity.of(buf)
-            for start, length, src in bp.copies:
-                if spec.kind == "custom":
-                    dst = buf
-                elif spec.kind == "stack":
-                    dst = buf[start]
-                else:
-                    dst = buf.narrow(spec.dim, start, length)
-                dst.copy_(src)
-                rep.elements_written += dst.numel()
-            rep.slices_written = len(bp.copies) if spec.kind != "custom" else 0
-        live = current_buffer(backbone, spec.name)
-        if live is not None:
-            rep.nbytes = live.numel() * live.element_size()
-            rep.data_ptr = live.data_ptr()
-        report.buffers.append(rep)
+        if bp.mode in ("cold", "alias", "in_place"):
+            touched.append(bp.spec.name)
+        try:
+            _apply_one(backbone, bp, report, before)
+        except Exception as e:
+            raise RefreshInterruptedError(bp.spec.name, touched, e, backbone=plan.context.get("backbone", "?"),
+                                          state=plan.context.get("state", "?")) from e
 
     drift = [
         line
@@ -341,3 +336,34 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
                                 state=plan.context.get("state", "?"))
     report.duration_ms = (time.perf_counter() - t0) * 1e3
     return report
+
+
+def _apply_one(backbone: nn.Module, bp: _BufferPlan, report: RefreshReport,
+               before: dict[str, StorageIdentity]) -> None:
+    spec = bp.spec
+    rep = BufferReport(spec.name, spec.kind, bp.mode, slices_total=bp.slices_total, reason=bp.reason)
+    if bp.mode in ("cold", "alias"):
+        assert bp.new_tensor is not None
+        if bp.mode == "cold":
+            rep.elements_written = bp.new_tensor.numel()
+            rep.slices_written = bp.slices_total
+        backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
+    elif bp.mode == "in_place":
+        buf = bp.existing
+        assert buf is not None
+        before[spec.name] = StorageIdentity.of(buf)
+        for start, length, src in bp.copies:
+            if spec.kind == "custom":
+                dst = buf
+            elif spec.kind == "stack":
+                dst = buf[start]
+            else:
+                dst = buf.narrow(spec.dim, start, length)
+            dst.copy_(src)
+            rep.elements_written += dst.numel()
+        rep.slices_written = len(bp.copies) if spec.kind != "custom" else 0
+    live = current_buffer(backbone, spec.name)
+    if live is not None:
+        rep.nbytes = live.numel() * live.element_size()
+        rep.data_ptr = live.data_ptr()
+    report.buffers.append(rep)

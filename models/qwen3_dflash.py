@@ -159,7 +159,7 @@ class DFlashQwen3Draft(DraftBackbone):
     )
 
     def __init__(self, config: DFlashConfig | None = None, *, device: str | torch.device = "meta",
-                 name: str = "dflash", rank: int = 0) -> None:
+                 name: str = "dflash", rank: int = 0, locked: bool = False) -> None:
         super().__init__()
         c = self.config = config or DFlashConfig()
         with torch.device(device):
@@ -168,7 +168,7 @@ class DFlashQwen3Draft(DraftBackbone):
             self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.to(c.dtype)
-        self.init_lifecycle(name, rank=rank)
+        self.init_lifecycle(name, rank=rank, locked=locked)  # locked: loaded from several threads
 
     # A one-time cold-start transform: the RoPE tables are computed once. Replaying this on reload would give
     # the cache new storage under the alias that captured graphs read, so it opts into cold_load only.
