@@ -8,6 +8,7 @@ from .backbone import DraftBackbone
 from .derived import DerivedSpec, alias, concat, custom, stack
 from .errors import (
     CheckpointError,
+    DerivedBuildError,
     IllegalTransitionError,
     LayersNotReadyError,
     LifecycleError,
@@ -37,6 +38,7 @@ __all__ = [
     "BackboneLifecycle",
     "BufferReport",
     "CheckpointError",
+    "DerivedBuildError",
     "DerivedSpec",
     "DraftBackbone",
     "IllegalTransitionError",

@@ -31,13 +31,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from torch import nn
 
 from .errors import (
+    DerivedBuildError,
     LayersNotReadyError,
+    LifecycleError,
     RefreshInterruptedError,
     SourceLayoutError,
     StorageDriftError,
@@ -48,6 +50,7 @@ from .storage import StorageIdentity, describe_changes
 from .types import BufferReport, RefreshReport, TensorSpec
 
 Kind = Literal["concat", "stack", "alias", "custom"]
+T = TypeVar("T")
 PerLayer = Callable[[nn.Module], torch.Tensor]
 
 
@@ -188,6 +191,23 @@ class _SourceCheck:
         return not wrong, "; ".join(wrong)
 
 
+def _built(spec: DerivedSpec, step: str, context: Mapping[str, str], fn: Callable[[T], torch.Tensor], arg: T
+           ) -> torch.Tensor:
+    """Run one builder step of the plan; an exception in it becomes a DerivedBuildError naming the buffer and
+    the step (nothing was written: builders only run in the plan)."""
+    try:
+        out = fn(arg)
+    except LifecycleError:
+        raise
+    except Exception as e:
+        raise DerivedBuildError(spec.name, step, e, backbone=context.get("backbone", "?"),
+                                state=context.get("state", "?")) from e
+    if not isinstance(out, torch.Tensor):
+        raise DerivedBuildError(spec.name, step, TypeError(f"returned {type(out).__name__}, not a tensor"),
+                                backbone=context.get("backbone", "?"), state=context.get("state", "?"))
+    return out
+
+
 def _dtype(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
@@ -242,7 +262,7 @@ def plan_refresh(
                 plans.append(_BufferPlan(spec, "skipped", existing=existing))
                 continue
             assert spec.build is not None
-            value = spec.build(backbone)
+            value = _built(spec, "build", context, spec.build, backbone)
             if existing is None:
                 plans.append(_BufferPlan(spec, "cold", new_tensor=value.detach().clone().contiguous()))
             elif (tuple(value.shape), value.dtype, value.device) != (
@@ -257,7 +277,8 @@ def plan_refresh(
         # concat / stack: one slice per layer
         assert spec.per_layer is not None
         layers = _layers(backbone, spec.layers_attr)
-        slices = [spec.per_layer(layer) for layer in layers]
+        slices = [_built(spec, f"per_layer for {spec.layers_attr}.{i}", context, spec.per_layer, layer)
+                  for i, layer in enumerate(layers)]
         shapes = {tuple(s.shape) for s in slices}
         dtypes = {s.dtype for s in slices}
         if len(dtypes) > 1 or len({s.device for s in slices}) > 1 or (spec.kind == "stack" and len(shapes) > 1) or (
@@ -276,7 +297,8 @@ def plan_refresh(
             lengths = [s.shape[dim] for s in slices]
             new_shape = tuple(sum(lengths) if d == dim else n for d, n in enumerate(slices[0].shape))
         if existing is None:
-            built = torch.stack(slices) if spec.kind == "stack" else torch.cat(slices, dim)
+            join = torch.stack if spec.kind == "stack" else partial(torch.cat, dim=dim)
+            built = _built(spec, spec.kind, context, join, slices)
             plans.append(_BufferPlan(spec, "cold", new_tensor=built.contiguous(), slices_total=len(slices)))
             continue
         if (new_shape != tuple(existing.shape) or slices[0].dtype != existing.dtype

@@ -131,6 +131,21 @@ class QuarantinedError(LifecycleError):
         self.quarantine_reason = quarantine_reason
 
 
+class DerivedBuildError(LifecycleError):
+    """A derived buffer's builder (`per_layer`, `build`) raised. Builders run while the refresh is planned, before
+    any write: no buffer was written, the state is unchanged."""
+
+    def __init__(self, buffer: str, step: str, cause: BaseException, *, backbone: str, state: str) -> None:
+        super().__init__(
+            f"building derived buffer {buffer} failed in {step}: {type(cause).__name__}: {cause}; no buffer was "
+            "written",
+            backbone=backbone,
+            state=state,
+        )
+        self.buffer = buffer
+        self.step = step
+
+
 class RecoveryError(LifecycleError):
     """`recover()` was asked for, but the weights were not rolled back exactly to a set the derived buffers
     still match (no rollback, an incomplete one, a reload that did not start from a refreshed state, or derived
