@@ -163,7 +163,9 @@ def plan_buckets(names: Sequence[str], layer_key: Callable[[str], str], *, bucke
 
 @torch.no_grad()
 def write_tensor(module: nn.Module, name: str, value: torch.Tensor, device: torch.device | str) -> None:
-    """Copy into the existing tensor (same storage), or materialise a META placeholder."""
+    """Copy into the existing tensor (same storage), or materialise a META placeholder as a copy: it never shares
+    storage with `value` (a trainer may reuse its buffer; a tensor read by safetensors is a view of the file's
+    memory map, which changes if the file is rewritten in place)."""
     path, _, leaf = name.rpartition(".")
     owner = module.get_submodule(path) if path else module
     is_param = leaf in owner._parameters
@@ -171,6 +173,8 @@ def write_tensor(module: nn.Module, name: str, value: torch.Tensor, device: torc
     assert current is not None
     if current.is_meta:
         fresh = value.to(device=device, dtype=current.dtype).contiguous()
+        if fresh.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
+            fresh = fresh.clone()
         if is_param:
             owner._parameters[leaf] = nn.Parameter(fresh, requires_grad=False)
         else:

@@ -132,7 +132,8 @@ def test_session_reload_from_threads_commits_in_place(tiny_cfg: DFlashConfig, ck
         s.commit()
     assert lc.state is S.GRAPH_CAPTURED
     assert len(fully_loaded_transitions(logs)) == 1
-    assert Counter(e["layer"] for e in logs if e["event"] == "layer_ready") == Counter(list(lc.readiness.tensors_of_layer))
+    ready = Counter(e["layer"] for e in logs if e["event"] == "layer_ready")
+    assert ready == Counter(list(lc.readiness.tensors_of_layer))
     assert_chain(logs, S.GRAPH_CAPTURED)
     assert s.snapshot_bytes == sum(p.numel() * 4 for p in m.parameters())
     assert all(torch.equal(m.get_parameter(n), w) for n, w in weights.items())

@@ -28,7 +28,7 @@ from lifecycle.errors import (
     WeightWriteError,
 )
 from lifecycle.hooks import Phase
-from lifecycle.loading import load_safetensors, write_tensor
+from lifecycle.loading import load_safetensors, write_checkpoint, write_tensor
 from lifecycle.states import LifecycleState
 from models.qwen3_dflash import DFlashConfig, random_weights
 
@@ -444,3 +444,25 @@ def test_cold_load_session_failing_later_puts_meta_placeholders_back(tiny_cfg: D
         s.commit()
     assert lc.state is S.DERIVED_REFRESHED
     assert_derived_current(m)
+
+
+@pytest.mark.parametrize("how", ["rewritten_in_place", "replaced"])
+def test_rewriting_the_checkpoint_after_a_cold_load_changes_no_weight(tiny_cfg: DFlashConfig, tmp_path: Path,
+                                                                     how: str) -> None:
+    """safetensors hands out views of the file's memory map; a cold load must copy them, or a trainer writing
+    the next checkpoint to the same path changes (or, truncating it, crashes) the loaded weights."""
+    import struct
+
+    path = write_checkpoint(random_weights(tiny_cfg, 0), tmp_path / "ckpt.safetensors")
+    m = FaultyDraft(tiny_cfg)
+    load_safetensors(m, path)
+    before = snapshot(m)
+    if how == "rewritten_in_place":
+        data = bytearray(path.read_bytes())
+        header = 8 + struct.unpack("<Q", data[:8])[0]
+        data[header:] = bytes(len(data) - header)
+        with path.open("r+b") as fh:
+            fh.write(bytes(data))
+    else:
+        write_checkpoint(random_weights(tiny_cfg, 1), path)
+    assert_same(m, before)
