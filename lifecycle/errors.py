@@ -199,5 +199,5 @@ class RefreshInterruptedError(LifecycleError):
         self.touched = tuple(touched)
 
 
-class SessionClosedError(LifecycleError):
-    """A reload session was used after it committed or aborted."""
+class SessionStateError(LifecycleError):
+    """A reload session was used out of order: begun twice, or used after it committed or aborted."""

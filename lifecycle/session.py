@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from .errors import NonFiniteWeightError, SessionClosedError
+from .errors import NonFiniteWeightError, SessionStateError
 from .loading import LoadReport, Writer, apply_bucket, load_safetensors, non_finite
 from .states import LifecycleState, allowed_triggers
 from .types import RefreshReport
@@ -169,7 +169,7 @@ class ReloadSession:
     def _require_open(self, what: str) -> None:
         if self.status != "open":
             lc = self.backbone.lifecycle
-            raise SessionClosedError(f"{what} refused: the reload session is {self.status}"
+            raise SessionStateError(f"{what} refused: the reload session is {self.status}"
                                      + (f" ({self.abort_reason})" if self.abort_reason else ""),
                                      backbone=lc.name, state=lc.state.value)
 
@@ -179,9 +179,12 @@ class ReloadSession:
     # ---- BEGIN ----------------------------------------------------------------------------------------------
     def begin(self) -> int:
         """`begin_reload()` (a cold load from META needs none). Returns the epoch."""
-        if self.status != "new":
-            self._require_open("begin")  # raises: sessions are single use
         lc = self.backbone.lifecycle
+        if self.status == "open":  # sessions are single use
+            raise SessionStateError("begin refused: the reload session has begun already", backbone=lc.name,
+                                    state=lc.state.value)
+        if self.status != "new":
+            self._require_open("begin")
         self.epoch = lc.epoch if lc.state is LifecycleState.META else self.backbone.begin_reload()
         self.status = "open"
         self._audit("begin", rollback=self.rollback, finite_check=self.finite_check)

@@ -21,7 +21,7 @@ from reference import assert_derived_current, assert_same, snapshot
 from structlog.testing import capture_logs
 from torch import nn
 
-from lifecycle.errors import IllegalTransitionError, LifecycleError, NonFiniteWeightError, SessionClosedError
+from lifecycle.errors import IllegalTransitionError, LifecycleError, NonFiniteWeightError, SessionStateError
 from lifecycle.loading import apply_bucket, load_safetensors, write_tensor
 from lifecycle.states import LifecycleState
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
@@ -166,7 +166,7 @@ def test_abort_mid_threaded_reload_rolls_back_every_write(tiny_cfg: DFlashConfig
                     except NonFiniteWeightError:
                         failed.set()
                         return
-                    except (IllegalTransitionError, SessionClosedError) as e:  # after the abort
+                    except (IllegalTransitionError, SessionStateError) as e:  # after the abort
                         refused.append(e)
                         return
             return work

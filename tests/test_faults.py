@@ -466,3 +466,14 @@ def test_rewriting_the_checkpoint_after_a_cold_load_changes_no_weight(tiny_cfg: 
     else:
         write_checkpoint(random_weights(tiny_cfg, 1), path)
     assert_same(m, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_finite_check_counts_nan_and_inf_in_every_float_dtype(dtype: torch.dtype) -> None:
+    from lifecycle.loading import non_finite
+
+    values = torch.tensor([1.0, float("nan"), float("nan"), float("inf"), -2.0])
+    has_inf = dtype is not torch.float8_e4m3fn  # e4m3fn has no Inf: casting one gives a finite value
+    want = "2 NaN, 1 Inf" if has_inf else "2 NaN, 0 Inf"
+    assert non_finite([("w", values.to(dtype)), ("ok", torch.ones(3, dtype=dtype))]) == [f"w: {want} of 5 elements"]

@@ -10,7 +10,7 @@ from reference import assert_derived_current, assert_same, snapshot
 from structlog.testing import capture_logs
 
 from lifecycle import ReloadSession
-from lifecycle.errors import IllegalTransitionError, QuarantinedError, RecoveryError, SessionClosedError
+from lifecycle.errors import IllegalTransitionError, QuarantinedError, RecoveryError, SessionStateError
 from lifecycle.loading import load_safetensors
 from lifecycle.states import LifecycleState
 from lifecycle.storage import count_allocations
@@ -53,6 +53,9 @@ def test_committed_session_equals_a_cold_load_in_place(loaded: DFlashQwen3Draft,
 def test_explicit_phases_and_selective_commit(loaded: DFlashQwen3Draft, ckpt_b: Path) -> None:
     s = ReloadSession(loaded, keep_untouched=True)
     assert s.begin() == 1 and loaded.lifecycle.state is S.PARTIALLY_LOADED
+    with pytest.raises(SessionStateError, match="begun already"):
+        s.begin()
+    assert loaded.lifecycle.epoch == 1
     s.load(ckpt_b, subset=lambda n: n.startswith("layers.1."))
     assert s.finalize() == []  # no reload hooks on DFlash; the cold_load one never replays
     assert s.verify() == 0  # nothing pinned, no finite check asked
@@ -77,7 +80,7 @@ def test_a_closed_session_refuses_everything(loaded: DFlashQwen3Draft, ckpt_b: P
         s.abort("operator said stop")
         for call in (lambda: s.apply({}), lambda: s.load(ckpt_b), s.finalize, s.verify, s.commit,
                      lambda: s.abort("again"), s.begin):
-            with pytest.raises(SessionClosedError, match=r"aborted \(operator said stop\)"):
+            with pytest.raises(SessionStateError, match=r"aborted \(operator said stop\)"):
                 call()
     assert loaded.lifecycle.state is S.QUARANTINED and s.recoverable
     assert loaded.recover() is S.DERIVED_REFRESHED
