@@ -8,18 +8,25 @@ from .backbone import DraftBackbone
 from .derived import DerivedSpec, alias, concat, custom, stack
 from .errors import (
     CheckpointError,
+    DerivedBuildError,
     IllegalTransitionError,
     LayersNotReadyError,
     LifecycleError,
+    NonFiniteWeightError,
     QuarantinedError,
+    RecoveryError,
+    RefreshInterruptedError,
+    SessionStateError,
     SourceLayoutError,
     StorageDriftError,
     StorageReallocationError,
     UnknownWeightError,
     WeightShapeError,
+    WeightWriteError,
 )
 from .hooks import Phase, post_load_hook
 from .machine import BackboneLifecycle
+from .session import ReloadSession, WeightSnapshot
 from .states import TRANSITIONS, LifecycleState, Transition
 from .storage import PinnedStorage, StorageIdentity, count_allocations
 from .types import BufferReport, RefreshReport, TensorSpec
@@ -31,16 +38,22 @@ __all__ = [
     "BackboneLifecycle",
     "BufferReport",
     "CheckpointError",
+    "DerivedBuildError",
     "DerivedSpec",
     "DraftBackbone",
     "IllegalTransitionError",
     "LayersNotReadyError",
     "LifecycleError",
     "LifecycleState",
+    "NonFiniteWeightError",
     "Phase",
     "PinnedStorage",
     "QuarantinedError",
+    "RecoveryError",
+    "RefreshInterruptedError",
     "RefreshReport",
+    "ReloadSession",
+    "SessionStateError",
     "SourceLayoutError",
     "StorageDriftError",
     "StorageIdentity",
@@ -49,6 +62,8 @@ __all__ = [
     "Transition",
     "UnknownWeightError",
     "WeightShapeError",
+    "WeightSnapshot",
+    "WeightWriteError",
     "alias",
     "concat",
     "configure_audit",

@@ -73,20 +73,23 @@ for _t in TRANSITIONS:
 # What the replay must know about the table's names: guards and conditions it can check from a log, and the
 # triggers whose effect (beyond the state) it replays. `unknown_table_names()` is empty for the shipped table.
 READY_CONDITIONS = frozenset({"all_layers_ready"})
+PINNED_CONDITIONS = frozenset({"has_pinned_graphs"})
+RECOVERY_GUARDS = frozenset({"require_recoverable"})  # the abort_reload event says whether recovery is allowed
 READY_GUARDS = frozenset({"require_all_layers_ready"})
 PINNED_GUARDS = frozenset({"require_pinned"})
 STORAGE_GUARDS = frozenset({"require_pinned_unchanged"})  # checked through storage_check events
-BEGIN, CAPTURE, RELEASE, REFRESH, WEIGHTS = (
-    "begin_reload", "capture_graphs", "release_graphs", "refresh_derived", "weights_loaded")
+BEGIN, CAPTURE, RELEASE, REFRESH, WEIGHTS, ABORT = (
+    "begin_reload", "capture_graphs", "release_graphs", "refresh_derived", "weights_loaded", "abort_reload")
 
 
 def unknown_table_names(transitions: Iterable[Transition] = TRANSITIONS) -> list[str]:
     """Guards, conditions and effect triggers the replay does not understand (must be empty)."""
     transitions = tuple(transitions)
     triggers = {t.trigger for t in transitions}
-    known_guards = READY_GUARDS | PINNED_GUARDS | STORAGE_GUARDS
+    known_guards = READY_GUARDS | PINNED_GUARDS | STORAGE_GUARDS | RECOVERY_GUARDS
     out = [f"guard {g}" for t in transitions for g in t.guards if g not in known_guards]
-    out += [f"condition {t.condition}" for t in transitions if t.condition and t.condition not in READY_CONDITIONS]
+    known_conditions = READY_CONDITIONS | PINNED_CONDITIONS
+    out += [f"condition {t.condition}" for t in transitions if t.condition and t.condition not in known_conditions]
     out += [f"trigger {name}" for name in (BEGIN, CAPTURE, RELEASE, REFRESH, WEIGHTS) if name not in triggers]
     return sorted(set(out))
 
@@ -132,6 +135,7 @@ class StreamReplay:
     ready: set[str] = field(default_factory=set)
     ready_extra: int = 0
     pinned: bool = False
+    recoverable: bool = False
     pinned_ptrs: dict[str, str] = field(default_factory=dict)
     last_ptrs: dict[str, str] = field(default_factory=dict)
     epoch_done: bool = True
@@ -371,9 +375,12 @@ class Auditor:
             r.edges[edge] += 1
             if row.condition in READY_CONDITIONS or READY_GUARDS.intersection(row.guards):
                 self._check_ready(r, ev, f"{trigger} {src} -> {dst}")
-            if not r.pinned and PINNED_GUARDS.intersection(row.guards):
+            if not r.pinned and (PINNED_GUARDS.intersection(row.guards) or row.condition in PINNED_CONDITIONS):
                 self._violate(r, "illegal_transition", ev.where,
-                              f"{trigger} without captured graphs (guard {', '.join(PINNED_GUARDS)})")
+                              f"{trigger} {src} -> {dst} without captured graphs")
+            if not r.recoverable and RECOVERY_GUARDS.intersection(row.guards):
+                self._violate(r, "illegal_transition", ev.where,
+                              f"{trigger} after an abort that was not recoverable (not rolled back exactly)")
         if trigger == BEGIN:
             self._new_epoch(r, ev, f["epoch"])
             r.epochs_begun += 1
@@ -383,6 +390,10 @@ class Auditor:
         elif trigger == RELEASE:
             r.pinned = False
             r.pinned_ptrs.clear()
+        elif trigger == ABORT:
+            r.recoverable = f.get("recoverable") is True
+        if RECOVERY_GUARDS.intersection(row.guards if row is not None else ()):
+            r.recoverable = False  # recovered once; the next recover needs another exact rollback
         r.state_name = dst
         r.visited.add(dst)
         if dst not in LOADING_STATES and dst != _INITIAL:

@@ -22,19 +22,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from .derived import DerivedSpec, apply_refresh, current_buffer, plan_refresh, resolve_tensor
-from .errors import LayersNotReadyError, QuarantinedError
+from .errors import LayersNotReadyError, QuarantinedError, RefreshInterruptedError
 from .hooks import Hook, Phase, collect_hooks
-from .machine import BackboneLifecycle
+from .machine import USABLE_STATES, BackboneLifecycle
 from .states import LifecycleState
 from .types import RefreshReport, TensorSpec
 
-_USABLE = (LifecycleState.DERIVED_REFRESHED, LifecycleState.GRAPH_CAPTURED)
+if TYPE_CHECKING:
+    from .loading import Writer
+    from .session import ReloadSession
 
 
 class DraftBackbone(nn.Module):
@@ -157,16 +159,21 @@ class DraftBackbone(nn.Module):
             raise ValueError(f"backbone {lc.name!r}: rebuild=True needs release_graphs() first (storage is pinned)")
 
         def refresh() -> RefreshReport:
-            # a buffer leaving fallback kept values from before it was disabled: every slice of it is stale
+            # a buffer leaving fallback kept values from before it was disabled, and one an interrupted refresh
+            # touched may be torn: every slice of either is stale
+            stale = set(self._derived_fallbacks) | lc.torn_buffers
             dirty = lc.readiness.dirty_tensors() | {
-                n for spec in self.derived_buffers if spec.name in self._derived_fallbacks
-                for n in spec.source_names(self)}
+                n for spec in self.derived_buffers if spec.name in stale for n in spec.source_names(self)}
             plan = plan_refresh(
                 self, self.derived_buffers, tensor_specs=lc.specs, dirty=dirty,
                 context={"backbone": lc.name, "state": lc.state.value}, full=full,
                 pinned=lc.graphs_pinned, allow_realloc=rebuild, resolve=self.live_tensor,
             )
-            report = apply_refresh(self, plan)
+            try:
+                report = apply_refresh(self, plan)
+            except RefreshInterruptedError as e:
+                lc.note_derived_torn(e.touched)
+                raise
             for b in report.buffers:
                 if b.mode == "fallback":
                     self._derived_fallbacks[b.name] = b.reason
@@ -186,15 +193,38 @@ class DraftBackbone(nn.Module):
         self.lifecycle.release_graphs()
 
     def abort_reload(self, reason: str) -> None:
+        """Quarantine without a rollback (the weights keep what the aborted reload wrote; not recoverable).
+        A `reload_session(rollback=True)` aborts with an exact rollback instead."""
         self.lifecycle.abort_reload(reason)
 
+    def recover(self) -> LifecycleState:
+        """Leave QUARANTINED without a reload, once an aborted reload was rolled back exactly (see
+        `reload_session(rollback=True)`): back to DERIVED_REFRESHED, or GRAPH_CAPTURED while graphs are pinned.
+        `RecoveryError` says why not otherwise. Returns the new state."""
+        return self.lifecycle.recover()
+
+    def reload_session(self, *, rollback: bool = False, finite_check: bool = False, keep_untouched: bool = False,
+                       device: torch.device | str = "cpu", writer: Writer | None = None) -> ReloadSession:
+        """A transactional reload: `with backbone.reload_session() as s: s.load(path); s.commit()`. An exception
+        inside, `s.abort(reason)`, or leaving without `commit()` quarantines the backbone (last good derived
+        buffers kept, reason audited). `rollback=True` snapshots each tensor before its first write (memory:
+        the bytes of the tensors the reload touches) so an abort restores them exactly and `recover()` works.
+        See `lifecycle.session.ReloadSession`."""
+        from .session import ReloadSession
+
+        return ReloadSession(self, rollback=rollback, finite_check=finite_check, keep_untouched=keep_untouched,
+                             device=device, writer=writer)
+
     def require_usable(self, what: str = "forward") -> None:
-        """Refuse fused use unless derived buffers are current (DERIVED_REFRESHED or GRAPH_CAPTURED)."""
+        """Refuse fused use unless derived buffers are current (DERIVED_REFRESHED or GRAPH_CAPTURED):
+        `QuarantinedError` (naming why the reload was aborted and the way out) or `LayersNotReadyError`."""
         lc = self.lifecycle
         if lc.state is LifecycleState.QUARANTINED:
-            raise QuarantinedError(f"{what} refused: quarantined after {lc.quarantine_reason!r}; reload or recover "
-                                   "first", backbone=lc.name, state=lc.state.value)
-        if lc.state not in _USABLE:
+            way_out = ("call recover() (the reload was rolled back exactly) or reload" if lc.recovery_blocker is None
+                       else "reload (begin_reload, load, finalize_loading, refresh_derived_buffers)")
+            raise QuarantinedError(f"{what} refused: quarantined after {lc.quarantine_reason!r}; {way_out}",
+                                   backbone=lc.name, state=lc.state.value, quarantine_reason=lc.quarantine_reason)
+        if lc.state not in USABLE_STATES:
             missing = lc.missing() or {"(derived buffers)": ("not refreshed since the last load",)}
             raise LayersNotReadyError(what, missing, backbone=lc.name, state=lc.state.value)
 

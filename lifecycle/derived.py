@@ -31,6 +31,15 @@ temporary lives at any moment, never a buffer-sized one.
 >>> report = apply_refresh(toy, plan)
 >>> toy.doubled.shape, report["doubled"].mode, len(calls)  # plan validated 2 slices, apply computed 2
 (torch.Size([2, 3, 2]), 'cold', 4)
+
+All fallible work happens in the plan: every builder runs there (`per_layer` functions, `custom` builds,
+`torch.cat` / `torch.stack` of a cold build), and every copy is checked there to have equal shape, dtype and
+device at both ends. So a builder that raises leaves every buffer as it was. (Two kinds compute while writing, by
+design, to avoid a buffer-sized temporary: `stack(..., computed=True)` slices and `custom(..., into=)` writers; a
+failure there is handled like a device fault, below.) The apply phase only registers buffers (cold build, alias)
+and runs `copy_`s between those checked tensors. Should one of them raise anyway (a device fault), `apply_refresh`
+raises `RefreshInterruptedError` naming every buffer it touched; the backbone records them as torn, keeps its
+state (FULLY_LOADED, not usable) and rewrites them fully at the next refresh.
 """
 
 from __future__ import annotations
@@ -40,18 +49,27 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode  # the dry-run engine torch.compile uses
 
-from .errors import LayersNotReadyError, SourceLayoutError, StorageDriftError, StorageReallocationError
+from .errors import (
+    DerivedBuildError,
+    LayersNotReadyError,
+    LifecycleError,
+    RefreshInterruptedError,
+    SourceLayoutError,
+    StorageDriftError,
+    StorageReallocationError,
+)
 from .readiness import layer_of
 from .storage import StorageIdentity, describe_changes
 from .types import BufferReport, RefreshReport, TensorSpec
 
 Kind = Literal["concat", "stack", "alias", "custom"]
+T = TypeVar("T")
 PerLayer = Callable[[nn.Module], torch.Tensor]
 
 
@@ -219,6 +237,23 @@ class _SourceCheck:
         return not wrong, "; ".join(wrong)
 
 
+def _built(spec: DerivedSpec, step: str, context: Mapping[str, str], fn: Callable[[T], torch.Tensor], arg: T
+           ) -> torch.Tensor:
+    """Run one builder step of the plan; an exception in it becomes a DerivedBuildError naming the buffer and
+    the step (nothing was written: builders only run in the plan)."""
+    try:
+        out = fn(arg)
+    except LifecycleError:
+        raise
+    except Exception as e:
+        raise DerivedBuildError(spec.name, step, e, backbone=context.get("backbone", "?"),
+                                state=context.get("state", "?")) from e
+    if not isinstance(out, torch.Tensor):
+        raise DerivedBuildError(spec.name, step, TypeError(f"returned {type(out).__name__}, not a tensor"),
+                                backbone=context.get("backbone", "?"), state=context.get("state", "?"))
+    return out
+
+
 def _dtype(d: torch.dtype) -> str:
     return str(d).removeprefix("torch.")
 
@@ -290,7 +325,7 @@ def plan_refresh(
                 else:
                     plans.append(_BufferPlan(spec, "in_place", existing=existing))
                 continue
-            value = spec.build(backbone)
+            value = _built(spec, "build", context, spec.build, backbone)
             if existing is None:
                 plans.append(_BufferPlan(spec, "cold", new_tensor=value.detach().clone().contiguous()))
             elif not _same_layout(value, existing):
@@ -304,20 +339,22 @@ def plan_refresh(
         assert spec.per_layer is not None
         layers = _layers(backbone, spec.layers_attr)
         if spec.computed:
-            problem = _plan_computed_stack(spec, layers, existing, dirty, full, plans)
+            problem = _plan_computed_stack(spec, layers, existing, dirty, full, plans, context)
             if problem:
                 (sources.layout if problem[0] == "layout" else realloc_problems).append(problem[1])
             continue
 
         # concat / stack: one slice per layer
-        slices = [spec.per_layer(layer) for layer in layers]
+        slices = [_built(spec, f"per_layer for {spec.layers_attr}.{i}", context, spec.per_layer, layer)
+                  for i, layer in enumerate(layers)]
         shapes = {tuple(s.shape) for s in slices}
         dtypes = {s.dtype for s in slices}
-        if len(dtypes) > 1 or (spec.kind == "stack" and len(shapes) > 1) or (
+        if len(dtypes) > 1 or len({s.device for s in slices}) > 1 or (spec.kind == "stack" and len(shapes) > 1) or (
             spec.kind == "concat" and len({sh[:spec.dim] + sh[spec.dim + 1:] for sh in shapes}) > 1
         ):
             sources.layout.append(f"{spec.kind} {spec.name}: per-layer slices disagree: shapes "
-                                   f"{sorted(shapes)}, dtypes {sorted(map(_dtype, dtypes))}")
+                                   f"{sorted(shapes)}, dtypes {sorted(map(_dtype, dtypes))}, devices "
+                                   f"{sorted({str(s.device) for s in slices})}")
             continue
         if spec.kind == "stack":
             lengths = [1] * len(slices)
@@ -328,7 +365,8 @@ def plan_refresh(
             lengths = [s.shape[dim] for s in slices]
             new_shape = tuple(sum(lengths) if d == dim else n for d, n in enumerate(slices[0].shape))
         if existing is None:
-            built = torch.stack(slices) if spec.kind == "stack" else torch.cat(slices, dim)
+            join = torch.stack if spec.kind == "stack" else partial(torch.cat, dim=dim)
+            built = _built(spec, spec.kind, context, join, slices)
             plans.append(_BufferPlan(spec, "cold", new_tensor=built.contiguous(), slices_total=len(slices)))
             continue
         if (new_shape != tuple(existing.shape) or slices[0].dtype != existing.dtype
@@ -359,7 +397,8 @@ def plan_refresh(
 
 
 def _plan_computed_stack(spec: DerivedSpec, layers: Sequence[nn.Module], existing: torch.Tensor | None,
-                         dirty: frozenset[str], full: bool, plans: list[_BufferPlan]) -> tuple[str, str] | None:
+                         dirty: frozenset[str], full: bool, plans: list[_BufferPlan],
+                         context: Mapping[str, str]) -> tuple[str, str] | None:
     """Plan a `stack(..., computed=True)`: evaluate only the slices that will be written, one at a time, and keep
     their layout, not their values. Returns ("layout" | "realloc", problem) or None (a plan was appended)."""
     assert spec.per_layer is not None
@@ -368,7 +407,7 @@ def _plan_computed_stack(spec: DerivedSpec, layers: Sequence[nn.Module], existin
                or any(f"{spec.layers_attr}.{i}.{s}" in dirty for s in spec.sources)]
     layouts: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[int]] = {}
     for i in written:
-        value = spec.per_layer(layers[i])
+        value = _built(spec, f"per_layer for {spec.layers_attr}.{i}", context, spec.per_layer, layers[i])
         layouts.setdefault((tuple(value.shape), value.dtype, value.device), []).append(i)
         del value  # a slice-sized temporary; the apply phase computes it again right before its copy
     if len(layouts) > 1:
@@ -420,43 +459,15 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     t0 = time.perf_counter()
     report = RefreshReport()
     before: dict[str, StorageIdentity] = {}
+    touched: list[str] = []
     for bp in plan.buffers:
-        spec = bp.spec
-        rep = BufferReport(spec.name, spec.kind, bp.mode, slices_total=bp.slices_total, reason=bp.reason)
-        if bp.mode == "cold" and bp.cold_layout is not None:
-            bp.new_tensor = _build_computed_stack(backbone, spec, bp.cold_layout)
-        if bp.mode in ("cold", "alias"):
-            assert bp.new_tensor is not None
-            if bp.mode == "cold":
-                rep.elements_written = bp.new_tensor.numel()
-                rep.slices_written = bp.slices_total
-            backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
-        elif bp.mode == "in_place":
-            buf = bp.existing
-            assert buf is not None
-            before[spec.name] = StorageIdentity.of(buf)
-            layers = _layers(backbone, spec.layers_attr) if spec.computed else ()
-            if spec.kind == "custom" and spec.into is not None:
-                spec.into(backbone, buf)
-                rep.elements_written = buf.numel()
-            for start, length, src in bp.copies:
-                if src is None:  # a computed slice: evaluated now, copied, dropped
-                    assert spec.per_layer is not None
-                    src = spec.per_layer(layers[start])
-                if spec.kind == "custom":
-                    dst = buf
-                elif spec.kind == "stack":
-                    dst = buf[start]
-                else:
-                    dst = buf.narrow(spec.dim, start, length)
-                dst.copy_(src)
-                rep.elements_written += dst.numel()
-            rep.slices_written = len(bp.copies) if spec.kind != "custom" else 0
-        live = current_buffer(backbone, spec.name)
-        if live is not None:
-            rep.nbytes = live.numel() * live.element_size()
-            rep.data_ptr = live.data_ptr()
-        report.buffers.append(rep)
+        if bp.mode in ("cold", "alias", "in_place"):
+            touched.append(bp.spec.name)
+        try:
+            _apply_one(backbone, bp, report, before)
+        except Exception as e:
+            raise RefreshInterruptedError(bp.spec.name, touched, e, backbone=plan.context.get("backbone", "?"),
+                                          state=plan.context.get("state", "?")) from e
 
     drift = [
         line
@@ -481,3 +492,43 @@ def _build_computed_stack(backbone: nn.Module, spec: DerivedSpec,
     for i, layer in enumerate(layers):
         buf[i].copy_(spec.per_layer(layer))
     return buf
+
+
+def _apply_one(backbone: nn.Module, bp: _BufferPlan, report: RefreshReport,
+               before: dict[str, StorageIdentity]) -> None:
+    spec = bp.spec
+    rep = BufferReport(spec.name, spec.kind, bp.mode, slices_total=bp.slices_total, reason=bp.reason)
+    if bp.mode == "cold" and bp.cold_layout is not None:
+        bp.new_tensor = _build_computed_stack(backbone, spec, bp.cold_layout)
+    if bp.mode in ("cold", "alias"):
+        assert bp.new_tensor is not None
+        if bp.mode == "cold":
+            rep.elements_written = bp.new_tensor.numel()
+            rep.slices_written = bp.slices_total
+        backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
+    elif bp.mode == "in_place":
+        buf = bp.existing
+        assert buf is not None
+        before[spec.name] = StorageIdentity.of(buf)
+        layers = _layers(backbone, spec.layers_attr) if spec.computed else ()
+        if spec.kind == "custom" and spec.into is not None:
+            spec.into(backbone, buf)
+            rep.elements_written = buf.numel()
+        for start, length, src in bp.copies:
+            if src is None:  # a computed slice: evaluated now, copied, dropped
+                assert spec.per_layer is not None
+                src = spec.per_layer(layers[start])
+            if spec.kind == "custom":
+                dst = buf
+            elif spec.kind == "stack":
+                dst = buf[start]
+            else:
+                dst = buf.narrow(spec.dim, start, length)
+            dst.copy_(src)
+            rep.elements_written += dst.numel()
+        rep.slices_written = len(bp.copies) if spec.kind != "custom" else 0
+    live = current_buffer(backbone, spec.name)
+    if live is not None:
+        rep.nbytes = live.numel() * live.element_size()
+        rep.data_ptr = live.data_ptr()
+    report.buffers.append(rep)

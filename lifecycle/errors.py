@@ -123,4 +123,81 @@ class CheckpointError(LifecycleError):
 
 
 class QuarantinedError(LifecycleError):
-    """The backbone is quarantined after a failed or aborted reload; forward use is refused."""
+    """The backbone is quarantined after a failed or aborted reload; forward use is refused until a successful
+    reload or `recover()`. `quarantine_reason` is why the reload was aborted."""
+
+    def __init__(self, message: str, *, backbone: str, state: str, quarantine_reason: str | None = None) -> None:
+        super().__init__(message, backbone=backbone, state=state)
+        self.quarantine_reason = quarantine_reason
+
+
+class DerivedBuildError(LifecycleError):
+    """A derived buffer's builder (`per_layer`, `build`) raised. Builders run while the refresh is planned, before
+    any write: no buffer was written, the state is unchanged."""
+
+    def __init__(self, buffer: str, step: str, cause: BaseException, *, backbone: str, state: str) -> None:
+        super().__init__(
+            f"building derived buffer {buffer} failed in {step}: {type(cause).__name__}: {cause}; no buffer was "
+            "written",
+            backbone=backbone,
+            state=state,
+        )
+        self.buffer = buffer
+        self.step = step
+
+
+class RecoveryError(LifecycleError):
+    """`recover()` was asked for, but the weights were not rolled back exactly to a set the derived buffers
+    still match (no rollback, an incomplete one, a reload that did not start from a refreshed state, or derived
+    buffers interrupted mid-write). A reload (`begin_reload` ... `refresh_derived_buffers`) is the way out."""
+
+
+class NonFiniteWeightError(LifecycleError):
+    """Weights with NaN or Inf values arrived while the finite check was on."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str, source: str = "") -> None:
+        where = f" in {source}" if source else ""
+        super().__init__(
+            f"{len(problems)} tensor(s) with NaN or Inf values{where}; nothing of this bucket was written:\n  "
+            + _capped(problems),
+            backbone=backbone,
+            state=state,
+        )
+        self.problems = tuple(problems)
+
+
+class WeightWriteError(LifecycleError):
+    """Writing one tensor of a bucket failed after the bucket was validated. The tensors written before it are
+    recorded as loaded; the failing one is recorded as possibly written (dirty) but not loaded."""
+
+    def __init__(self, name: str, written: Sequence[str], total: int, cause: BaseException, *, backbone: str,
+                 state: str) -> None:
+        super().__init__(
+            f"writing {name} failed after {len(written)} of {total} tensor(s) of the bucket were written: "
+            f"{type(cause).__name__}: {cause}",
+            backbone=backbone,
+            state=state,
+        )
+        self.name = name
+        self.written = tuple(written)
+
+
+class RefreshInterruptedError(LifecycleError):
+    """A validated refresh failed while writing (its plan was sound, a write raised). The buffers named in
+    `touched` may hold a mix of old and new values: the refresh is refused (the state stays FULLY_LOADED),
+    the next refresh rewrites them fully, and `recover()` is refused until then."""
+
+    def __init__(self, buffer: str, touched: Sequence[str], cause: BaseException, *, backbone: str,
+                 state: str) -> None:
+        super().__init__(
+            f"refresh interrupted while writing {buffer}: {type(cause).__name__}: {cause}; buffer(s) possibly "
+            f"torn, rewritten fully by the next refresh: {', '.join(touched)}",
+            backbone=backbone,
+            state=state,
+        )
+        self.buffer = buffer
+        self.touched = tuple(touched)
+
+
+class SessionStateError(LifecycleError):
+    """A reload session was used out of order: begun twice, or used after it committed or aborted."""

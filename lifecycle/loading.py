@@ -31,7 +31,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .errors import CheckpointError, LifecycleError, UnknownWeightError, WeightShapeError
+from .errors import (
+    CheckpointError,
+    LifecycleError,
+    NonFiniteWeightError,
+    UnknownWeightError,
+    WeightShapeError,
+    WeightWriteError,
+)
 
 if TYPE_CHECKING:
     from .backbone import DraftBackbone
@@ -44,6 +51,11 @@ _DTYPES = {
 
 BucketBy = Literal["layer"] | int
 Subset = Iterable[str] | Callable[[str], bool] | None
+#: Writes one validated tensor into the module: (module, name, value, device). `write_tensor` by default; a
+#: model's own per-parameter loader (sharding, conversion) can take its place.
+Writer = Callable[[nn.Module, str, torch.Tensor, "torch.device | str"], None]
+#: Called with a bucket's names after it was validated and before its first write (a rollback snapshot).
+BeforeWrite = Callable[[Sequence[str]], None]
 
 
 @dataclass(frozen=True)
@@ -151,7 +163,9 @@ def plan_buckets(names: Sequence[str], layer_key: Callable[[str], str], *, bucke
 
 @torch.no_grad()
 def write_tensor(module: nn.Module, name: str, value: torch.Tensor, device: torch.device | str) -> None:
-    """Copy into the existing tensor (same storage), or materialise a META placeholder."""
+    """Copy into the existing tensor (same storage), or materialise a META placeholder as a copy: it never shares
+    storage with `value` (a trainer may reuse its buffer; a tensor read by safetensors is a view of the file's
+    memory map, which changes if the file is rewritten in place)."""
     path, _, leaf = name.rpartition(".")
     owner = module.get_submodule(path) if path else module
     is_param = leaf in owner._parameters
@@ -159,12 +173,34 @@ def write_tensor(module: nn.Module, name: str, value: torch.Tensor, device: torc
     assert current is not None
     if current.is_meta:
         fresh = value.to(device=device, dtype=current.dtype).contiguous()
+        if fresh.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
+            fresh = fresh.clone()
         if is_param:
             owner._parameters[leaf] = nn.Parameter(fresh, requires_grad=False)
         else:
             owner._buffers[leaf] = fresh
     else:
         current.copy_(value)
+
+
+def non_finite(bucket: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """One line per floating-point tensor holding NaN or Inf: `name: 2 NaN, 1 Inf of 512 elements`.
+
+    >>> non_finite([("a", torch.tensor([1.0, float("nan"), float("inf")])), ("b", torch.ones(2))])
+    ['a: 1 NaN, 1 Inf of 3 elements']
+    """
+    problems = []
+    for name, t in bucket:
+        if not (t.is_floating_point() or t.is_complex()) or t.is_meta:
+            continue
+        if t.element_size() == 1:  # float8: no isfinite kernel; widening is exact
+            t = t.float()
+        finite = torch.isfinite(t)
+        if bool(finite.all()):
+            continue
+        nan = int(torch.isnan(t).sum())
+        problems.append(f"{name}: {nan} NaN, {int((~finite).sum()) - nan} Inf of {t.numel()} elements")
+    return problems
 
 
 def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]]
@@ -183,23 +219,45 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]]
 
 
 def apply_bucket(backbone: DraftBackbone, bucket: Sequence[tuple[str, torch.Tensor]],
-                 device: torch.device | str = "cpu") -> list[str]:
-    """Validate a bucket of (name, tensor), write it, report it. Returns the layers it completed."""
+                 device: torch.device | str = "cpu", *, finite_check: bool = False, writer: Writer | None = None,
+                 before_write: BeforeWrite | None = None) -> list[str]:
+    """Validate a bucket of (name, tensor), write it, report it. Returns the layers it completed.
+
+    Refused before any write (audited, nothing changed): a state that allows no loading, unknown names, a shape
+    or dtype mismatch, and with `finite_check` a NaN or Inf value (`NonFiniteWeightError`). A write that fails
+    part way raises `WeightWriteError`: the tensors written before it are reported as loaded, the failing one as
+    possibly written. Thread-safe on a locked lifecycle: the bucket is written and reported under a write lease.
+    """
     lc = backbone.lifecycle
-    lc.ensure_loading_allowed()
-    names = [n for n, _ in bucket]
-    unknown = lc.readiness.unknown(names)
-    error: LifecycleError | None = None
-    if unknown:
-        error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value)
-    elif problems := [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]:
-        error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value)
-    if error is not None:
-        lc.record_refusal("weights_loaded", error)
-        raise error
-    for name, value in bucket:
-        write_tensor(backbone, name, value, device)
-    return lc.weights_loaded(names)
+    with lc.loading():
+        names = [n for n, _ in bucket]
+        unknown = lc.readiness.unknown(names)
+        error: LifecycleError | None = None
+        if unknown:
+            error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value)
+        elif problems := [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]:
+            error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value)
+        elif finite_check and (problems := non_finite(bucket)):
+            error = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value)
+        if error is not None:
+            lc.record_refusal("weights_loaded", error)
+            raise error
+        if before_write is not None:
+            before_write(names)
+        write = writer or write_tensor
+        written: list[str] = []
+        for name, value in bucket:
+            try:
+                write(backbone, name, value, device)
+            except Exception as e:
+                err = WeightWriteError(name, written, len(bucket), e, backbone=lc.name, state=lc.state.value)
+                lc.mark_dirty([name])
+                if written:
+                    lc.weights_loaded(written)
+                lc.record_refusal("weights_loaded", err)
+                raise err from e
+            written.append(name)
+        return lc.weights_loaded(names)
 
 
 def load_safetensors(
@@ -213,11 +271,18 @@ def load_safetensors(
     duplicates: int = 0,
     device: torch.device | str = "cpu",
     progress: Callable[[LoadProgress], None] | None = None,
+    finite_check: bool = False,
+    writer: Writer | None = None,
+    before_write: BeforeWrite | None = None,
 ) -> LoadReport:
     """Stream a checkpoint into `backbone` in buckets, driving its lifecycle (`weights_loaded` per bucket).
 
     It does not finish the load: call `backbone.finalize_loading()` afterwards (a reload may arrive from
     several files or sessions). `subset`: names, or a predicate on names, to load only part of the file.
+    `finite_check`: refuse a bucket holding NaN or Inf (`NonFiniteWeightError`, off by default: it reads every
+    value once). The header is checked whole before any write; values are read per bucket, so a NaN (or a
+    failed write) in a later bucket stops the load after the earlier buckets were written: use a reload session
+    (`backbone.reload_session(rollback=True)`) to undo them. `writer`, `before_write`: see `apply_bucket`.
     """
     t0 = time.perf_counter()
     try:
@@ -247,7 +312,8 @@ def load_safetensors(
     report = LoadReport(files=sorted({str(index[n].path) for n in names}))
     done = 0
     for i, bucket in enumerate(iter_buckets(index, buckets)):
-        completed = apply_bucket(backbone, bucket, device)
+        completed = apply_bucket(backbone, bucket, device, finite_check=finite_check, writer=writer,
+                                 before_write=before_write)
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
         report.buckets += 1
         report.tensors += len(bucket)

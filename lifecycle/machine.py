@@ -21,8 +21,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -33,6 +33,7 @@ from . import audit
 from .errors import (
     IllegalTransitionError,
     LayersNotReadyError,
+    RecoveryError,
     StorageDriftError,
     UnknownWeightError,
 )
@@ -44,6 +45,10 @@ from .types import TensorSpec
 T = TypeVar("T")
 Resolver = Callable[[str], "torch.Tensor | None"]
 PinnedTensors = Callable[[], Mapping[str, "torch.Tensor | None"]]
+Rollback = Callable[[], Iterable[str]]
+
+#: States whose derived buffers match the weights.
+USABLE_STATES = (LifecycleState.DERIVED_REFRESHED, LifecycleState.GRAPH_CAPTURED)
 
 
 class _Model:
@@ -85,6 +90,15 @@ class BackboneLifecycle:
         self._resolve = resolve
         self._pinned_tensors = pinned_tensors
         self._lock: AbstractContextManager[Any] = threading.RLock() if locked else nullcontext()
+        # write leases (thread id -> depth): transitions that end or abort loading wait until no other thread is
+        # between its "may I write?" check and its `weights_loaded` report (locked lifecycles only)
+        self._cond: threading.Condition | None = threading.Condition(self._lock) if locked else None  # type: ignore[arg-type]
+        self._writers: dict[int, int] = {}
+        # what `recover` needs: the reload's origin, the dirty set then, and whether an abort rolled back exactly
+        self._origin_current = False
+        self._dirty_at_begin: frozenset[str] = frozenset()
+        self.recovery_blocker: str | None = "no reload was aborted"
+        self.torn_buffers: frozenset[str] = frozenset()
         self._model = _Model()
         machine_cls = LockedMachine if locked else Machine
         self._machine = machine_cls(
@@ -154,6 +168,15 @@ class BackboneLifecycle:
         missing = self.missing()
         if missing:
             raise LayersNotReadyError(action, missing, backbone=self.name, state=self.state.value)
+
+    def has_pinned_graphs(self) -> bool:
+        return self.pinned is not None
+
+    def require_recoverable(self, action: str) -> None:
+        if self.recovery_blocker is not None:
+            raise RecoveryError(f"{action} refused: {self.recovery_blocker}; reload instead (begin_reload, load, "
+                                "finalize_loading, refresh_derived_buffers)", backbone=self.name,
+                                state=self.state.value)
 
     def require_pinned(self, action: str) -> None:
         if self.pinned is None:
@@ -256,8 +279,13 @@ class BackboneLifecycle:
     def begin_reload(self) -> int:
         """Start a reload epoch. Graph pinning (if any) stays in force. Returns the new epoch."""
         with self._lock:
+            self._quiesce()
             src = self.state
             self._require_allowed_audited("begin_reload")
+            # derived buffers match the weights at the start of this reload: a rollback to here can be recovered
+            self._origin_current = src in USABLE_STATES or (
+                src is LifecycleState.QUARANTINED and self.recovery_blocker is None)
+            self._dirty_at_begin = self.readiness.dirty_tensors()
             self.readiness.new_epoch()
             self.quarantine_reason = None
             self._fire("begin_reload", pinned=self.graphs_pinned, from_state=src.value)
@@ -272,20 +300,38 @@ class BackboneLifecycle:
         """The loader is done. Every layer must be ready; with `keep_untouched`, layers that received nothing
         in this reload are declared unchanged first (a selective reload). LayersNotReadyError otherwise."""
         with self._lock:
+            self._quiesce()
             self._require_allowed_audited("finish_loading")
             if keep_untouched and self.in_reload:
                 untouched = self.readiness.untouched_layers()
                 names = [n for layer in untouched for n in self.readiness.tensors_of_layer[layer]]
                 if names:
+                    self._refuse_if_still_missing("finish_loading", set(untouched))  # before marking anything
                     completed = self.readiness.mark_unchanged(names)
                     shown, more = audit.capped(completed)
                     self._audit("layers_unchanged", layers=shown, layers_more=more, **self._readiness_fields())
             self._fire("finish_loading", keep_untouched=keep_untouched)
 
+    def _refuse_if_still_missing(self, action: str, untouched: set[str]) -> None:
+        """Refuse (audited) if some layer would still be missing tensors once `untouched` layers are declared
+        unchanged: a refused finish must not leave them marked."""
+        blocking: dict[str, tuple[str, ...]] = {}
+        for layer, names in self.missing().items():
+            if layer in untouched:  # declared unchanged: only META placeholders still count as missing
+                names = tuple(f"{n} (META)" for n in self.readiness.tensors_of_layer[layer] if self._is_meta(n))
+            if names:
+                blocking[layer] = names
+        if blocking:
+            err = LayersNotReadyError(action, blocking, backbone=self.name, state=self.state.value)
+            self._audit("refused", trigger=action, src=self.state.value, error=type(err).__name__,
+                        reason=err.reason, **self._readiness_fields(), **_missing_fields(err))
+            raise err
+
     def refresh_derived(self, effect: Callable[[], T], **log: Any) -> T:
         """Run `effect` (validate-then-write of every derived buffer) as the `refresh_derived` transition;
         then, under captured graphs, verify every pinned identity and return to GRAPH_CAPTURED."""
         with self._lock:
+            self._quiesce()
             if self.state in (LifecycleState.META, LifecycleState.PARTIALLY_LOADED):
                 # the build is refused for unready layers before anything else: name every missing tensor
                 try:
@@ -297,6 +343,7 @@ class BackboneLifecycle:
                     raise
             result = self._fire("refresh_derived", effect, **log)
             self.readiness.clear_dirty()  # every write since the last refresh is now in the derived buffers
+            self.torn_buffers = frozenset()  # and every buffer an interrupted refresh touched was rewritten
             if self.pinned is not None:
                 self._fire("graphs_verified", pinned=len(self.pinned))
             return result  # type: ignore[return-value]
@@ -318,14 +365,75 @@ class BackboneLifecycle:
 
             self._fire("release_graphs", unpin)
 
-    def abort_reload(self, reason: str) -> None:
-        """Quarantine: derived buffers keep their last good values; forward use is refused until a reload."""
+    def abort_reload(self, reason: str, *, rollback: Rollback | None = None) -> None:
+        """Quarantine: derived buffers keep their last good values; forward use is refused until a reload or
+        `recover()`. Waits until no other thread is writing. `rollback`: restores every tensor written since
+        `begin_reload` to its value then and returns their names; run here, after the writers finished and
+        before the state changes. An exact rollback of a reload that started with current derived buffers makes
+        the backbone recoverable (`recover`); a rollback that raises still quarantines (not recoverable)."""
         with self._lock:
+            self._quiesce()
+            self._require_allowed_audited("abort_reload")
+            restored: frozenset[str] | None = None
+            rollback_error: str | None = None
+            if rollback is not None:
+                try:
+                    restored = frozenset(rollback())
+                except Exception as e:  # the abort itself must not fail: quarantine, not recoverable
+                    rollback_error = f"{type(e).__name__}: {e}"
+            blocker = self._recovery_verdict(restored, rollback_error)
+
             def quarantine() -> None:
                 self.quarantine_reason = reason
+                self.recovery_blocker = blocker
+                if blocker is None:  # every write since begin_reload was undone: nothing new to propagate
+                    self.readiness.restore_dirty(self._dirty_at_begin)
 
+            extra: dict[str, Any] = {"recovery_blocker": blocker} if blocker else {}
+            if rollback_error:
+                extra["rollback_error"] = rollback_error
             shown, more = audit.capped(n for names in self.missing().values() for n in names)
-            self._fire("abort_reload", quarantine, reason=reason, missing=shown, missing_more=more)
+            self._fire("abort_reload", quarantine, reason=reason, missing=shown, missing_more=more,
+                       rolled_back=restored is not None, restored=len(restored or ()),
+                       recoverable=blocker is None, **extra)
+
+    def _recovery_verdict(self, restored: frozenset[str] | None, rollback_error: str | None) -> str | None:
+        """Why `recover` would be wrong after this abort; None when the last good derived buffers match the
+        weights again."""
+        if not self._origin_current:
+            return ("this load did not start from refreshed derived buffers (a cold load, or a reload begun from "
+                    "a state whose derived buffers were stale), so there is nothing to return to")
+        if rollback_error is not None:
+            return f"the rollback failed ({rollback_error})"
+        if restored is None:
+            return "the aborted reload was not rolled back: the weights may hold part of it"
+        outside = sorted(self.readiness.dirty_tensors() - self._dirty_at_begin - restored)
+        if outside:
+            shown, more = audit.capped(outside)
+            return (f"{len(outside)} tensor(s) were written outside the rollback snapshot: {', '.join(shown)}"
+                    + (f" ... and {more} more" if more else ""))
+        if self.torn_buffers:
+            return f"derived buffer(s) {', '.join(sorted(self.torn_buffers))} were interrupted mid-write"
+        return None
+
+    def recover(self) -> LifecycleState:
+        """QUARANTINED -> DERIVED_REFRESHED (GRAPH_CAPTURED when graphs are still pinned), allowed only after an
+        abort whose rollback restored every write exactly (`require_recoverable`) and with every pinned identity
+        unchanged. Every tensor counts as restored unchanged in this epoch. Returns the new state."""
+        with self._lock:
+            def restore() -> None:
+                self.readiness.mark_unchanged(self.specs)
+                self.quarantine_reason = None
+                self.recovery_blocker = "recovered already"
+
+            self._fire("recover", restore, pinned=self.graphs_pinned)
+            return self.state
+
+    def note_derived_torn(self, names: Iterable[str]) -> None:
+        """Derived buffers an interrupted refresh may have written part of: the next refresh rewrites them
+        fully (the backbone marks their sources dirty) and `recover` is refused until then."""
+        with self._lock:
+            self.torn_buffers = self.torn_buffers | frozenset(names)
 
     def verify_pinned(self) -> int:
         """Check every pinned identity against the live tensors now. Returns how many were checked."""
@@ -347,6 +455,47 @@ class BackboneLifecycle:
         writing weights under refreshed derived buffers without `begin_reload()` is how values go stale."""
         with self._lock:
             self._require_allowed_audited("weights_loaded")
+
+    @contextmanager
+    def loading(self) -> Iterator[None]:
+        """A write lease: raise (audited) unless weights may be written now, else hold the lease while writing
+        and reporting one bucket. With `locked=True`, `begin_reload`, `finish_loading`, `refresh_derived` and
+        `abort_reload` wait until no other thread holds a lease, so a write is either reported before such a
+        transition or refused after it, never lost in between."""
+        tid = threading.get_ident()
+        with self._lock:
+            self._require_allowed_audited("weights_loaded")
+            self._writers[tid] = self._writers.get(tid, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                depth = self._writers[tid] - 1
+                if depth:
+                    self._writers[tid] = depth
+                else:
+                    del self._writers[tid]
+                if self._cond is not None:
+                    self._cond.notify_all()
+
+    def _quiesce(self) -> None:
+        """Holding the lock: wait until no other thread holds a write lease (its own lease never blocks)."""
+        if self._cond is None:
+            return
+        me = threading.get_ident()
+        self._cond.wait_for(lambda: all(t == me for t in self._writers))
+
+    @contextmanager
+    def quiesced(self) -> Iterator[None]:
+        """Hold the lifecycle (no trigger, no new write lease) once no other thread is writing."""
+        with self._lock:
+            self._quiesce()
+            yield
+
+    def mark_dirty(self, names: Iterable[str]) -> None:
+        """Record tensors possibly written by a write that failed part way (not loaded: send them again)."""
+        with self._lock:
+            self.readiness.mark_dirty(names)
 
 
 def _run_effect(event: Any) -> None:

@@ -125,6 +125,15 @@ class LayerReadiness:
         """A refresh propagated every dirty tensor into the derived buffers."""
         self._dirty = set()
 
+    def mark_dirty(self, names: Iterable[str]) -> None:
+        """Tensors possibly written (a write that failed part way) but not loaded: the next refresh rewrites
+        what reads them; readiness is unchanged (they must be sent again)."""
+        self._dirty.update(names)
+
+    def restore_dirty(self, names: Iterable[str]) -> None:
+        """Set the dirty set back to `names` (after a rollback restored every write since it was taken)."""
+        self._dirty = set(names)
+
     def dirty_layers(self) -> list[str]:
         seen = {self.layer_of_name[n] for n in self._dirty}
         return [layer for layer in self.tensors_of_layer if layer in seen]

@@ -87,6 +87,18 @@ TRANSITIONS: tuple[Transition, ...] = (
         "abort_reload", (S.PARTIALLY_LOADED, S.FULLY_LOADED), S.QUARANTINED,
         doc="a load failed or was aborted: derived buffers keep their last good values; forward use is refused",
     ),
+    Transition(
+        "recover", (S.QUARANTINED,), S.GRAPH_CAPTURED,
+        condition="has_pinned_graphs",
+        guards=("require_recoverable", "require_pinned_unchanged"),
+        doc="the aborted reload was rolled back exactly and graphs are still captured: the last good derived "
+            "buffers match the restored weights again, at the pinned addresses",
+    ),
+    Transition(
+        "recover", (S.QUARANTINED,), S.DERIVED_REFRESHED,
+        guards=("require_recoverable", "require_pinned_unchanged"),
+        doc="the aborted reload was rolled back exactly: the last good derived buffers match the restored weights",
+    ),
 )
 
 INITIAL_STATE = S.META

@@ -163,7 +163,7 @@ class DFlashQwen3Draft(DraftBackbone):
     decoder_layer_cls: ClassVar[Callable[[Any], nn.Module]] = DFlashQwen3DecoderLayer  # as in vLLM: subclasses swap it
 
     def __init__(self, config: DFlashConfig | None = None, *, device: str | torch.device = "meta",
-                 name: str = "dflash", rank: int = 0) -> None:
+                 name: str = "dflash", rank: int = 0, locked: bool = False) -> None:
         super().__init__()
         c = self.config = config or DFlashConfig()
         with torch.device(device):
@@ -174,7 +174,7 @@ class DFlashQwen3Draft(DraftBackbone):
         self.to(c.dtype)
         with torch.device(device):
             self.build_heads(c)
-        self.init_lifecycle(name, rank=rank)
+        self.init_lifecycle(name, rank=rank, locked=locked)  # locked: loaded from several threads
 
     def build_heads(self, config: Any) -> None:
         """Subclasses add their extra modules here (DSpark's Markov head, DFlash2's candidate selector), in the

@@ -68,3 +68,22 @@ def real_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     debug_level(logs / "debug.jsonl", cfg, a, b)
     configure_audit(console=False)
     return logs
+
+
+# ---- hypothesis profiles ------------------------------------------------------------------------------------------
+# "ci" (the default): derandomized, so every run checks the same examples and a failure reproduces; sized to keep
+# tests/test_properties.py near 30 s on two shared cores. "nightly": random, far more and longer runs:
+#   HYPOTHESIS_PROFILE=nightly make test      (or .venv/bin/python -m pytest tests/test_properties.py)
+# "dev": a quick smoke run while editing.
+
+import os  # noqa: E402
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=300, stateful_step_count=40, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+settings.register_profile("nightly", max_examples=2500, stateful_step_count=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+settings.register_profile("dev", max_examples=20, stateful_step_count=20, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -104,6 +104,13 @@ def mixed_backbones(path: Path, cfg: DFlashConfig, a: Path, b: Path) -> Path:
         m.refresh_derived_buffers(rebuild=True)
         m.capture_graphs()
 
+        m = DFlashQwen3Draft(cfg, name="recovered", rank=1)  # an aborted session rolled back, then recovered
+        cold_load(m, a)
+        with m.reload_session(rollback=True) as session:
+            session.load(b, subset=lambda n: n.startswith("layers.0."))
+            session.abort("trainer cancelled the update")
+        m.recover()
+
         m = DFlashQwen3Draft(cfg, name="selective", rank=2)
         cold_load(m, a)
         m.begin_reload()

@@ -61,7 +61,8 @@ def test_real_logs_audit_clean(real_logs: Path, capsys: pytest.CaptureFixture[st
     assert result.input_problem_count == 0 and len(result.inputs) == 5
     streams = {(r.rank, r.backbone): r for r in result.streams}
     assert set(streams) == {(0, "draft"), (1, "draft"), (2, "draft"), (0, "refusals"), (1, "aborted"),
-                            (0, "quarantined"), (0, "rebuilt"), (2, "selective"), (0, "debugged")}
+                            (0, "quarantined"), (0, "rebuilt"), (1, "recovered"), (2, "selective"), (0, "debugged")}
+    assert streams[(1, "recovered")].state is S.GRAPH_CAPTURED
     for rank in range(3):
         r = streams[(rank, "draft")]
         assert (r.state, r.epoch, r.pinned, r.epochs_begun) == (S.GRAPH_CAPTURED, 2, True, 2)
@@ -84,7 +85,7 @@ def test_real_logs_audit_clean(real_logs: Path, capsys: pytest.CaptureFixture[st
     assert "RESULT: CLEAN" in out and "| draft" in out
     assert main(["audit", "--json", *map(str, sorted(real_logs.glob("*.jsonl")))]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["status"] == 0 and doc["events"] == len(events) and len(doc["streams"]) == 9
+    assert doc["status"] == 0 and doc["events"] == len(events) and len(doc["streams"]) == len(streams)
     assert doc["violations"] == [] and doc["input_problems"] == [] and set(doc["kinds"]) == set(VIOLATION_KINDS)
 
 
@@ -118,7 +119,7 @@ def test_every_row_is_legal_and_nothing_else(trigger: str) -> None:
         for dst in LifecycleState:
             a = Auditor()
             a.streams[(0, "d")] = StreamReplay(0, "d", state_name=src.value, layers_total=1, ready={"layers.0"},
-                                               pinned=True)
+                                               pinned=True, recoverable=True)
             fields = {"event": "transition", "backbone": "d", "rank": 0, "epoch": 1 if trigger == "begin_reload"
                       else 0, "trigger": trigger, "src": src.value, "dst": dst.value, "layers_ready": 1,
                       "layers_total": 1}
@@ -419,3 +420,17 @@ def test_memory_does_not_grow_with_the_number_of_reloads(real_logs: Path, tmp_pa
     (stream,) = r_long.streams
     assert stream.epoch == 400 and len(stream.ready) <= 6 and len(stream.last_ptrs) == 4
     assert peak_long < 1.5 * peak_short + 64 * 1024, (peak_short, peak_long)
+
+
+def test_recover_after_an_abort_that_was_not_rolled_back_is_a_violation(real_logs: Path, tmp_path: Path) -> None:
+    """`recover` is guarded by `require_recoverable`; the abort_reload event records whether it held."""
+    log = tmp_path / "mixed.jsonl"
+    lines = read_lines(real_logs / "mixed.jsonl")
+    (abort,) = [e for e in lines if e["backbone"] == "recovered" and e.get("trigger") == "abort_reload"]
+    assert abort["recoverable"] is True
+    assert audit_logs([real_logs / "mixed.jsonl"]).status == 0
+    abort["recoverable"] = False
+    log.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    result = audit_logs([log])
+    assert result.violation_counts["illegal_transition"] == 1
+    assert "not recoverable" in result.violations[0].detail

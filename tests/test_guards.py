@@ -522,3 +522,18 @@ def test_epoch_without_refresh_leaves_its_writes_for_the_next_refresh(loaded: DF
     assert report["_fused_kv_weight"].slices_written == 1
     assert_derived_current(loaded)
 
+
+
+def test_refused_selective_finish_marks_nothing(loaded: DFlashQwen3Draft, ckpt_b: Path) -> None:
+    """finish(keep_untouched=True) refused (a touched layer is incomplete) must not leave the untouched layers
+    declared unchanged: a refused trigger changes nothing, bookkeeping included."""
+    lc = loaded.lifecycle
+    loaded.begin_reload()
+    load_safetensors(loaded, ckpt_b, subset=["layers.0.self_attn.qkv_proj.weight"])  # layer 0 incomplete
+    missing, untouched = lc.missing(), lc.readiness.untouched_layers()
+    with capture_logs() as logs, pytest.raises(LayersNotReadyError) as ei:
+        loaded.finalize_loading(keep_untouched=True)
+    assert list(ei.value.missing) == ["layers.0"]  # the untouched layers are not what blocks it
+    assert lc.missing() == missing and lc.readiness.untouched_layers() == untouched
+    assert lc.state is S.PARTIALLY_LOADED
+    assert [(e["event"], e["trigger"]) for e in logs] == [("refused", "finish_loading")]

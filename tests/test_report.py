@@ -106,7 +106,7 @@ def test_report_renders_in_headless_chromium(edited_logs: Path, tmp_path: Path,
     assert Counter(r["data-kind"] for r in rows) >= Counter({"storage_drift": 1, "illegal_transition": 1})
     panel = dom.by_id("backbone-draft")
     assert panel is not None and "open" in panel
-    assert len(dom.with_class("state-diagram", "svg")) == 7  # one per backbone
+    assert len(dom.with_class("state-diagram", "svg")) == 8  # one per backbone
     current = [a for a in dom.with_class("current", "g") if a.get("data-state") == "GRAPH_CAPTURED"]
     assert current and all("state" in a["class"] for a in current)
     assert dom.with_class("taken", "path") and dom.with_class("illegal", "path")
@@ -140,7 +140,7 @@ def test_clean_logs_report_clean(real_logs: Path, tmp_path: Path) -> None:
     assert dom.by_id("no-violations") is not None and not dom.with_class("violation", "tr")
     assert {a["id"] for a in dom.with_class("backbone-panel")} == {
         "backbone-draft", "backbone-aborted", "backbone-quarantined", "backbone-rebuilt", "backbone-refusals",
-        "backbone-selective", "backbone-debugged"}
+        "backbone-selective", "backbone-debugged", "backbone-recovered"}
     # a rebuild while unpinned moves buffers: drawn as moved, not drift
     assert dom.with_class("ptr-moved", "td") and not dom.with_class("ptr-drift", "td")
 

@@ -21,6 +21,7 @@ from lifecycle.errors import (
     IllegalTransitionError,
     LayersNotReadyError,
     LifecycleError,
+    RecoveryError,
     StorageDriftError,
 )
 from lifecycle.loading import load_safetensors, write_checkpoint
@@ -45,6 +46,7 @@ GUARD_ERRORS: dict[str, type[LifecycleError]] = {
     "require_all_layers_ready": LayersNotReadyError,
     "require_pinned": IllegalTransitionError,
     "require_pinned_unchanged": StorageDriftError,
+    "require_recoverable": RecoveryError,
 }
 
 #: States in which `refresh_derived` reports missing tensors (LayersNotReadyError) before the state check.
@@ -74,6 +76,7 @@ class LifecycleHarness:
         )
         self._saved: torch.Tensor | None = None
         self._value = 0.0
+        self._before_reload: dict[str, torch.Tensor] = {}
 
     def _write(self, names: list[str]) -> None:
         self.lc.ensure_loading_allowed()  # what a loader does before it writes anything
@@ -102,6 +105,21 @@ class LifecycleHarness:
 
     def begin_reload(self) -> None:
         self.lc.begin_reload()
+
+    def session_rolled_back(self) -> None:
+        """What a reload session with rollback does: snapshot, write, restore exactly, abort."""
+        self._before_reload = {n: t.clone() for n, t in self.tensors.items()}
+        self.lc.begin_reload()
+        self.load_partial()
+        self.lc.abort_reload("test abort, rolled back", rollback=self._restore)
+
+    def _restore(self) -> list[str]:
+        for n, t in self._before_reload.items():
+            self.tensors[n].copy_(t)
+        return list(self._before_reload)
+
+    def recover(self) -> None:
+        self.lc.recover()
 
     def capture(self) -> None:
         self.lc.capture_graphs()
@@ -155,6 +173,14 @@ class DFlashHarness:
     def begin_reload(self) -> None:
         self.model.begin_reload()
 
+    def session_rolled_back(self) -> None:
+        with self.model.reload_session(rollback=True) as s:
+            s.load(self.b, subset=lambda n: n.startswith("layers.0."))
+            s.abort("test abort, rolled back")
+
+    def recover(self) -> None:
+        self.model.recover()
+
     def capture(self) -> None:
         self.model.capture_graphs()
 
@@ -196,6 +222,8 @@ STEPS: dict[str, Callable[[Any], None]] = {
     "release": lambda h: h.release(),
     "begin_reload": lambda h: h.begin_reload(),
     "abort": lambda h: h.abort(),
+    "session_rolled_back": lambda h: h.session_rolled_back(),
+    "recover": lambda h: h.recover(),
     "drift": lambda h: h.drift(),
     "refresh_drifted": _refresh_drifted,
     "undrift": lambda h: h.undrift(),
@@ -224,15 +252,20 @@ PATHS: dict[LifecycleState, list[tuple[str, ...]]] = {
     S.DERIVED_REFRESHED: [
         _COLD,
         (*_CAPTURED, "release"),
+        (*_COLD, "session_rolled_back", "recover"),
     ],
     S.GRAPH_CAPTURED: [
         _CAPTURED,
         (*_CAPTURED, "begin_reload", "load_all", "finish", "refresh"),
+        (*_CAPTURED, "session_rolled_back", "recover"),
     ],
     S.QUARANTINED: [
         (*_COLD, "begin_reload", "abort"),
         (*_CAPTURED, "begin_reload", "load_partial", "abort"),
         ("load_partial", "abort"),
+        # rolled back exactly: `recover` succeeds (to DERIVED_REFRESHED, or GRAPH_CAPTURED while pinned)
+        (*_COLD, "session_rolled_back"),
+        (*_CAPTURED, "session_rolled_back"),
     ],
 }
 
@@ -250,6 +283,7 @@ RECIPES: dict[str, list[Callable[[Any], None]]] = {
     "capture_graphs": [lambda h: h.capture()],
     "release_graphs": [lambda h: h.release()],
     "abort_reload": [lambda h: h.abort()],
+    "recover": [lambda h: h.recover()],
 }
 
 
@@ -285,12 +319,14 @@ def _snapshot(h: Harness) -> dict[str, Any]:
         "pinned": lc.pinned,
         "pinned_ids": None if lc.pinned is None else dict(lc.pinned.identities),
         "quarantine_reason": lc.quarantine_reason,
+        "recovery_blocker": lc.recovery_blocker,
+        "torn": lc.torn_buffers,
         "tensors": tensors,
     }
 
 
 def _assert_unchanged(before: dict[str, Any], after: dict[str, Any]) -> None:
-    for key in ("epoch", "missing", "dirty", "quarantine_reason", "pinned_ids"):
+    for key in ("epoch", "missing", "dirty", "quarantine_reason", "recovery_blocker", "torn", "pinned_ids"):
         assert before[key] == after[key], key
     assert before["pinned"] is after["pinned"]
     assert before["tensors"].keys() == after["tensors"].keys()

@@ -1,0 +1,307 @@
+"""Transactional reloads: BEGIN -> APPLY -> FINALIZE -> VERIFY -> COMMIT, or ABORT (the phases of vLLM RFC #48312).
+
+>>> import tempfile, torch
+>>> from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+>>> from lifecycle.audit import configure_audit; _ = configure_audit(console=False)
+>>> from lifecycle.loading import load_safetensors, write_checkpoint
+>>> cfg = DFlashConfig(num_hidden_layers=2)
+>>> a = write_checkpoint(random_weights(cfg, seed=0), tempfile.mkdtemp() + "/a.safetensors")
+>>> draft = DFlashQwen3Draft(cfg); _ = load_safetensors(draft, a); _ = draft.finalize_loading()
+>>> _ = draft.refresh_derived_buffers(); fused = draft._fused_kv_weight.clone()
+>>> with draft.reload_session(rollback=True) as s:
+...     _ = s.apply({"layers.1.self_attn.qkv_proj.weight": torch.zeros(128, 64)})
+...     s.abort("trainer went away")
+>>> draft.lifecycle.state.value, torch.equal(draft._fused_kv_weight, fused), s.snapshot_bytes
+('QUARANTINED', True, 32768)
+>>> draft.recover().value      # the rollback was exact: the last good derived buffers match the weights again
+'DERIVED_REFRESHED'
+
+Inside `with backbone.reload_session(...) as s:`
+
+- BEGIN (`__enter__`): `begin_reload()` (nothing for a cold load from META).
+- APPLY: `s.apply({name: tensor})` or `s.apply([(name, tensor), ...])` per bucket, `s.load(path, ...)` for a
+  checkpoint; any number, from several threads on a locked lifecycle.
+- FINALIZE: `s.finalize(keep_untouched=...)`: every layer ready, then the phase hooks.
+- VERIFY: `s.verify()`: every pinned storage identity unchanged; with `finite_check`, no NaN/Inf in what was written.
+- COMMIT: `s.commit()`: finalize and verify if not done yet, then refresh the derived buffers in place.
+- ABORT: an exception, `s.abort(reason)`, or leaving the block without `commit()`: `abort_reload(reason)`, so the
+  backbone is QUARANTINED (its fused path raises `QuarantinedError`), the derived buffers keep their last good
+  values, and the reason is audited. The exception propagates. A load that never reported a tensor (still META)
+  cannot be quarantined and is left META.
+
+`rollback=True` copies each tensor once, just before its first write in the session (after its bucket was
+validated). Memory: the bytes of the distinct tensors the reload touches (a tensor on META costs nothing; it
+is put back as the META placeholder it was), held until commit or abort: up to one extra copy of the weights for
+a full reload. On abort every one is restored exactly (same storage, same bits; a replaced tensor object is put
+back), before the state changes and after every other writing thread finished. If the reload started with
+current derived buffers (DERIVED_REFRESHED or GRAPH_CAPTURED), `backbone.recover()` then leaves QUARANTINED
+without a reload.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from .errors import NonFiniteWeightError, SessionStateError
+from .loading import LoadReport, Writer, apply_bucket, load_safetensors, non_finite
+from .states import LifecycleState, allowed_triggers
+from .types import RefreshReport
+
+if TYPE_CHECKING:
+    from .backbone import DraftBackbone
+
+Bucket = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+Status = Literal["new", "open", "committed", "aborted"]
+
+
+@dataclass
+class _Saved:
+    owner: nn.Module
+    leaf: str
+    is_param: bool
+    original: torch.Tensor
+    values: torch.Tensor | None  # None: the original was a META placeholder
+
+
+class WeightSnapshot:
+    """Each tensor's value before its first write (thread-safe). `nbytes`: what the copies hold."""
+
+    def __init__(self, backbone: DraftBackbone) -> None:
+        self._backbone = backbone
+        self._saved: dict[str, _Saved] = {}
+        self._by_tensor: dict[int, torch.Tensor] = {}  # one copy per distinct tensor (tied names share it)
+        self._lock = threading.Lock()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._saved)
+
+    @torch.no_grad()
+    def capture(self, names: Iterable[str]) -> None:
+        with self._lock:
+            for name in names:
+                if name in self._saved:
+                    continue
+                owner, leaf = self._backbone._tensor_slots[name]
+                is_param = leaf in owner._parameters
+                t = owner._parameters[leaf] if is_param else owner._buffers[leaf]
+                assert t is not None
+                values = None
+                if not t.is_meta:
+                    values = self._by_tensor.get(id(t))
+                    if values is None:
+                        values = t.detach().clone()
+                        self._by_tensor[id(t)] = values
+                        self.nbytes += values.numel() * values.element_size()
+                self._saved[name] = _Saved(owner, leaf, is_param, t, values)
+
+    @torch.no_grad()
+    def restore(self) -> list[str]:
+        """Put every captured tensor back: the original object in its slot, its saved bits in its storage."""
+        with self._lock:
+            for s in self._saved.values():
+                slots = s.owner._parameters if s.is_param else s.owner._buffers
+                if slots.get(s.leaf) is not s.original:
+                    slots[s.leaf] = s.original  # type: ignore[assignment]
+                if s.values is not None:
+                    s.original.copy_(s.values)
+            return list(self._saved)
+
+    def release(self) -> None:
+        with self._lock:
+            self._saved.clear()
+            self._by_tensor.clear()
+
+
+class ReloadSession:
+    """One transactional reload of `backbone`. Use as a context manager (or call `begin` and then `commit` or
+    `abort` yourself). See the module docstring for the phases and what rollback costs."""
+
+    def __init__(self, backbone: DraftBackbone, *, rollback: bool = False, finite_check: bool = False,
+                 keep_untouched: bool = False, device: torch.device | str = "cpu", writer: Writer | None = None
+                 ) -> None:
+        self.backbone = backbone
+        self.rollback = rollback
+        self.finite_check = finite_check
+        self.keep_untouched = keep_untouched
+        self.device = device
+        self.writer = writer
+        self.status: Status = "new"
+        self.abort_reason: str | None = None
+        self.epoch: int | None = None
+        self._snapshot: WeightSnapshot | None = WeightSnapshot(backbone) if rollback else None
+        self._snapshot_bytes = 0
+        self._touched: set[str] = set()
+        self._touched_lock = threading.Lock()
+        self._finalized = False
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    @property
+    def touched(self) -> frozenset[str]:
+        """Every tensor this session wrote (or started to write)."""
+        with self._touched_lock:
+            return frozenset(self._touched)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes the rollback snapshot holds (or held, once the session closed): the touched tensors' bytes."""
+        return self._snapshot.nbytes if self._snapshot is not None else self._snapshot_bytes
+
+    @property
+    def recoverable(self) -> bool:
+        """After an abort: whether `backbone.recover()` will be allowed."""
+        lc = self.backbone.lifecycle
+        return (self.status == "aborted" and lc.state is LifecycleState.QUARANTINED
+                and lc.recovery_blocker is None)
+
+    def _require_open(self, what: str) -> None:
+        if self.status != "open":
+            lc = self.backbone.lifecycle
+            raise SessionStateError(f"{what} refused: the reload session is {self.status}"
+                                     + (f" ({self.abort_reason})" if self.abort_reason else ""),
+                                     backbone=lc.name, state=lc.state.value)
+
+    def _audit(self, phase: str, **fields: Any) -> None:
+        self.backbone.lifecycle.audit_event("session", phase=phase, **fields)
+
+    # ---- BEGIN ----------------------------------------------------------------------------------------------
+    def begin(self) -> int:
+        """`begin_reload()` (a cold load from META needs none). Returns the epoch."""
+        lc = self.backbone.lifecycle
+        if self.status == "open":  # sessions are single use
+            raise SessionStateError("begin refused: the reload session has begun already", backbone=lc.name,
+                                    state=lc.state.value)
+        if self.status != "new":
+            self._require_open("begin")
+        self.epoch = lc.epoch if lc.state is LifecycleState.META else self.backbone.begin_reload()
+        self.status = "open"
+        self._audit("begin", rollback=self.rollback, finite_check=self.finite_check)
+        return self.epoch
+
+    def __enter__(self) -> ReloadSession:
+        self.begin()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
+        if self.status != "open":
+            return False
+        reason = "the reload session ended without commit()" if exc is None else _describe(exc)
+        try:
+            self.abort(reason)
+        except Exception as e:  # never mask the exception that ended the block
+            if exc is None:
+                raise
+            self._audit("abort_failed", error=repr(e))
+        return False
+
+    # ---- APPLY ----------------------------------------------------------------------------------------------
+    def _before_write(self, names: Sequence[str]) -> None:
+        with self._touched_lock:
+            self._touched.update(names)
+        if self._snapshot is not None:
+            self._snapshot.capture(names)
+
+    def apply(self, bucket: Bucket) -> list[str]:
+        """Validate, snapshot (with rollback), write and report one bucket. Returns the layers it completed."""
+        self._require_open("apply")
+        pairs = list(bucket.items()) if isinstance(bucket, Mapping) else list(bucket)
+        return apply_bucket(self.backbone, pairs, self.device, finite_check=self.finite_check, writer=self.writer,
+                            before_write=self._before_write)
+
+    def load(self, paths: str | Path | Sequence[str | Path], **options: Any) -> LoadReport:
+        """Stream a checkpoint through the loader (`load_safetensors` options: bucket_by, shuffle, subset, ...)."""
+        self._require_open("load")
+        return load_safetensors(self.backbone, paths, device=self.device, finite_check=self.finite_check,
+                                writer=self.writer, before_write=self._before_write, **options)
+
+    # ---- FINALIZE, VERIFY -----------------------------------------------------------------------------------
+    def finalize(self, *, keep_untouched: bool | None = None) -> list[str]:
+        """`finalize_loading()`: every layer ready (untouched layers declared unchanged with keep_untouched),
+        then the phase hooks. Returns the hooks that ran."""
+        self._require_open("finalize")
+        keep = self.keep_untouched if keep_untouched is None else keep_untouched
+        ran = self.backbone.finalize_loading(keep_untouched=keep)
+        self._finalized = True
+        return ran
+
+    def verify(self, *, finite: bool | None = None) -> int:
+        """Every pinned storage identity unchanged (`StorageDriftError`); with `finite` (default: the session's
+        `finite_check`) every tensor written holds no NaN/Inf (`NonFiniteWeightError`). Returns how many
+        tensors were checked."""
+        self._require_open("verify")
+        lc = self.backbone.lifecycle
+        checked = lc.verify_pinned()
+        if self.finite_check if finite is None else finite:
+            names = sorted(self.touched)
+            problems = non_finite((n, t) for n in names if (t := self.backbone.live_tensor(n)) is not None)
+            checked += len(names)
+            if problems:
+                err = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value, source="verify")
+                self._audit("verify", ok=False, error=type(err).__name__, reason=err.reason)
+                raise err
+        self._audit("verify", ok=True, checked=checked)
+        return checked
+
+    # ---- COMMIT, ABORT --------------------------------------------------------------------------------------
+    def commit(self, *, full: bool = False) -> RefreshReport:
+        """Finalize and verify (if not done yet), then refresh every derived buffer in place. On success the
+        session is closed and the snapshot released; on failure it stays open (leaving the block aborts)."""
+        self._require_open("commit")
+        if not self._finalized:
+            self.finalize()
+        self.verify()
+        report = self.backbone.refresh_derived_buffers(full=full)
+        self.status = "committed"
+        self._close_snapshot()
+        self._audit("commit", touched=len(self._touched), snapshot_bytes=self._snapshot_bytes,
+                    elements_written=report.elements_written)
+        return report
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Quarantine the backbone (`abort_reload(reason)`), restoring every touched tensor first when rollback
+        is on. Waits for other writing threads; their later writes are refused."""
+        self._require_open("abort")
+        lc = self.backbone.lifecycle
+        restore = self._snapshot.restore if self._snapshot is not None else None
+        with lc.quiesced():
+            state = lc.state
+            if "abort_reload" in allowed_triggers(state):
+                lc.abort_reload(reason, rollback=restore)
+                outcome = "quarantined"
+            elif state is LifecycleState.META:  # nothing was reported: put back what a failed write may have set
+                if restore is not None:
+                    restore()
+                outcome = "unchanged (META)"
+            else:  # e.g. refreshed outside commit(), or quarantined by someone else: nothing safe to undo
+                outcome = f"left {state.value}"
+        self.status = "aborted"
+        self.abort_reason = reason
+        self._close_snapshot()
+        self._audit("abort", reason=reason, outcome=outcome, rollback=self.rollback, touched=len(self._touched),
+                    snapshot_bytes=self._snapshot_bytes, recoverable=self.recoverable)
+
+    def _close_snapshot(self) -> None:
+        if self._snapshot is not None:
+            self._snapshot_bytes = self._snapshot.nbytes
+            self._snapshot.release()
+            self._snapshot = None
+
+
+def _describe(exc: BaseException) -> str:
+    text = getattr(exc, "reason", None) or str(exc)
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    out = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return out if len(out) <= 300 else out[:297] + "..."
