@@ -142,7 +142,15 @@ class BackboneLifecycle:
 
     def missing(self, names: Iterable[str] | None = None) -> dict[str, tuple[str, ...]]:
         """Layer -> tensors not loaded in this epoch or still on META. Empty when every layer is ready."""
-        return self.readiness.missing(self._is_meta, names)
+        resolve = self._resolve
+        if resolve is None:
+            return self.readiness.missing(None, names)
+
+        def is_meta(name: str) -> bool:  # per tensor: one call into the resolver, no attribute lookups
+            t = resolve(name)
+            return t is None or t.is_meta
+
+        return self.readiness.missing(is_meta, names)
 
     def all_layers_ready(self) -> bool:
         return self.readiness.counts_complete() and not self.missing()
