@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,17 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# Every benchmark: prints its tables, writes benchmarks/results/NAME.json (a few minutes on 2 cores).
+# BENCH_ARGS="--quick" for a smoke run of seconds; the GPU check skips (exit 0) without CUDA.
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.tracking_overhead $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.refresh $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.selective $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.audit_overhead $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.gpu_check
+	$(BIN)/python -m benchmarks.gpu_check --device cpu --json benchmarks/results/gpu_check_cpu.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -141,12 +141,12 @@ def interleaved(arms: Sequence[Arm], repeats: int, *, warmup: int = 1,
     `clock`: wall time by default; `time.thread_time` measures CPU work of this thread only (for pure-Python
     bookkeeping: it does not count time the scheduler gave to other tenants)."""
     samples: dict[str, list[float]] = {a.name: [] for a in arms}
+    gc.collect()  # once: the collector is then off while an arm is timed, and runs (if due) in between
     for r in range(warmup + repeats):
         shift = r % len(arms)
         for arm in [*arms[shift:], *arms[:shift]]:
             if arm.setup is not None:
                 arm.setup()
-            gc.collect()
             gc.disable()
             try:
                 t0 = clock()
