@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = common.machine_info()
     common.say(f"audit overhead ({'quick' if args.quick else 'full'} run, {repeats} interleaved repeats per arm)")
     common.say(common.machine_line(info))
-    with tempfile.TemporaryDirectory(prefix="bench-audit-") as d:
+    with tempfile.TemporaryDirectory(prefix="bench-audit-", dir=common.scratch_dir()) as d:
         settings = Settings(Path(d))
         try:
             events = per_event(settings, args.quick)

@@ -83,6 +83,13 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
+def scratch_dir() -> str | None:
+    """Where benchmarks write their temporary checkpoints: /dev/shm (tmpfs) when there is one, so that reads
+    come from memory every time (other tenants' I/O cannot evict the page cache mid-run); else the default."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
 def machine_info() -> dict[str, Any]:
     """nproc, CPU model, torch version and threads, and the load average (others share this machine)."""
     cpu = platform.processor() or "?"

@@ -44,6 +44,7 @@ from .types import TensorSpec
 T = TypeVar("T")
 Resolver = Callable[[str], "torch.Tensor | None"]
 PinnedTensors = Callable[[], Mapping[str, "torch.Tensor | None"]]
+MetaScan = Callable[[], "set[str]"]
 
 
 class _Model:
@@ -57,7 +58,9 @@ class BackboneLifecycle:
 
     `tensor_specs`: every checkpoint tensor the backbone expects (name -> shape/dtype).
     `resolve`: finds the live tensor for a name (to see META placeholders); `pinned_tensors` lists what graphs
-    read (derived buffers and parameters) for pinning. The backbone mixin wires both.
+    read (derived buffers and parameters) for pinning; `meta_scan` (optional) returns, in one pass, the names of
+    every checkpoint tensor that is absent or on META now: the full readiness check then needs no per-name
+    resolve (it runs at every layer-complete load, finish and refresh). The backbone mixin wires all three.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class BackboneLifecycle:
         rank: int = 0,
         resolve: Resolver | None = None,
         pinned_tensors: PinnedTensors | None = None,
+        meta_scan: MetaScan | None = None,
         layer_key: Callable[[str], str] = layer_of,
         locked: bool = False,
         recent_events: int = 256,
@@ -81,6 +85,7 @@ class BackboneLifecycle:
         self.recent_events: deque[dict[str, Any]] = deque(maxlen=recent_events)
         self._resolve = resolve
         self._pinned_tensors = pinned_tensors
+        self._meta_scan = meta_scan
         self._lock: AbstractContextManager[Any] = threading.RLock() if locked else nullcontext()
         self._model = _Model()
         machine_cls = LockedMachine if locked else Machine
@@ -127,11 +132,14 @@ class BackboneLifecycle:
     def in_reload(self) -> bool:
         return self.epoch > 0
 
-    def bind(self, *, resolve: Resolver | None = None, pinned_tensors: PinnedTensors | None = None) -> None:
+    def bind(self, *, resolve: Resolver | None = None, pinned_tensors: PinnedTensors | None = None,
+             meta_scan: MetaScan | None = None) -> None:
         if resolve is not None:
             self._resolve = resolve
         if pinned_tensors is not None:
             self._pinned_tensors = pinned_tensors
+        if meta_scan is not None:
+            self._meta_scan = meta_scan
 
     # ---- conditions and guards (named by the table) -----------------------------------------------------------
     def _is_meta(self, name: str) -> bool:
@@ -142,6 +150,9 @@ class BackboneLifecycle:
 
     def missing(self, names: Iterable[str] | None = None) -> dict[str, tuple[str, ...]]:
         """Layer -> tensors not loaded in this epoch or still on META. Empty when every layer is ready."""
+        if names is None and self._meta_scan is not None:
+            bad = self._meta_scan()  # one pass over the live tensors
+            return self.readiness.missing(bad.__contains__ if bad else None)
         resolve = self._resolve
         if resolve is None:
             return self.readiness.missing(None, names)
