@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         [[r["setting"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.3g}-{r['max_ms']:.3g}",
           f"{r['ratio_to_off']['median']:.3f} ({r['ratio_to_off']['p25']:.3f}-{r['ratio_to_off']['p75']:.3f})",
           f"{r['delta_ms']:+.2f}", f"{r['predicted_delta_ms']:+.2f}"] for r in rows]))
-    common.say(f"\nload average {info['loadavg_start']} at start, {info['loadavg_end']} at end")
+    common.say("\n" + common.end_line(info))
     out = common.write_json(common.json_path(args, NAME), {
         "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
         "per_event": events, "per_reload": {**reload, "rows": rows}})

@@ -116,17 +116,38 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cuda": torch.cuda.is_available(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "probe_copy_64mib_ms_start": probe_copy_ms(),
     }
 
 
 def finish(info: dict[str, Any]) -> dict[str, Any]:
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    info["probe_copy_64mib_ms_end"] = probe_copy_ms()
     return info
+
+
+def probe_copy_ms(nbytes: int = 64 * 2**20, repeats: int = 7) -> float:
+    """Median time of one `copy_` of 64 MiB: a yardstick for the state of a shared machine. When other tenants
+    saturate it, this probe (and everything else) runs several times slower than on a quiet machine."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) * 1e3, 3)
 
 
 def machine_line(info: Mapping[str, Any]) -> str:
     return (f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']} ({info['torch_threads']} threads), "
-            f"load average at start {info['loadavg_start'][0]}")
+            f"load average at start {info['loadavg_start'][0]}, 64 MiB copy_ probe {info['probe_copy_64mib_ms_start']} "
+            "ms")
+
+
+def end_line(info: Mapping[str, Any]) -> str:
+    return (f"load average {info['loadavg_start']} at start, {info['loadavg_end']} at end; 64 MiB copy_ probe "
+            f"{info['probe_copy_64mib_ms_start']} ms at start, {info['probe_copy_64mib_ms_end']} ms at end")
 
 
 # ---- timing ----------------------------------------------------------------------------------------------------

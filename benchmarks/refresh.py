@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
          ["refresh, no graphs", fixed["no_graphs"]["min_us"]],
          [f"one pin verification pass ({fixed['pinned_tensors']} pinned tensors)",
           fixed["pin_verification_pass_us"]]]))
-    common.say(f"\nload average {info['loadavg_start']} at start, {info['loadavg_end']} at end")
+    common.say("\n" + common.end_line(info))
     out = common.write_json(common.json_path(args, NAME), {
         "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
         "config": {"layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,

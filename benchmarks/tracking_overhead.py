@@ -329,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.say("\nper-event costs, us (median of 5 batches; min)")
     common.say(common.table(["what", "median us", "min us", "note"],
                             [[c["what"], c["median_us"], c["min_us"], c["note"]] for c in costs]))
-    common.say(f"\nload average {info['loadavg_start']} at start, {info['loadavg_end']} at end")
+    common.say("\n" + common.end_line(info))
     out = common.write_json(common.json_path(args, NAME), {
         "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
         "target_overhead": TARGET_OVERHEAD, "rows": rows, "event_costs": costs})
