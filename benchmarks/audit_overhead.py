@@ -158,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
         "per_event": events, "per_reload": {**reload, "rows": rows}})
     common.say(f"JSON: {out}")
+    common.write_transcript(out.with_suffix(".txt"))
     return 0
 
 

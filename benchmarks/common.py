@@ -79,8 +79,21 @@ def _cell(c: Any) -> str:
     return str(c)
 
 
+_transcript: list[str] = []
+
+
 def say(text: str = "") -> None:
+    """Print, and keep the line for `write_transcript`."""
+    _transcript.append(text)
     print(text, flush=True)
+
+
+def write_transcript(path: Path) -> Path:
+    """Write everything `say` printed in this run (the tables) to `path`, next to the JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(_transcript) + "\n", encoding="utf-8")
+    _transcript.clear()
+    return path
 
 
 def scratch_dir() -> str | None:

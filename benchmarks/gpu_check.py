@@ -283,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         common.say(msg)
         common.write_json(out_path, {"benchmark": NAME, "skipped": True, "reason": msg, "machine": info,
                                      "rows": []})
+        common.write_transcript(out_path.with_suffix(".txt"))
         return 0
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
@@ -297,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                f": {len(FAMILIES if not args.family else args.family)} families, {elapsed:.1f} s; JSON: {out_path}\n")
     print_table(rows)
     common.say("\nRESULT: " + ("all checks passed" if ok else "SOME CHECKS FAILED"))
+    common.write_transcript(out_path.with_suffix(".txt"))
     return 0 if ok else 1
 
 

@@ -235,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "report": {"mode": report["_fused_kv_weight"].mode, "bytes_allocated": report.bytes_allocated,
                    "elements_written": report.elements_written, "address_kept": ptr_ok, "equal_to_cat": equal}})
     common.say(f"JSON: {out}")
+    common.write_transcript(out.with_suffix(".txt"))
     return 0
 
 

@@ -118,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "head_dim": cfg.head_dim, "fused_kv_bytes": fused_bytes(cfg)},
         "tolerance": TOLERANCE, "rows": rows})
     common.say(f"JSON: {out}")
+    common.write_transcript(out.with_suffix(".txt"))
     return 0
 
 

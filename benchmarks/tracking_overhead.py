@@ -334,6 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
         "target_overhead": TARGET_OVERHEAD, "rows": rows, "event_costs": costs})
     common.say(f"JSON: {out}")
+    common.write_transcript(out.with_suffix(".txt"))
     return 0
 
 

@@ -30,6 +30,7 @@ def run_quick(module: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], *
     out = capsys.readouterr().out
     assert f"JSON: {out_json}" in out
     data = json.loads(out_json.read_text())
+    assert out_json.with_suffix(".txt").read_text().strip() in out  # the printed tables, kept next to the JSON
     assert data["benchmark"] == module.NAME and data["quick"] is True
     assert data["machine"].keys() >= MACHINE_KEYS
     return out, data
