@@ -98,26 +98,31 @@ class PinnedReplayer:
         self.fn = fn
         self.captured: dict[str, torch.Tensor | None] = {}
 
-    def _slots(self) -> dict[str, tuple[torch.nn.Module, str]]:
-        return self.model._tensor_slots
+    def _slots(self) -> list[tuple[str, dict[str, Any]]]:
+        """(name, the dict that holds it) once per distinct slot (a shared module's tensor has several names)."""
+        seen: set[tuple[int, str]] = set()
+        out = []
+        for name, (mod, leaf) in self.model._tensor_slots.items():
+            if (id(mod), leaf) not in seen:
+                seen.add((id(mod), leaf))
+                out.append((name, mod._parameters if leaf in mod._parameters else mod._buffers))
+        return out
 
     def capture(self) -> None:
         self.captured = self.model.graph_visible_tensors()
         self.fn()
 
     def replay(self) -> Outputs:
-        live: dict[str, torch.Tensor | None] = {}
+        swapped: list[tuple[dict[str, Any], str, Any]] = []
         try:
-            for name, (mod, leaf) in self._slots().items():
-                table = mod._parameters if leaf in mod._parameters else mod._buffers
-                live[name] = table[leaf]
-                table[leaf] = self.captured.get(name)  # type: ignore[assignment]
+            for name, table in self._slots():
+                leaf = self.model._tensor_slots[name][1]
+                swapped.append((table, leaf, table.get(leaf)))
+                table[leaf] = self.captured.get(name)
             return tuple(t.clone() for t in self.fn())
         finally:
-            for name, (mod, leaf) in self._slots().items():
-                if name in live:
-                    table = mod._parameters if leaf in mod._parameters else mod._buffers
-                    table[leaf] = live[name]  # type: ignore[assignment]
+            for table, leaf, live in reversed(swapped):
+                table[leaf] = live
 
 
 def make_replayer(model: DraftBackbone, fn: Callable[[], Outputs], device: str) -> Replayer:
@@ -142,20 +147,21 @@ def vllm_rebuild(model: DraftBackbone) -> dict[str, torch.Tensor]:
     `load_weights`). Returns the buffers it replaced, so the caller can keep them alive."""
     old: dict[str, torch.Tensor] = {}
     for spec in model.derived_buffers:
-        current = model._buffers.get(spec.name)
-        if current is not None:
-            old[spec.name] = current
+        if spec.kind == "alias":
+            continue  # its source was written in place (copy_): re-pointing the alias would change nothing
         if spec.kind in ("concat", "stack"):
             layers = functools.reduce(getattr, spec.layers_attr.split("."), model)
             assert spec.per_layer is not None
             slices = [spec.per_layer(layer) for layer in layers]  # type: ignore[attr-defined]
             new = torch.stack(slices) if spec.kind == "stack" else torch.cat(slices, spec.dim)
-        elif spec.kind == "alias":
-            new = model.live_tensor(spec.sources[0])  # type: ignore[assignment]
         else:
             assert spec.build is not None
             new = spec.build(model).clone()
-        setattr(model, spec.name, new)  # a registered buffer: rebinding the attribute replaces it
+        current = model._buffers.get(spec.name)
+        if current is not None:
+            old[spec.name] = current
+        setattr(model, spec.name, new)  # a registered buffer: rebinding the attribute replaces it in _buffers
+        assert model._buffers[spec.name] is new
     return old
 
 
