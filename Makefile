@@ -9,7 +9,7 @@ TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: venv venv-vllm demo demo-vllm test lint clean
+.PHONY: venv venv-vllm demo demo-vllm test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,19 @@ test: $(VLLM_STAMP) $(CHROMIUM)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (a few minutes on 2 cores).
+# BENCH_ARGS="--quick" for a smoke run of seconds; the GPU check skips (exit 0) without CUDA.
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.tracking_overhead $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.refresh $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.selective $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.audit_overhead $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.gpu_check
+	$(BIN)/python -m benchmarks.gpu_check --device cpu --json benchmarks/results/gpu_check_cpu.json
+	$(BIN)/python benchmarks/rollback_memory.py
+	$(BIN)/python benchmarks/audit_rate.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -61,12 +61,16 @@ class DraftBackbone(nn.Module):
             for mod_name, mod in self.named_modules(remove_duplicate=False)
             for leaf in (*mod._parameters, *mod._buffers)
         }
+        # the checkpoint tensors with their slots, in one list: the readiness check walks it once per scan
+        self._checkpoint_slots: list[tuple[str, nn.Module | None, str]] = [
+            (n, *self._tensor_slots.get(n, (None, ""))) for n in tensor_specs]
         self._lifecycle = BackboneLifecycle(
             name or type(self).__name__,
             tensor_specs,
             rank=rank,
             resolve=self.live_tensor,
             pinned_tensors=self.graph_visible_tensors,
+            meta_scan=self.meta_or_absent,
             locked=locked,
         )
         self._runtime_hooks: list[Hook] = []
@@ -98,6 +102,20 @@ class DraftBackbone(nn.Module):
         mod, leaf = slot
         t = mod._parameters.get(leaf)
         return t if t is not None else mod._buffers.get(leaf)
+
+    def meta_or_absent(self) -> set[str]:
+        """Names of checkpoint tensors that are absent or on META now: `live_tensor` for each, in one loop."""
+        out = set()
+        for name, mod, leaf in self._checkpoint_slots:
+            if mod is None:
+                t = self.live_tensor(name)
+            else:
+                t = mod._parameters.get(leaf)
+                if t is None:
+                    t = mod._buffers.get(leaf)
+            if t is None or t.is_meta:
+                out.add(name)
+        return out
 
     def graph_visible_tensors(self) -> dict[str, torch.Tensor | None]:
         """What captured graphs read: every derived buffer, parameter and buffer, under every name it has

@@ -117,15 +117,25 @@ def validate_index(backbone: DraftBackbone, index: dict[str, IndexEntry], names:
     lc = backbone.lifecycle
     names = list(names)
     unknown = lc.readiness.unknown(names)
-    files = ", ".join(sorted({str(index[n].path) for n in names})) if names else ""
     error: LifecycleError | None = None
     if unknown:
-        error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value, source=files)
+        error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value, source=_files(index, names))
     elif problems := [p for n in names if (p := lc.specs[n].mismatch(n, index[n].shape, index[n].dtype))]:
-        error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value, source=files)
+        error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value, source=_files(index, names))
     if error is not None:
         lc.record_refusal("weights_loaded", error)
         raise error
+
+
+def _file_list(index: dict[str, IndexEntry], names: Iterable[str]) -> list[str]:
+    """The files `names` come from, sorted. Entries of one file share one Path object, so they are told apart
+    by identity first: no per-tensor path hashing or formatting."""
+    paths = {id(p): p for p in (index[n].path for n in names)}
+    return sorted({str(p) for p in paths.values()})
+
+
+def _files(index: dict[str, IndexEntry], names: Iterable[str]) -> str:
+    return ", ".join(_file_list(index, names))
 
 
 def plan_buckets(names: Sequence[str], layer_key: Callable[[str], str], *, bucket_by: BucketBy = "layer",
@@ -220,22 +230,25 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]]
 
 def apply_bucket(backbone: DraftBackbone, bucket: Sequence[tuple[str, torch.Tensor]],
                  device: torch.device | str = "cpu", *, finite_check: bool = False, writer: Writer | None = None,
-                 before_write: BeforeWrite | None = None) -> list[str]:
+                 before_write: BeforeWrite | None = None, validated: bool = False) -> list[str]:
     """Validate a bucket of (name, tensor), write it, report it. Returns the layers it completed.
 
     Refused before any write (audited, nothing changed): a state that allows no loading, unknown names, a shape
     or dtype mismatch, and with `finite_check` a NaN or Inf value (`NonFiniteWeightError`). A write that fails
     part way raises `WeightWriteError`: the tensors written before it are reported as loaded, the failing one as
     possibly written. Thread-safe on a locked lifecycle: the bucket is written and reported under a write lease.
+    `validated=True` skips the per-tensor name/shape/dtype checks: for tensors read from a checkpoint whose
+    header `validate_index` already checked (safetensors returns exactly the header's shape and dtype), as
+    `load_safetensors` does. Whether loading is allowed now (and the finite check) happen either way.
     """
     lc = backbone.lifecycle
     with lc.loading():
         names = [n for n, _ in bucket]
-        unknown = lc.readiness.unknown(names)
         error: LifecycleError | None = None
-        if unknown:
+        if not validated and (unknown := lc.readiness.unknown(names)):
             error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value)
-        elif problems := [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]:
+        elif not validated and (
+                problems := [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]):
             error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value)
         elif finite_check and (problems := non_finite(bucket)):
             error = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value)
@@ -309,12 +322,12 @@ def load_safetensors(
     lc.ensure_loading_allowed()
     buckets = plan_buckets(names, lambda n: lc.readiness.layer_of_name[n], bucket_by=bucket_by,
                            shuffle=shuffle, seed=seed, duplicates=duplicates)
-    report = LoadReport(files=sorted({str(index[n].path) for n in names}))
+    report = LoadReport(files=_file_list(index, names))
     done = 0
     for i, bucket in enumerate(iter_buckets(index, buckets)):
         completed = apply_bucket(backbone, bucket, device, finite_check=finite_check, writer=writer,
-                                 before_write=before_write)
-        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+                                 before_write=before_write, validated=True)  # the header was validated above
+        nbytes = sum(t.nbytes for _, t in bucket)
         report.buckets += 1
         report.tensors += len(bucket)
         report.nbytes += nbytes

@@ -49,6 +49,7 @@ Rollback = Callable[[], Iterable[str]]
 
 #: States whose derived buffers match the weights.
 USABLE_STATES = (LifecycleState.DERIVED_REFRESHED, LifecycleState.GRAPH_CAPTURED)
+MetaScan = Callable[[], "set[str]"]
 
 
 class _Model:
@@ -62,7 +63,9 @@ class BackboneLifecycle:
 
     `tensor_specs`: every checkpoint tensor the backbone expects (name -> shape/dtype).
     `resolve`: finds the live tensor for a name (to see META placeholders); `pinned_tensors` lists what graphs
-    read (derived buffers and parameters) for pinning. The backbone mixin wires both.
+    read (derived buffers and parameters) for pinning; `meta_scan` (optional) returns, in one pass, the names of
+    every checkpoint tensor that is absent or on META now: the full readiness check then needs no per-name
+    resolve (it runs at every layer-complete load, finish and refresh). The backbone mixin wires all three.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class BackboneLifecycle:
         rank: int = 0,
         resolve: Resolver | None = None,
         pinned_tensors: PinnedTensors | None = None,
+        meta_scan: MetaScan | None = None,
         layer_key: Callable[[str], str] = layer_of,
         locked: bool = False,
         recent_events: int = 256,
@@ -89,6 +93,7 @@ class BackboneLifecycle:
         self._seq = 0
         self._resolve = resolve
         self._pinned_tensors = pinned_tensors
+        self._meta_scan = meta_scan
         self._lock: AbstractContextManager[Any] = threading.RLock() if locked else nullcontext()
         # write leases (thread id -> depth): transitions that end or abort loading wait until no other thread is
         # between its "may I write?" check and its `weights_loaded` report (locked lifecycles only)
@@ -144,11 +149,14 @@ class BackboneLifecycle:
     def in_reload(self) -> bool:
         return self.epoch > 0
 
-    def bind(self, *, resolve: Resolver | None = None, pinned_tensors: PinnedTensors | None = None) -> None:
+    def bind(self, *, resolve: Resolver | None = None, pinned_tensors: PinnedTensors | None = None,
+             meta_scan: MetaScan | None = None) -> None:
         if resolve is not None:
             self._resolve = resolve
         if pinned_tensors is not None:
             self._pinned_tensors = pinned_tensors
+        if meta_scan is not None:
+            self._meta_scan = meta_scan
 
     # ---- conditions and guards (named by the table) -----------------------------------------------------------
     def _is_meta(self, name: str) -> bool:
@@ -159,7 +167,18 @@ class BackboneLifecycle:
 
     def missing(self, names: Iterable[str] | None = None) -> dict[str, tuple[str, ...]]:
         """Layer -> tensors not loaded in this epoch or still on META. Empty when every layer is ready."""
-        return self.readiness.missing(self._is_meta, names)
+        if names is None and self._meta_scan is not None:
+            bad = self._meta_scan()  # one pass over the live tensors
+            return self.readiness.missing(bad.__contains__ if bad else None)
+        resolve = self._resolve
+        if resolve is None:
+            return self.readiness.missing(None, names)
+
+        def is_meta(name: str) -> bool:  # per tensor: one call into the resolver, no attribute lookups
+            t = resolve(name)
+            return t is None or t.is_meta
+
+        return self.readiness.missing(is_meta, names)
 
     def all_layers_ready(self) -> bool:
         return self.readiness.counts_complete() and not self.missing()

@@ -109,11 +109,12 @@ class LayerReadiness:
         With `names`, only those tensors are checked."""
         out: dict[str, list[str]] = {}
         candidates = self.layer_of_name if names is None else names
+        loaded, epoch, layer_of_name = self._loaded_epoch, self.epoch, self.layer_of_name  # locals: per tensor
         for name in candidates:
-            if self._loaded_epoch[name] != self.epoch:
-                out.setdefault(self.layer_of_name[name], []).append(name)
+            if loaded[name] != epoch:
+                out.setdefault(layer_of_name[name], []).append(name)
             elif is_meta is not None and is_meta(name):
-                out.setdefault(self.layer_of_name[name], []).append(f"{name} (META)")
+                out.setdefault(layer_of_name[name], []).append(f"{name} (META)")
         return {k: tuple(v) for k, v in out.items()}
 
     def dirty_tensors(self) -> frozenset[str]:

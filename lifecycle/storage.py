@@ -7,6 +7,8 @@ Identity = (data_ptr, storage_offset, shape, stride, dtype, device), as vLLM RFC
 >>> a = StorageIdentity.of(t)
 >>> t.copy_(torch.ones(4, 2)) is t and StorageIdentity.of(t) == a
 True
+>>> a.matches(t), a.matches(t.t()), a.matches(t.clone()), a.matches(t[1:])
+(True, False, False, False)
 >>> describe_changes("w", a, StorageIdentity.of(t.t()))
 ['w: shape (4, 2) -> (2, 4)', 'w: stride (2, 1) -> (1, 2)']
 """
@@ -36,6 +38,13 @@ class StorageIdentity:
         # objects, not strings: this runs for every pinned tensor at every check
         return cls(0 if t.is_meta else t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
                    t.device)
+
+    def matches(self, t: torch.Tensor) -> bool:
+        """Whether `t` has exactly this identity: `StorageIdentity.of(t) == self` without building one (the
+        per-tensor hot path of pin verification; cheapest fields first)."""
+        return ((0 if t.is_meta else t.data_ptr()) == self.data_ptr and t.storage_offset() == self.storage_offset
+                and t.shape == self.shape and t.stride() == self.stride and t.dtype == self.dtype
+                and t.device == self.device)
 
     @property
     def layout(self) -> tuple[tuple[int, ...], tuple[int, ...], str, str]:
@@ -85,8 +94,8 @@ class PinnedStorage:
             t = live.get(name)
             if t is None:
                 problems.append(f"{name}: pinned tensor is gone (was {hex(old.data_ptr)})")
-                continue
-            problems.extend(describe_changes(name, old, StorageIdentity.of(t)))
+            elif not old.matches(t):
+                problems.extend(describe_changes(name, old, StorageIdentity.of(t)))
         return problems
 
     def __len__(self) -> int:

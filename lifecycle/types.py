@@ -20,6 +20,8 @@ class TensorSpec:
 
     def mismatch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
         """A line naming what differs, or None when `shape`/`dtype` match."""
+        if dtype == self.dtype and (shape is self.shape or tuple(shape) == self.shape):  # hot path: per tensor
+            return None
         parts = []
         if tuple(shape) != self.shape:
             parts.append(f"shape expected {self.shape} got {tuple(shape)}")

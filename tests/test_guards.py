@@ -194,6 +194,28 @@ def test_meta_placeholder_left_by_a_reload_is_never_ready(loaded: DFlashQwen3Dra
     assert_derived_unchanged(loaded, snap, sources_rewritten=False)
 
 
+def test_one_pass_meta_scan_agrees_with_resolving_each_name(loaded: DFlashQwen3Draft) -> None:
+    """The readiness check's one-pass scan (`meta_or_absent`) sees what `live_tensor` sees, name by name: a META
+    placeholder, a parameter deleted, a parameter re-registered as a buffer (still there)."""
+    lc = loaded.lifecycle
+    loaded.begin_reload()
+    lc.weights_loaded(list(lc.specs))
+    assert loaded.meta_or_absent() == set() and lc.missing() == {}
+    down = loaded.layers[1].mlp.down_proj
+    down._parameters["weight"] = meta_param(down.weight)
+    norm = loaded.layers[0].input_layernorm
+    del norm._parameters["weight"]  # absent
+    fc = loaded.fc
+    w = fc._parameters.pop("weight")
+    fc._buffers["weight"] = w.detach()  # moved from the parameters to the buffers: still present
+    expected = {"layers.1.mlp.down_proj.weight", "layers.0.input_layernorm.weight"}
+    assert loaded.meta_or_absent() == expected
+    assert expected == {n for n in lc.specs if (t := loaded.live_tensor(n)) is None or t.is_meta}
+    assert lc.missing() == {"layers.1": ("layers.1.mlp.down_proj.weight (META)",),
+                            "layers.0": ("layers.0.input_layernorm.weight (META)",)}
+    assert lc.missing(names=sorted(expected)) == lc.missing()  # the per-name path says the same
+
+
 # ---- a refresh that would reallocate ----------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from lifecycle import (
 from lifecycle.derived import current_buffer
 from lifecycle.loading import (
     LoadProgress,
+    apply_bucket,
     checkpoint_index,
     iter_buckets,
     load_safetensors,
@@ -302,6 +303,36 @@ def test_partial_load_stays_partially_loaded_and_finish_is_refused(target, ckpt_
         target.finalize_loading()
     assert set(ei.value.missing) == {"layers.1"}
     assert target.lifecycle.state is S.PARTIALLY_LOADED
+
+
+def test_load_report_names_each_file_once_sorted_with_bytes_and_tensors(target, tiny_cfg, tmp_path):
+    w = _good_b(tiny_cfg)
+    names = list(w)
+    half = len(names) // 2
+    p2 = write_checkpoint({n: w[n] for n in names[half:]}, tmp_path / "z.safetensors")
+    p1 = write_checkpoint({n: w[n] for n in names[:half]}, tmp_path / "a.safetensors")
+    report = load_safetensors(target, [p2, p1, p2])
+    assert report.files == sorted({str(p1), str(p2)})
+    assert report.tensors == len(names)
+    assert report.nbytes == sum(t.numel() * t.element_size() for t in w.values())
+
+
+def test_apply_bucket_validated_skips_tensor_checks_but_not_the_state_check(loaded, tiny_cfg):
+    """`validated=True` is for tensors whose checkpoint header was already validated (as `load_safetensors`
+    does); whether loading is allowed now is still checked, audited, before anything is written."""
+    w = _good_b(tiny_cfg)
+    bad = [(n, t.double()) for n, t in w.items() if n.startswith("layers.0.")]
+    before = snapshot(loaded)
+    with pytest.raises(IllegalTransitionError):
+        apply_bucket(loaded, bad, validated=True)  # DERIVED_REFRESHED: no begin_reload yet
+    assert_unchanged(loaded, before)
+    loaded.begin_reload()
+    before = snapshot(loaded)
+    with pytest.raises(WeightShapeError):
+        apply_bucket(loaded, bad)  # unvalidated buckets are still checked per tensor
+    assert_unchanged(loaded, before)
+    good = [(n, t) for n, t in w.items() if n.startswith("layers.0.")]
+    assert apply_bucket(loaded, good, validated=True) == ["layers.0"]
 
 
 # ---- progress -----------------------------------------------------------------------------------------------

@@ -1,0 +1,338 @@
+"""What every benchmark shares: interleaved timing with medians and spread, tables, JSON output, the machine
+description, and the synthetic many-tensor draft backbone.
+
+>>> s = summarize([0.003, 0.001, 0.002])
+>>> s["median_ms"], s["min_ms"], s["max_ms"], s["n"]
+(2.0, 1.0, 3.0, 3)
+>>> print(table(["a", "bb"], [[1, 2.5]]))
+a | bb
+--+----
+1 | 2.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lifecycle import DraftBackbone, concat, stack
+from lifecycle.loading import apply_bucket
+from models.qwen3_dflash import RMSNorm
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# ---- command line and output -----------------------------------------------------------------------------------
+
+
+def parser(name: str, description: str, *, repeats: int) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
+    p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats: a smoke run of seconds")
+    p.add_argument("--repeats", type=int, default=None, help=f"timed repeats per arm (default {repeats}; quick: 3)")
+    p.add_argument("--json", type=Path, default=None,
+                   help=f"where to write the JSON (default {RESULTS_DIR}/{name}.json)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    return p
+
+
+def setup_run(args: argparse.Namespace, default_repeats: int) -> int:
+    """Apply --threads; return the number of repeats."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args.repeats or (3 if args.quick else default_repeats)
+
+
+def json_path(args: argparse.Namespace, name: str) -> Path:
+    return Path(args.json) if args.json else RESULTS_DIR / f"{name}.json"
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(headers), *[[_cell(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    fmt = " | ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*cells[0]).rstrip(), "-+-".join("-" * w for w in widths)]
+    out += [fmt.format(*r).rstrip() for r in cells[1:]]
+    return "\n".join(out)
+
+
+def _cell(c: Any) -> str:
+    if isinstance(c, float):
+        return f"{c:.3g}" if abs(c) < 1000 else f"{c:.0f}"
+    return str(c)
+
+
+_transcript: list[str] = []
+
+
+def say(text: str = "") -> None:
+    """Print, and keep the line for `write_transcript`."""
+    _transcript.append(text)
+    print(text, flush=True)
+
+
+def write_transcript(path: Path) -> Path:
+    """Write everything `say` printed in this run (the tables) to `path`, next to the JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(_transcript) + "\n", encoding="utf-8")
+    _transcript.clear()
+    return path
+
+
+def scratch_dir() -> str | None:
+    """Where benchmarks write their temporary checkpoints: /dev/shm (tmpfs) when there is one, so that reads
+    come from memory every time (other tenants' I/O cannot evict the page cache mid-run); else the default."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def machine_info() -> dict[str, Any]:
+    """nproc, CPU model, torch version and threads, and the load average (others share this machine)."""
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "mem_gib": mem_gib,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "cuda": torch.cuda.is_available(),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "probe_copy_64mib_ms_start": probe_copy_ms(),
+    }
+
+
+def finish(info: dict[str, Any]) -> dict[str, Any]:
+    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    info["probe_copy_64mib_ms_end"] = probe_copy_ms()
+    return info
+
+
+def probe_copy_ms(nbytes: int = 64 * 2**20, repeats: int = 7) -> float:
+    """Median time of one `copy_` of 64 MiB: a yardstick for the state of a shared machine. When other tenants
+    saturate it, this probe (and everything else) runs several times slower than on a quiet machine."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def machine_line(info: Mapping[str, Any]) -> str:
+    return (f"machine: {info['nproc']} CPUs ({info['cpu']}), torch {info['torch']} ({info['torch_threads']} threads), "
+            f"load average at start {info['loadavg_start'][0]}, 64 MiB copy_ probe {info['probe_copy_64mib_ms_start']} "
+            "ms")
+
+
+def end_line(info: Mapping[str, Any]) -> str:
+    return (f"load average {info['loadavg_start']} at start, {info['loadavg_end']} at end; 64 MiB copy_ probe "
+            f"{info['probe_copy_64mib_ms_start']} ms at start, {info['probe_copy_64mib_ms_end']} ms at end")
+
+
+# ---- timing ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Arm:
+    """One thing to time. `setup` runs untimed before every timed `run` (e.g. begin_reload before a refresh)."""
+
+    name: str
+    run: Callable[[], object]
+    setup: Callable[[], object] | None = None
+
+
+def interleaved(arms: Sequence[Arm], repeats: int, *, warmup: int = 1,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Time every arm `repeats` times (seconds), interleaved round by round with the order rotated each round, so
+    drift and other tenants' load hit every arm alike. `warmup` untimed rounds first (page cache, allocator).
+    `clock`: wall time by default; `time.thread_time` measures CPU work of this thread only (for pure-Python
+    bookkeeping: it does not count time the scheduler gave to other tenants)."""
+    samples: dict[str, list[float]] = {a.name: [] for a in arms}
+    gc.collect()  # once: the collector is then off while an arm is timed, and runs (if due) in between
+    for r in range(warmup + repeats):
+        shift = r % len(arms)
+        for arm in [*arms[shift:], *arms[:shift]]:
+            if arm.setup is not None:
+                arm.setup()
+            gc.disable()
+            try:
+                t0 = clock()
+                arm.run()
+                dt = clock() - t0
+            finally:
+                gc.enable()
+            if r >= warmup:
+                samples[arm.name].append(dt)
+    return samples
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and quartiles in milliseconds."""
+    ms = sorted(s * 1e3 for s in samples)
+    q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
+    return {"median_ms": round(statistics.median(ms), 4), "min_ms": round(ms[0], 4), "max_ms": round(ms[-1], 4),
+            "p25_ms": round(q[0], 4), "p75_ms": round(q[2], 4), "n": len(ms)}
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """Ratios a[i]/b[i] of samples taken in the same round: median and quartiles (robust to slow drift)."""
+    r = sorted(x / y for x, y in zip(a, b, strict=True))
+    q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else [r[0]] * 3
+    return {"median": round(statistics.median(r), 4), "p25": round(q[0], 4), "p75": round(q[2], 4)}
+
+
+def per_call_us(fn: Callable[[], object], *, number: int, repeats: int = 5) -> dict[str, float]:
+    """Microseconds per call of a cheap `fn`: `repeats` batches of `number` calls; median and min of the batches."""
+    per = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        per.append((time.perf_counter() - t0) / number * 1e6)
+    return {"median_us": round(statistics.median(per), 3), "min_us": round(min(per), 3)}
+
+
+def spread(s: Mapping[str, float]) -> str:
+    return f"{s['min_ms']:.3g}-{s['max_ms']:.3g}"
+
+
+def mib(nbytes: int) -> float:
+    return round(nbytes / 2**20, 2)
+
+
+# ---- the synthetic many-tensor draft ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ManyTensorConfig:
+    """A draft with many small tensors per layer (an MoE-style draft: attention plus `num_experts` experts with
+    their own gate_up/down projections): 7 + 2 * num_experts tensors per layer."""
+
+    hidden_size: int = 256
+    num_hidden_layers: int = 16
+    num_experts: int = 60
+    expert_intermediate_size: int = 48
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+
+
+class _Expert(nn.Module):
+    def __init__(self, c: ManyTensorConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.expert_intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.expert_intermediate_size, c.hidden_size, bias=False)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: ManyTensorConfig) -> None:
+        super().__init__()
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+
+class _MoELayer(nn.Module):
+    def __init__(self, c: ManyTensorConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(c) for _ in range(c.num_experts))
+
+
+class ManyTensorDraft(DraftBackbone):
+    """Synthetic draft backbone with thousands of small tensors; derives a fused KV weight and stacked k-norms
+    exactly as the DFlash draft does. Only loading and refreshing are exercised (no forward)."""
+
+    derived_buffers = (
+        concat("_fused_kv_weight", sources=("self_attn.qkv_proj.weight",),
+               per_layer=lambda layer: layer.self_attn.qkv_proj.weight[layer.self_attn.q_size:]),
+        stack("_k_norm_weights", sources=("self_attn.k_norm.weight",),
+              per_layer=lambda layer: layer.self_attn.k_norm.weight),
+    )
+
+    def __init__(self, config: ManyTensorConfig | None = None, *, device: str | torch.device = "meta",
+                 name: str = "many-tensor") -> None:
+        super().__init__()
+        c = self.config = config or ManyTensorConfig()
+        with torch.device(device):
+            self.layers = nn.ModuleList(_MoELayer(c) for _ in range(c.num_hidden_layers))
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.init_lifecycle(name)
+
+
+def checkpoint_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# ---- building loaded drafts without a checkpoint on disk -------------------------------------------------------
+
+
+def materialize(model: DraftBackbone, seed: int) -> None:
+    """Load random weights into a META model through the lifecycle, one bucket per layer (only one layer's
+    tensors exist besides the model at any time), then finalize: the model ends FULLY_LOADED."""
+    gen = torch.Generator().manual_seed(seed)
+    lc = model.lifecycle
+    for names in lc.readiness.tensors_of_layer.values():
+        bucket = []
+        for name in names:
+            spec = lc.specs[name]
+            low, high = (0.5, 1.5) if name.endswith("norm.weight") else (-0.05, 0.05)
+            value = torch.empty(spec.shape, dtype=torch.float32).uniform_(low, high, generator=gen)
+            bucket.append((name, value.to(spec.dtype)))
+        apply_bucket(model, bucket)
+    model.finalize_loading()
+
+
+def mark_reloaded(model: DraftBackbone, layers: Sequence[int] | None = None) -> None:
+    """Start a reload epoch and report tensors as written again, without writing them: all of them, or (with
+    `layers`) only those of these decoder layers, the rest declared unchanged. Ends FULLY_LOADED."""
+    lc = model.lifecycle
+    model.begin_reload()
+    if layers is None:
+        lc.weights_loaded(list(lc.specs))
+        model.finalize_loading()
+    else:
+        prefixes = tuple(f"layers.{i}." for i in layers)
+        lc.weights_loaded([n for n in lc.specs if n.startswith(prefixes)])
+        model.finalize_loading(keep_untouched=True)

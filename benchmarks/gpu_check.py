@@ -1,0 +1,312 @@
+"""Prepared GPU check: a captured CUDA graph replayed after an in-place reload reads the NEW weights; after a
+vLLM-style rebuild it reads STALE ones.
+
+    python -m benchmarks.gpu_check                 # on a CUDA machine (about a minute); skips (exit 0) without CUDA
+    python -m benchmarks.gpu_check --device cpu    # the same checks with a CPU stand-in for the graph
+
+For every draft family in `models.FAMILIES`, on the device:
+  1. write checkpoints A and B; cold-load a reference model from B and run its fused path eagerly (`expected`)
+  2. lifecycle: load A, refresh, capture the fused path in a `torch.cuda.CUDAGraph` (warm-up on a side stream,
+     static inputs), pin (`capture_graphs`); reload B through the lifecycle (shuffled buckets of 3, finalize,
+     in-place refresh); replay the graph WITHOUT re-capture: the output must equal `expected`
+  3. vLLM-style: load A, refresh, capture; write B's weights straight into the parameters (no lifecycle), rebuild
+     the derived buffers with `torch.cat`/`torch.stack` into NEW tensors and rebind the attributes (what vLLM's
+     `_build_fused_kv_buffers` does); eager output then equals `expected`, but the replay still reads the
+     buffers captured before: it must DIFFER from `expected` (stale). The old buffers are kept referenced, so
+     the replay reads stale values rather than freed memory (vLLM frees them: garbage or an illegal access).
+The CPU stand-in (`--device cpu`) replays with the tensor objects that existed at capture swapped back into the
+module, which is what a graph does with addresses; everything else (loading, comparisons, verdicts) is shared.
+Prints a table last; exit 1 if a check fails; writes JSON (`benchmarks/results/gpu_check.json` or `--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+if __package__ in (None, ""):  # run as a file: python benchmarks/gpu_check.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks import common
+from lifecycle import DraftBackbone
+from lifecycle.audit import configure_audit
+from lifecycle.loading import checkpoint_index, iter_buckets, load_safetensors, write_checkpoint, write_tensor
+from lifecycle.storage import StorageIdentity
+from models import FAMILIES, DraftFamily
+
+NAME = "gpu_check"
+ATOL = 1e-5  # replay vs eager of the same weights: same kernels, expected bit-exact; this allows reassociation
+STALE_MIN_DIFF = 1e-3  # A and B are independent random weights: stale outputs differ by far more than this
+
+Outputs = tuple[torch.Tensor, ...]
+
+
+# ---- replaying what was captured ---------------------------------------------------------------------------------
+
+
+class Replayer(Protocol):
+    def capture(self) -> None: ...
+
+    def replay(self) -> Outputs: ...
+
+
+class CudaGraphReplayer:
+    """A real CUDA graph of `fn` (which reads only the model's tensors and static inputs)."""
+
+    def __init__(self, fn: Callable[[], Outputs]) -> None:
+        self.fn = fn
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_out: Outputs = ()
+
+    def capture(self) -> None:
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph (lazy init, kernel selection)
+            for _ in range(3):
+                self.fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = self.fn()
+        torch.cuda.synchronize()
+
+    def replay(self) -> Outputs:
+        assert self.graph is not None, "capture() first"
+        self.graph.replay()
+        torch.cuda.synchronize()
+        return tuple(t.clone() for t in self.static_out)
+
+
+class PinnedReplayer:
+    """CPU stand-in for a graph: remembers every tensor object the model holds at capture (parameters, buffers,
+    derived buffers) and replays `fn` with exactly those objects swapped back in, as a graph replays with the
+    addresses it captured. A refresh that wrote in place changed what those objects hold; a rebuild did not."""
+
+    def __init__(self, model: DraftBackbone, fn: Callable[[], Outputs]) -> None:
+        self.model = model
+        self.fn = fn
+        self.captured: dict[str, torch.Tensor | None] = {}
+
+    def _slots(self) -> list[tuple[str, dict[str, Any]]]:
+        """(name, the dict that holds it) once per distinct slot (a shared module's tensor has several names)."""
+        seen: set[tuple[int, str]] = set()
+        out = []
+        for name, (mod, leaf) in self.model._tensor_slots.items():
+            if (id(mod), leaf) not in seen:
+                seen.add((id(mod), leaf))
+                out.append((name, mod._parameters if leaf in mod._parameters else mod._buffers))
+        return out
+
+    def capture(self) -> None:
+        self.captured = self.model.graph_visible_tensors()
+        self.fn()
+
+    def replay(self) -> Outputs:
+        swapped: list[tuple[dict[str, Any], str, Any]] = []
+        try:
+            for name, table in self._slots():
+                leaf = self.model._tensor_slots[name][1]
+                swapped.append((table, leaf, table.get(leaf)))
+                table[leaf] = self.captured.get(name)
+            return tuple(t.clone() for t in self.fn())
+        finally:
+            for table, leaf, live in reversed(swapped):
+                table[leaf] = live
+
+
+def make_replayer(model: DraftBackbone, fn: Callable[[], Outputs], device: str) -> Replayer:
+    return CudaGraphReplayer(fn) if device.startswith("cuda") else PinnedReplayer(model, fn)
+
+
+# ---- the vLLM-style rebuild (no lifecycle) ---------------------------------------------------------------------
+
+
+def vllm_write_weights(model: DraftBackbone, path: Path, device: str) -> None:
+    """Write every tensor of `path` into the existing parameters (copy_ in place), no lifecycle call: what
+    vLLM's weight loaders do on reload."""
+    index = checkpoint_index(path)
+    for bucket in iter_buckets(index, [list(index)]):
+        for name, value in bucket:
+            write_tensor(model, name, value, device)
+
+
+@torch.no_grad()
+def vllm_rebuild(model: DraftBackbone) -> dict[str, torch.Tensor]:
+    """Rebuild every derived buffer into NEW storage and rebind the attribute (vLLM's `torch.cat` after
+    `load_weights`). Returns the buffers it replaced, so the caller can keep them alive."""
+    old: dict[str, torch.Tensor] = {}
+    for spec in model.derived_buffers:
+        if spec.kind == "alias":
+            continue  # its source was written in place (copy_): re-pointing the alias would change nothing
+        if spec.kind in ("concat", "stack"):
+            layers = functools.reduce(getattr, spec.layers_attr.split("."), model)
+            assert spec.per_layer is not None
+            slices = [spec.per_layer(layer) for layer in layers]  # type: ignore[attr-defined]
+            new = torch.stack(slices) if spec.kind == "stack" else torch.cat(slices, spec.dim)
+        else:
+            assert spec.build is not None
+            new = spec.build(model).clone()
+        current = model._buffers.get(spec.name)
+        if current is not None:
+            old[spec.name] = current
+        setattr(model, spec.name, new)  # a registered buffer: rebinding the attribute replaces it in _buffers
+        assert model._buffers[spec.name] is new
+    return old
+
+
+# ---- the check -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    family: str
+    device: str
+    path: str
+    recaptured: bool
+    buffers_kept_address: bool
+    lifecycle_pins_ok: bool
+    captured_before_reload_ok: bool  # the replay before the reload equals eager A (the capture itself works)
+    eager_after_equals_expected: bool
+    replay_equals_expected: bool
+    replay_bit_exact: bool
+    max_abs_diff: float
+    expect_replay_equal: bool
+    ok: bool
+
+
+def max_diff(a: Outputs, b: Outputs) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def outputs_equal(a: Outputs, b: Outputs) -> bool:
+    return all(x.shape == y.shape and torch.allclose(x, y, rtol=0.0, atol=ATOL) for x, y in zip(a, b, strict=True))
+
+
+def derived_identities(model: DraftBackbone) -> dict[str, StorageIdentity]:
+    return {n: StorageIdentity.of(t) for n in model.derived_buffer_names() if (t := model._buffers.get(n)) is not None}
+
+
+def loaded(family: DraftFamily, cfg: Any, path: Path, device: str, name: str) -> DraftBackbone:
+    model = family.build(cfg, device="meta", name=name)
+    load_safetensors(model, path, device=device)
+    model.finalize_loading()
+    model.refresh_derived_buffers()
+    return model
+
+
+@torch.no_grad()
+def check_family(family: DraftFamily, device: str, tmp: Path, *, layers: int = 3, seed: int = 0) -> list[Row]:
+    """Both paths for one family on one device; see the module docstring."""
+    cfg = family.config(num_hidden_layers=layers)
+    path_a = write_checkpoint(family.random_weights(cfg, seed), tmp / f"{family.name}-A.safetensors")
+    path_b = write_checkpoint(family.random_weights(cfg, seed + 1), tmp / f"{family.name}-B.safetensors")
+    inputs = family.example_inputs(cfg, seed + 7, device)  # static inputs: the same tensors at capture and replay
+    expected = tuple(t.clone() for t in family.fused(loaded(family, cfg, path_b, device, "cold-B"), inputs))
+    rows = []
+    for path in ("lifecycle in place", "vLLM rebuild"):
+        model = loaded(family, cfg, path_a, device, f"{family.name}-{path}")
+        eager_a = tuple(t.clone() for t in family.fused(model, inputs))
+        replayer = make_replayer(model, lambda m=model: family.fused(m, inputs), device)
+        replayer.capture()
+        model.capture_graphs()
+        before_ok = outputs_equal(replayer.replay(), eager_a)
+        ids = derived_identities(model)
+        kept_alive: dict[str, torch.Tensor] = {}
+        if path == "lifecycle in place":
+            model.begin_reload()
+            load_safetensors(model, path_b, bucket_by=3, shuffle=True, seed=seed, device=device)
+            model.finalize_loading()
+            model.refresh_derived_buffers()
+        else:
+            vllm_write_weights(model, path_b, device)
+            kept_alive = vllm_rebuild(model)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        eager_after = tuple(t.clone() for t in family.fused(model, inputs))
+        out = replayer.replay()  # no re-capture
+        kept = derived_identities(model) == ids
+        pins_ok = not model.lifecycle.pinned_changes()
+        equal = outputs_equal(out, expected)
+        diff = max_diff(out, expected)
+        expect_equal = path == "lifecycle in place"
+        ok = (before_ok and outputs_equal(eager_after, expected)
+              and (equal if expect_equal else (not equal and diff > STALE_MIN_DIFF)))
+        rows.append(Row(family.name, device, path, False, kept, pins_ok, before_ok,
+                        outputs_equal(eager_after, expected), equal,
+                        all(torch.equal(x, y) for x, y in zip(out, expected, strict=True)), diff, expect_equal, ok))
+        del kept_alive
+    return rows
+
+
+def run(device: str, families: Sequence[str] | None = None, layers: int = 3) -> list[Row]:
+    configure_audit(console=False)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as d:
+        for name in families or list(FAMILIES):
+            rows.extend(check_family(FAMILIES[name], device, Path(d), layers=layers))
+    return rows
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    common.say(common.table(
+        ["family", "device", "reload path", "re-captured", "buffer addresses kept", "pins verified",
+         "replay == cold-B eager", "max |diff|", "expected", "check"],
+        [[r.family, r.device, r.path, "no" if not r.recaptured else "yes", "yes" if r.buffers_kept_address else "NO",
+          "yes" if r.lifecycle_pins_ok else "NO (drift)",
+          ("yes (bit-exact)" if r.replay_bit_exact else "yes") if r.replay_equals_expected else "NO (stale)",
+          f"{r.max_abs_diff:.2e}", "equal" if r.expect_replay_equal else "stale",
+          "PASS" if r.ok else "FAIL"] for r in rows]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=None, help="cuda (default) or cpu (the CPU stand-in for a graph)")
+    p.add_argument("--quick", action="store_true", help="accepted for symmetry with the benchmarks (sizes are "
+                                                         "already tiny)")
+    p.add_argument("--layers", type=int, default=3, help="decoder layers per draft (default 3)")
+    p.add_argument("--family", action="append", default=None, choices=sorted(FAMILIES),
+                   help="only this family (repeatable; default: every family)")
+    p.add_argument("--json", type=Path, default=None, help=f"where to write the JSON (default "
+                                                            f"{common.RESULTS_DIR}/{NAME}.json)")
+    args = p.parse_args(argv)
+    out_path = args.json or common.RESULTS_DIR / f"{NAME}.json"
+    device = args.device or "cuda"
+    info = common.machine_info()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        msg = ("gpu_check: SKIPPED: no CUDA device (torch.cuda.is_available() is False). Run it on a CUDA "
+               "machine, or with --device cpu for the CPU stand-in.")
+        common.say(msg)
+        common.write_json(out_path, {"benchmark": NAME, "skipped": True, "reason": msg, "machine": info,
+                                     "rows": []})
+        common.write_transcript(out_path.with_suffix(".txt"))
+        return 0
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    t0 = time.perf_counter()
+    rows = run(device, args.family, args.layers)
+    elapsed = time.perf_counter() - t0
+    ok = all(r.ok for r in rows)
+    common.finish(info)
+    common.write_json(out_path, {"benchmark": NAME, "skipped": False, "device": device, "machine": info,
+                                 "elapsed_s": round(elapsed, 2), "ok": ok, "rows": [asdict(r) for r in rows]})
+    common.say(f"gpu_check on {device}{' (' + info['gpu'] + ')' if 'gpu' in info else ' (CPU stand-in for a graph)'}"
+               f": {len(FAMILIES if not args.family else args.family)} families, {elapsed:.1f} s; JSON: {out_path}\n")
+    print_table(rows)
+    common.say("\nRESULT: " + ("all checks passed" if ok else "SOME CHECKS FAILED"))
+    common.write_transcript(out_path.with_suffix(".txt"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The benchmark scripts run (tiny `--quick` sizes), print their tables and write JSON with the expected keys.
+
+No wall-clock assertion anywhere: only deterministic counts (storages created, elements written, events). The GPU
+check's comparison logic runs here with its CPU stand-in for a graph, including a sabotaged refresh that it must
+report as FAIL.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lifecycle.derived
+from benchmarks import audit_overhead, common, gpu_check, refresh, selective, tracking_overhead
+from models import FAMILIES
+
+ROOT = Path(__file__).resolve().parent.parent
+MACHINE_KEYS = {"nproc", "cpu", "torch", "torch_threads", "loadavg_start", "loadavg_end"}
+
+
+def run_quick(module: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[str, dict]:
+    out_json = tmp_path / f"{module.NAME}.json"
+    assert module.main(["--quick", "--json", str(out_json), *extra]) == 0
+    out = capsys.readouterr().out
+    assert f"JSON: {out_json}" in out
+    data = json.loads(out_json.read_text())
+    assert out_json.with_suffix(".txt").read_text().strip() in out  # the printed tables, kept next to the JSON
+    assert data["benchmark"] == module.NAME and data["quick"] is True
+    assert data["machine"].keys() >= MACHINE_KEYS
+    return out, data
+
+
+def test_tracking_overhead_quick(tmp_path, capsys):
+    out, data = run_quick(tracking_overhead, tmp_path, capsys)
+    assert "baseline ms" in out and "lifecycle ms" in out and "per-event costs" in out
+    rows = data["rows"]
+    assert {(r["shape"], r["mode"], r["arm"]) for r in rows} == {
+        (s, "reload", "lifecycle, audit on") for s in ("many-tensor", "dflash-deep")} | {
+        (s, "reload", "lifecycle, audit off") for s in ("many-tensor", "dflash-deep")} | {
+        (s, "cold", "lifecycle, audit on") for s in ("many-tensor", "dflash-deep")}
+    for r in rows:
+        assert {"baseline", "lifecycle", "overhead_paired", "overhead_of_medians", "bookkeeping_ms",
+                "met_end_to_end", "target_overhead"} <= r.keys()
+        assert {"median_ms", "min_ms", "max_ms", "p25_ms", "p75_ms", "n"} <= r["baseline"].keys()
+        assert r["baseline"]["n"] == r["lifecycle"]["n"] >= 3
+    # deterministic: quick shapes have 2 x (7 + 2 x 4) + 1 and 4 x 8 + 3 tensors
+    assert {r["shape"]: r["tensors"] for r in rows} == {"many-tensor": 31, "dflash-deep": 35}
+    reload_on = [r for r in rows if r["mode"] == "reload" and r["arm"] == "lifecycle, audit on"]
+    assert all(r["audit_events_per_load"] > 0 for r in reload_on)
+    whats = [c["what"] for c in data["event_costs"]]
+    assert any("transitions trigger (Machine)" in w for w in whats)
+    assert any("JSON-lines file" in w for w in whats)
+    assert any("readiness update" in w for w in whats)
+
+
+def test_refresh_quick_counts_no_buffer_storage_for_in_place_and_new_storage_for_rebuild(tmp_path, capsys):
+    out, data = run_quick(refresh, tmp_path, capsys)
+    assert "x floor" in out and "fixed per-refresh cost" in out
+    rows = {(r["arm"], r["threads"]): r for r in data["rows"]}
+    arms = {a for a, _ in rows}
+    assert arms == {"floor: one copy_ of the same bytes", "slice copy_ by hand (no framework)", "torch.cat(out=buf)",
+                    "vLLM rebuild (new storage)", "lifecycle in place (graphs captured)"}
+    for (arm, _threads), r in rows.items():
+        assert {"median_ms", "ratio_to_floor", "paired_ratio_to_floor", "storages_created", "bytes_allocated",
+                "buffer_size_storages"} <= r.keys()
+        if arm == "vLLM rebuild (new storage)":
+            assert r["buffer_size_storages"] == 2  # the fused KV weight and the stacked k-norms
+            assert r["bytes_allocated"] >= data["config"]["fused_kv_bytes"]
+        else:
+            assert r["storages_created"] == 0, arm
+        if arm.startswith("lifecycle"):
+            assert r["met_allocations"] is True and "met_time" in r
+    report = data["report"]
+    assert (report["mode"], report["bytes_allocated"], report["address_kept"], report["equal_to_cat"]) == (
+        "in_place", 0, True, True)
+    fixed = data["fixed_overhead"]
+    assert fixed.keys() >= {"graphs_captured", "no_graphs", "pinned_tensors", "pin_verification_pass_us"}
+
+
+def test_selective_quick_writes_k_slices(tmp_path, capsys):
+    out, data = run_quick(selective, tmp_path, capsys)
+    assert "x full" in out and "elements written" in out
+    layers = data["config"]["layers"]
+    for r in data["rows"]:
+        assert r["elements_written"] == r["expected_elements"]
+        assert r["slices_written"] == r["knorm_slices_written"] == r["k"]
+        assert r["slices_total"] == layers
+        assert r["bytes_allocated"] == 0
+        assert r["target_ratio"] == pytest.approx(r["k"] / layers, abs=1e-4)
+    assert sorted({r["k"] for r in data["rows"]}) == selective.ks(layers)
+
+
+def test_audit_overhead_quick(tmp_path, capsys):
+    out, data = run_quick(audit_overhead, tmp_path, capsys)
+    assert "events/s" in out and "per reload" in out
+    per_event = {r["setting"]: r for r in data["per_event"]}
+    assert set(per_event) == {"off", "JSON file", "console", "debug, filtered (at info level)"}
+    assert per_event["JSON file"]["lines_written"] > 0  # every timed event became a JSON line
+    reload = data["per_reload"]
+    assert reload["events_per_reload"] > 0
+    assert {"transition", "refresh", "layer_ready"} <= set(reload["event_kinds"])
+    assert {r["setting"] for r in reload["rows"]} == {"off", "JSON file", "console"}
+
+
+# ---- gpu_check: its skip, and its logic through the CPU stand-in ---------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the skip path is for machines without CUDA")
+def test_gpu_check_skips_cleanly_without_cuda(tmp_path, capsys):
+    out_json = tmp_path / "g.json"
+    assert gpu_check.main(["--json", str(out_json)]) == 0
+    assert "SKIPPED: no CUDA device" in capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    assert data["skipped"] is True and data["rows"] == []
+
+
+def test_gpu_check_cpu_stand_in_in_place_reads_new_weights_rebuild_reads_stale(tmp_path, capsys):
+    out_json = tmp_path / "g.json"
+    assert gpu_check.main(["--device", "cpu", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("RESULT: all checks passed")
+    data = json.loads(out_json.read_text())
+    assert data["skipped"] is False and data["ok"] is True
+    rows = {(r["family"], r["path"]): r for r in data["rows"]}
+    assert {f for f, _ in rows} == set(FAMILIES)
+    for family in FAMILIES:
+        fresh, stale = rows[(family, "lifecycle in place")], rows[(family, "vLLM rebuild")]
+        assert fresh["replay_equals_expected"] and fresh["buffers_kept_address"] and fresh["lifecycle_pins_ok"]
+        assert not fresh["recaptured"] and fresh["captured_before_reload_ok"]
+        assert not stale["replay_equals_expected"] and stale["max_abs_diff"] > gpu_check.STALE_MIN_DIFF
+        assert not stale["buffers_kept_address"] and not stale["lifecycle_pins_ok"]
+        assert stale["eager_after_equals_expected"]  # the rebuild itself is right; only the replay is stale
+
+
+def test_gpu_check_reports_fail_when_the_in_place_refresh_skips_a_slice(tmp_path, monkeypatch):
+    """The check is real: sabotage the in-place refresh (drop the first slice of every concat/stack write) and
+    the lifecycle row must FAIL (the replay no longer equals a cold load of B)."""
+    real_apply = lifecycle.derived.apply_refresh
+
+    def lossy_apply(backbone, plan):  # type: ignore[no-untyped-def]
+        for bp in plan.buffers:
+            if bp.mode == "in_place" and bp.spec.kind in ("concat", "stack"):
+                bp.copies = bp.copies[1:]
+        return real_apply(backbone, plan)
+
+    monkeypatch.setattr("lifecycle.backbone.apply_refresh", lossy_apply)
+    rows = gpu_check.run("cpu", layers=2)
+    lifecycle_rows = [r for r in rows if r.path == "lifecycle in place"]
+    assert lifecycle_rows and not any(r.ok for r in lifecycle_rows)
+    assert not any(r.replay_equals_expected for r in lifecycle_rows)
+
+
+def test_pinned_replayer_reads_captured_objects_and_restores_the_live_ones():
+    fam = FAMILIES["dflash"]
+    cfg = fam.config(num_hidden_layers=2)
+    model = fam.build(cfg, device="meta")
+    common.materialize(model, seed=0)
+    model.refresh_derived_buffers()
+    inputs = fam.example_inputs(cfg, 1, "cpu")
+    replayer = gpu_check.PinnedReplayer(model, lambda: fam.fused(model, inputs))
+    replayer.capture()
+    before = replayer.replay()
+    old = model._fused_kv_weight
+    model._fused_kv_weight = old * 2  # a rebind: the replay still reads the captured object
+    assert all(torch.equal(a, b) for a, b in zip(replayer.replay(), before, strict=True))
+    assert model._fused_kv_weight is not old  # the live binding is restored after the replay
+    with torch.no_grad():
+        old.mul_(2)  # an in-place write: the replay sees it
+    assert not all(torch.equal(a, b) for a, b in zip(replayer.replay(), before, strict=True))
+
+
+# ---- as a command, in a fresh process ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["file", "module"])
+def test_scripts_run_as_commands(tmp_path, how):
+    """`python benchmarks/NAME.py` and `python -m benchmarks.NAME` both work from the repository root."""
+    cmd = ([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu"] if how == "file"
+           else [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu"])
+    proc = subprocess.run([*cmd, "--json", str(tmp_path / "g.json")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT: all checks passed" in proc.stdout
