@@ -45,7 +45,7 @@ from torch import nn
 
 from lifecycle import DraftBackbone, Phase, alias, concat, post_load_hook, stack
 
-from .qwen3_dflash import RMSNorm, rms_norm
+from .qwen3_dflash import RMSNorm, rms_norm, rope_cos_sin_cache
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,7 @@ class K3RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.empty(max_position, rope_dim), persistent=False)
 
     def compute_cos_sin_cache(self, device: torch.device) -> torch.Tensor:
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_size, 2, dtype=torch.float64) / self.head_size))
-        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float64), inv_freq)
-        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device, dtype=torch.float32)
+        return rope_cos_sin_cache(self.head_size, self.max_position, self.base, device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return apply_rope_interleaved(x, positions, self.cos_sin_cache)

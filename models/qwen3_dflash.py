@@ -54,6 +54,13 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, device: torch.device) -> torch.Tensor:
+    """The RoPE table, rows [cos | sin] of width rotary_dim / 2 each, computed in float64, stored as float32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device, dtype=torch.float32)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -76,9 +83,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.empty(max_position, head_dim), persistent=False)
 
     def compute_cos_sin_cache(self, device: torch.device) -> torch.Tensor:
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_size, 2, dtype=torch.float64) / self.head_size))
-        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float64), inv_freq)
-        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device, dtype=torch.float32)
+        return rope_cos_sin_cache(self.head_size, self.max_position, self.base, device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return apply_rope(x, positions, self.cos_sin_cache)
