@@ -74,16 +74,18 @@ def _draft_step_inputs(hidden_size: int, seed: int, device: str) -> Inputs:
             "positions": torch.arange(18, 22).to(device)}
 
 
+def _context_then_step(m: Any, x: Inputs, reference: bool) -> tuple[torch.Tensor, ...]:
+    """The context projection (K/V, or MLA latents) and the full draft step, by the fused or the reference path."""
+    args = (x["input_embeds"], x["positions"], x["context_states"], x["context_positions"])
+    if reference:
+        a, b = m.precompute_context_kv_reference(x["context_states"], x["context_positions"])
+        return a, b, m.forward_reference(*args)
+    a, b = m.precompute_context_kv(x["context_states"], x["context_positions"])
+    return a, b, m(*args)
+
+
 def _laguna_dflash() -> DraftFamily:
     from .laguna_dflash import DFlashLagunaDraft, LagunaDFlashConfig
-
-    def run(m: DraftBackbone, x: Inputs, reference: bool) -> tuple[torch.Tensor, ...]:
-        args = (x["input_embeds"], x["positions"], x["context_states"], x["context_positions"])
-        if reference:
-            k, v = m.precompute_context_kv_reference(x["context_states"], x["context_positions"])
-            return k, v, m.forward_reference(*args)
-        k, v = m.precompute_context_kv(x["context_states"], x["context_positions"])
-        return k, v, m(*args)
 
     return DraftFamily(
         name="laguna-dflash",
@@ -94,21 +96,13 @@ def _laguna_dflash() -> DraftFamily:
         config=LagunaDFlashConfig,
         build=DFlashLagunaDraft,
         example_inputs=lambda cfg, seed, device: _draft_step_inputs(cfg.hidden_size, seed, device),
-        fused=lambda m, x: run(m, x, reference=False),
-        reference=lambda m, x: run(m, x, reference=True),
+        fused=lambda m, x: _context_then_step(m, x, reference=False),
+        reference=lambda m, x: _context_then_step(m, x, reference=True),
     )
 
 
 def _kimi_k3_mla() -> DraftFamily:
     from .kimi_k3_mla_dspark import K3DSparkConfig, K3DSparkDraft
-
-    def run(m: DraftBackbone, x: Inputs, reference: bool) -> tuple[torch.Tensor, ...]:
-        args = (x["input_embeds"], x["positions"], x["context_states"], x["context_positions"])
-        if reference:
-            kv_c, k_pe = m.precompute_context_kv_reference(x["context_states"], x["context_positions"])
-            return kv_c, k_pe, m.forward_reference(*args)
-        kv_c, k_pe = m.precompute_context_kv(x["context_states"], x["context_positions"])
-        return kv_c, k_pe, m(*args)
 
     return DraftFamily(
         name="kimi-k3-mla",
@@ -119,8 +113,8 @@ def _kimi_k3_mla() -> DraftFamily:
         config=K3DSparkConfig,
         build=K3DSparkDraft,
         example_inputs=lambda cfg, seed, device: _draft_step_inputs(cfg.hidden_size, seed, device),
-        fused=lambda m, x: run(m, x, reference=False),
-        reference=lambda m, x: run(m, x, reference=True),
+        fused=lambda m, x: _context_then_step(m, x, reference=False),
+        reference=lambda m, x: _context_then_step(m, x, reference=True),
     )
 
 
