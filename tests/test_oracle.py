@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_helpers import bit_equal, derived, everything
 
 from lifecycle import LifecycleState
-from lifecycle.derived import current_buffer
 from lifecycle.loading import load_safetensors, write_checkpoint
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
@@ -37,28 +37,6 @@ def cold_load(cfg: DFlashConfig, path: Path) -> DFlashQwen3Draft:
     model.refresh_derived_buffers()
     assert model.lifecycle.state is S.DERIVED_REFRESHED
     return model
-
-
-def derived(model: DFlashQwen3Draft) -> dict[str, torch.Tensor]:
-    out = {}
-    for name in model.derived_buffer_names():
-        t = current_buffer(model, name)
-        assert t is not None, f"derived buffer {name} was never built"
-        out[name] = t
-    return out
-
-
-def everything(model: DFlashQwen3Draft) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    out.update(model.named_buffers(remove_duplicate=False))
-    out.update(derived(model))
-    return out
-
-
-def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def inputs(cfg: DFlashConfig, seed: int = 0) -> dict[str, torch.Tensor]:
