@@ -27,11 +27,11 @@ if __package__ in (None, ""):  # run as a file: python benchmarks/audit_overhead
 
 from benchmarks import common
 from benchmarks.common import Arm
-from lifecycle import audit
-from lifecycle.audit import configure_audit
+from lifecycle import events as audit_events
+from lifecycle.events import configure_audit
 from lifecycle.loading import load_safetensors, write_checkpoint
+from lifecycle.testing import random_checkpoint
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
-from models.registry import random_checkpoint
 
 NAME = "audit_overhead"
 
@@ -78,7 +78,7 @@ def per_event(settings: Settings, quick: bool) -> list[dict[str, Any]]:
         rows.append({"setting": name, **cost, "events_per_s": round(1e6 / cost["median_us"])})
         if name == "JSON file":
             configure_audit(console=False)
-            lines = len(audit.read_events(settings.log))
+            lines = len(audit_events.read_events(settings.log))
             rows[-1]["lines_written"] = lines  # every event became one JSON line
     settings.use("off")
     cost = common.per_call_us(lambda: lc.audit_event("loader_bucket", level="debug", **fields), number=number)
@@ -107,7 +107,7 @@ def per_reload(settings: Settings, tmp: Path, quick: bool, repeats: int) -> dict
     settings.use("JSON file")
     reload()
     configure_audit(console=False)
-    events = audit.read_events(settings.log)
+    events = audit_events.read_events(settings.log)
     settings.use("off")
     return {"tensors": len(weights), "mb": round(common.checkpoint_bytes(weights) / 1e6, 1),
             "layers": cfg.num_hidden_layers, "events_per_reload": len(events),

@@ -2,7 +2,7 @@
 
 A real lifecycle is recorded once (a DFlash draft: cold load, capture, one bucketed shuffled reload with a refused
 early refresh, in-place refresh); its reload is then repeated with increasing epoch numbers, per rank, into one
-file per rank (`lifecycle.logsynth`), until the logs hold the requested number of events. Each size is audited in
+file per rank (`lifecycle.testing`), until the logs hold the requested number of events. Each size is audited in
 a fresh process (so peak RSS is that audit's), which must find the log clean. Prints a table.
 
     .venv/bin/python benchmarks/audit_rate.py                       # 100,000 and 1,000,000 events, 4 ranks
@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def record(layers: int, work: Path) -> list[dict[str, Any]]:
     """One real lifecycle's events: epoch 0 (cold load, capture) and epoch 1 (a bucketed reload)."""
     sys.path.insert(0, str(ROOT))
-    from lifecycle.audit import configure_audit, read_events
     from lifecycle.errors import LayersNotReadyError
+    from lifecycle.events import configure_audit, read_events
     from lifecycle.loading import (
         apply_bucket,
         checkpoint_index,
@@ -67,7 +67,7 @@ def record(layers: int, work: Path) -> list[dict[str, Any]]:
 
 
 def write_logs(recorded: list[dict[str, Any]], events: int, ranks: int, out: Path) -> int:
-    from lifecycle.logsynth import write_synthetic
+    from lifecycle.testing import write_synthetic
 
     cold = sum(1 for e in recorded if e["epoch"] == 0)
     reload = sum(1 for e in recorded if e["epoch"] == 1)
@@ -79,7 +79,7 @@ def write_logs(recorded: list[dict[str, Any]], events: int, ranks: int, out: Pat
 def child(logs: str) -> None:
     """Audit `logs` in this process and print what it cost, as JSON."""
     sys.path.insert(0, str(ROOT))
-    from lifecycle.auditor import audit_logs
+    from lifecycle.audit.replay import audit_logs
 
     before = rss_kib()
     t0, c0 = time.perf_counter(), time.process_time()

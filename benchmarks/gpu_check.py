@@ -38,7 +38,7 @@ import torch
 
 from benchmarks import common
 from lifecycle import DraftBackbone
-from lifecycle.audit import configure_audit
+from lifecycle.events import configure_audit
 from lifecycle.loading import checkpoint_index, iter_buckets, load_safetensors, write_checkpoint, write_tensor
 from lifecycle.storage import StorageIdentity
 from models import FAMILIES, DraftFamily

@@ -34,7 +34,7 @@ from torch import nn
 
 from benchmarks import common
 from benchmarks.common import Arm
-from lifecycle.audit import configure_audit
+from lifecycle.events import configure_audit
 from lifecycle.storage import count_allocations
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 

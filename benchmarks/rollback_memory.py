@@ -15,7 +15,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from lifecycle.audit import configure_audit
+from lifecycle.events import configure_audit
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.storage import count_allocations
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights

@@ -26,7 +26,7 @@ import torch
 from benchmarks import common
 from benchmarks.common import Arm
 from benchmarks.refresh import big_config, fused_bytes, loaded_draft
-from lifecycle.audit import configure_audit
+from lifecycle.events import configure_audit
 
 NAME = "selective"
 TOLERANCE = 1.2  # "about k/L": within 1.2x of k/L, as the in-place refresh is within 1.2x of its floor

@@ -40,8 +40,9 @@ from transitions.extensions import LockedMachine
 
 from benchmarks import common
 from benchmarks.common import Arm, ManyTensorConfig, ManyTensorDraft
-from lifecycle import DraftBackbone, Phase, audit
-from lifecycle.audit import configure_audit
+from lifecycle import DraftBackbone, Phase
+from lifecycle import events as audit_events
+from lifecycle.events import configure_audit
 from lifecycle.loading import (
     IndexEntry,
     apply_bucket,
@@ -53,8 +54,8 @@ from lifecycle.loading import (
     write_tensor,
 )
 from lifecycle.readiness import LayerReadiness, layer_of
+from lifecycle.testing import random_checkpoint
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
-from models.registry import random_checkpoint
 
 NAME = "tracking_overhead"
 TARGET_OVERHEAD = 0.02
@@ -158,13 +159,13 @@ def event_costs(tmp: Path, quick: bool) -> list[dict[str, Any]]:
     fields = {"backbone": "draft", "rank": 0, "epoch": 1, "trigger": "weights_loaded", "src": "PARTIALLY_LOADED",
               "dst": "PARTIALLY_LOADED", "layers_ready": 3, "layers_total": 9, "duration_ms": 0.02}
     configure_audit(json_path=tmp / "events.jsonl", console=False)
-    add("structlog event -> JSON-lines file", common.per_call_us(lambda: audit.emit("transition", **fields), number=n),
-        "anchor: ~18 us")
+    add("structlog event -> JSON-lines file",
+        common.per_call_us(lambda: audit_events.emit("transition", **fields), number=n), "anchor: ~18 us")
     configure_audit(console=False)
     add("structlog event, audit off (dropped)",
-        common.per_call_us(lambda: audit.emit("transition", **fields), number=n))
+        common.per_call_us(lambda: audit_events.emit("transition", **fields), number=n))
     add("structlog debug event (filtered at info)",
-        common.per_call_us(lambda: audit.emit("loader_bucket", level="debug", **fields), number=n))
+        common.per_call_us(lambda: audit_events.emit("loader_bucket", level="debug", **fields), number=n))
 
     names = [f"layers.{i}.w{j}" for i in range(16) for j in range(128)]
     readiness = LayerReadiness(names)
@@ -235,7 +236,7 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int) -> list[dict[str, Any]]
     audit_on()
     lifecycle_reload(model, path)
     audit_off()
-    events_per_load = len(audit.read_events(log))
+    events_per_load = len(audit_events.read_events(log))
     # bookkeeping only: the same arms with reads from memory and no-op writes, in CPU time of this thread; the
     # minimum over repeats estimates the cost without interference from other tenants
     with stubbed_io(weights):

@@ -3,7 +3,6 @@
 Torch-only at import time; the vLLM integration lives in `lifecycle.vllm` and imports vLLM lazily.
 """
 
-from .audit import configure_audit
 from .backbone import DraftBackbone
 from .derived import DerivedSpec, alias, concat, custom, stack
 from .errors import (
@@ -24,6 +23,7 @@ from .errors import (
     WeightShapeError,
     WeightWriteError,
 )
+from .events import configure_audit
 from .hooks import Phase, post_load_hook
 from .machine import BackboneLifecycle
 from .session import ReloadSession, WeightSnapshot

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .diagram import FORMATS
+from .audit.diagram import FORMATS
 from .states import LifecycleState
 
 
@@ -24,7 +24,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from .vllm.demo import run_vllm_demo
 
         return 0 if run_vllm_demo(args.out, bucket_size=args.bucket_size or 5, seed=args.seed) else 1
-    from .demo import run_demo
+    from models.demo import run_demo
 
     result = run_demo(model_name=args.model, layers=args.layers, out_dir=args.out, seed=args.seed,
                       bucket_size=args.bucket_size, device=args.device, verbose=args.verbose)
@@ -41,7 +41,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_diagram(args: argparse.Namespace) -> int:
-    from .diagram import render
+    from .audit.diagram import render
 
     text = render(args.format, args.state) + "\n"
     if args.output:
@@ -53,8 +53,8 @@ def _cmd_diagram(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from .auditor import audit_logs
-    from .auditview import render_json, render_text
+    from .audit.replay import audit_logs
+    from .audit.views import render_json, render_text
 
     result = audit_logs(args.logs, max_details=args.max_details)
     sys.stdout.write((render_json(result) if args.json else render_text(result, show=args.max_details)) + "\n")
@@ -62,8 +62,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .auditview import result_line
-    from .report import write_report
+    from .audit.report import write_report
+    from .audit.views import result_line
 
     result = write_report(args.logs, args.output, title=args.title, max_epochs=args.max_epochs)
     print(f"wrote {args.output}")

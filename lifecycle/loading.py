@@ -2,7 +2,7 @@
 
 >>> import tempfile, torch
 >>> from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
->>> from lifecycle.audit import configure_audit; _ = configure_audit(console=False)
+>>> from lifecycle.events import configure_audit; _ = configure_audit(console=False)
 >>> cfg = DFlashConfig(num_hidden_layers=2)
 >>> path = write_checkpoint(random_weights(cfg, seed=0), tempfile.mkdtemp() + "/a.safetensors")
 >>> model = DFlashQwen3Draft(cfg)

@@ -1,6 +1,6 @@
 """`BackboneLifecycle`: one `transitions` state machine per backbone, built from the table in `states.py`.
 
->>> import torch; from lifecycle.audit import configure_audit; _ = configure_audit(console=False)
+>>> import torch; from lifecycle.events import configure_audit; _ = configure_audit(console=False)
 >>> lc = BackboneLifecycle("toy", {"layers.0.w": TensorSpec((2,), torch.float32)})
 >>> lc.weights_loaded(["layers.0.w"]), lc.state
 (['layers.0'], <LifecycleState.FULLY_LOADED: 'FULLY_LOADED'>)
@@ -29,7 +29,7 @@ import torch
 from transitions import Machine, MachineError
 from transitions.extensions import LockedMachine
 
-from . import audit
+from . import events
 from .errors import (
     IllegalTransitionError,
     LayersNotReadyError,
@@ -206,7 +206,7 @@ class BackboneLifecycle:
         if self.pinned is None:
             return
         problems = self.pinned_changes()
-        shown, more = audit.capped(problems)
+        shown, more = events.capped(problems)
         self._audit("storage_check", action=action, checked=len(self.pinned) if self.pinned else 0,
                     ok=not problems, problems=shown, problems_more=more)
         if problems:
@@ -252,12 +252,12 @@ class BackboneLifecycle:
 
     def _audit(self, event: str, *, level: str = "info", **fields: Any) -> None:
         if level == "debug":  # per-bucket detail: not numbered, a log at info level has no gaps in `seq`
-            audit.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
+            events.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
             return
         self._seq += 1
         self.recent_events.append({"event": event, "backbone": self.name, "rank": self.rank, "epoch": self.epoch,
                                    "seq": self._seq, **fields})
-        audit.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, seq=self._seq,
+        events.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, seq=self._seq,
                    **fields)
 
     # ---- triggers ---------------------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ class BackboneLifecycle:
                 raise err
             completed = self.readiness.mark_unchanged(names)
             if completed:
-                shown, more = audit.capped(completed)
+                shown, more = events.capped(completed)
                 self._audit("layers_unchanged", layers=shown, layers_more=more, **self._readiness_fields())
                 self._fire("weights_loaded", tensors=0, unchanged=len(names))
 
@@ -327,7 +327,7 @@ class BackboneLifecycle:
                 if names:
                     self._refuse_if_still_missing("finish_loading", set(untouched))  # before marking anything
                     completed = self.readiness.mark_unchanged(names)
-                    shown, more = audit.capped(completed)
+                    shown, more = events.capped(completed)
                     self._audit("layers_unchanged", layers=shown, layers_more=more, **self._readiness_fields())
             self._fire("finish_loading", keep_untouched=keep_untouched)
 
@@ -411,7 +411,7 @@ class BackboneLifecycle:
             extra: dict[str, Any] = {"recovery_blocker": blocker} if blocker else {}
             if rollback_error:
                 extra["rollback_error"] = rollback_error
-            shown, more = audit.capped(n for names in self.missing().values() for n in names)
+            shown, more = events.capped(n for names in self.missing().values() for n in names)
             self._fire("abort_reload", quarantine, reason=reason, missing=shown, missing_more=more,
                        rolled_back=restored is not None, restored=len(restored or ()),
                        recoverable=blocker is None, **extra)
@@ -428,7 +428,7 @@ class BackboneLifecycle:
             return "the aborted reload was not rolled back: the weights may hold part of it"
         outside = sorted(self.readiness.dirty_tensors() - self._dirty_at_begin - restored)
         if outside:
-            shown, more = audit.capped(outside)
+            shown, more = events.capped(outside)
             return (f"{len(outside)} tensor(s) were written outside the rollback snapshot: {', '.join(shown)}"
                     + (f" ... and {more} more" if more else ""))
         if self.torn_buffers:
@@ -531,5 +531,5 @@ def _missing_fields(e: Exception) -> dict[str, Any]:
     if not isinstance(e, LayersNotReadyError):
         return {}
     flat = [n for names in e.missing.values() for n in names]
-    shown, more = audit.capped(flat)
+    shown, more = events.capped(flat)
     return {"missing": shown, "missing_more": more}

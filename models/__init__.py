@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
-from .registry import FAMILIES, DraftFamily, get_family, random_checkpoint
+from lifecycle.testing import random_checkpoint
+
+from .registry import FAMILIES, DraftFamily, get_family
 
 __all__ = ["FAMILIES", "DraftFamily", "get_family", "random_checkpoint"]

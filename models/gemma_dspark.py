@@ -248,6 +248,6 @@ class GemmaDSparkDraft(DSparkHeads, DraftBackbone):
 
 
 def random_weights(config: GemmaDSparkConfig, seed: int) -> dict[str, torch.Tensor]:
-    from .registry import random_checkpoint
+    from lifecycle.testing import random_checkpoint
 
     return random_checkpoint(GemmaDSparkDraft(config, device="meta"), seed)

@@ -323,6 +323,6 @@ class K3DSparkDraft(DraftBackbone):
 
 def random_weights(config: K3DSparkConfig, seed: int) -> dict[str, torch.Tensor]:
     """A full checkpoint of random weights (norm weights near 1), in vLLM's parameter names."""
-    from .registry import random_checkpoint
+    from lifecycle.testing import random_checkpoint
 
     return random_checkpoint(K3DSparkDraft(config, device="meta"), seed)

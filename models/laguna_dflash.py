@@ -261,6 +261,6 @@ class DFlashLagunaDraft(DraftBackbone):
 
 def random_weights(config: LagunaDFlashConfig, seed: int) -> dict[str, torch.Tensor]:
     """A full checkpoint of random weights (norm weights near 1), in vLLM's parameter names."""
-    from .registry import random_checkpoint
+    from lifecycle.testing import random_checkpoint
 
     return random_checkpoint(DFlashLagunaDraft(config, device="meta"), seed)

@@ -236,6 +236,6 @@ class DFlashQwen3Draft(DraftBackbone):
 
 def random_weights(config: DFlashConfig, seed: int) -> dict[str, torch.Tensor]:
     """A full checkpoint of random weights (norm weights near 1), in vLLM's parameter names."""
-    from .registry import random_checkpoint
+    from lifecycle.testing import random_checkpoint
 
     return random_checkpoint(DFlashQwen3Draft(config, device="meta"), seed)

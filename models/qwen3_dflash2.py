@@ -152,6 +152,6 @@ class DFlash2Qwen3Draft(DFlashQwen3Draft):
 
 
 def random_weights(config: DFlash2Config, seed: int) -> dict[str, torch.Tensor]:
-    from .registry import random_checkpoint
+    from lifecycle.testing import random_checkpoint
 
     return random_checkpoint(DFlash2Qwen3Draft(config, device="meta"), seed)

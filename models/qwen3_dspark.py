@@ -182,6 +182,6 @@ class Qwen3DSparkDraft(DSparkHeads, DFlashQwen3Draft):
 
 
 def random_weights(config: DSparkConfig, seed: int) -> dict[str, torch.Tensor]:
-    from .registry import random_checkpoint
+    from lifecycle.testing import random_checkpoint
 
     return random_checkpoint(Qwen3DSparkDraft(config, device="meta"), seed)

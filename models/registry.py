@@ -8,25 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from lifecycle import DraftBackbone
+from lifecycle.testing import random_checkpoint
 
 Inputs = dict[str, torch.Tensor]
-
-
-def random_checkpoint(model: nn.Module, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Random weights for every checkpoint tensor of `model` (META is fine): norm weights near 1, others
-    scaled by 1/sqrt(fan_in). Deterministic in `seed`."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            value = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
-        else:
-            value = torch.randn(t.shape, generator=gen) / max(t.shape[-1], 1) ** 0.5 if t.dim() else torch.randn(())
-        out[name] = value.to(t.dtype if t.dtype.is_floating_point else dtype).contiguous()
-    return out
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lifecycle.audit import configure_audit
+from lifecycle.events import configure_audit
 from lifecycle.loading import load_safetensors, write_checkpoint
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from lifecycle.audit import configure_audit
 from lifecycle.errors import IllegalTransitionError, LayersNotReadyError
+from lifecycle.events import configure_audit
 from lifecycle.loading import apply_bucket, checkpoint_index, iter_buckets, load_safetensors, plan_buckets
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 

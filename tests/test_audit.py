@@ -13,8 +13,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from lifecycle.audit import LIST_CAP, SCHEMA_VERSION, STR_CAP, configure_audit, emit, read_events
 from lifecycle.errors import IllegalTransitionError, LayersNotReadyError, StorageDriftError
+from lifecycle.events import LIST_CAP, SCHEMA_VERSION, STR_CAP, configure_audit, emit, read_events
 from lifecycle.loading import load_safetensors
 from lifecycle.states import LifecycleState, possible_destinations
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft

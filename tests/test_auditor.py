@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scenarios import bucketed_reload, cold_load, index_of, logging_to, read_lines, write_lines
 
-from lifecycle.auditor import (
+from lifecycle.audit.logstream import LogEvent, read_stream
+from lifecycle.audit.replay import (
     VIOLATION_KINDS,
     Auditor,
     AuditResult,
@@ -25,9 +26,8 @@ from lifecycle.auditor import (
     unknown_table_names,
 )
 from lifecycle.cli import main
-from lifecycle.logstream import LogEvent, read_stream
-from lifecycle.logsynth import write_synthetic
 from lifecycle.states import TRANSITIONS, TRIGGERS, LifecycleState, Transition, possible_destinations
+from lifecycle.testing import write_synthetic
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 S = LifecycleState

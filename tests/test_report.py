@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from scenarios import index_of, read_lines, write_lines
 
+from lifecycle.audit.report import collect, write_report
+from lifecycle.audit.svg import state_diagram_svg
 from lifecycle.cli import main
-from lifecycle.logsynth import write_synthetic
-from lifecycle.report import collect, write_report
 from lifecycle.states import TRANSITIONS
-from lifecycle.svgdiagram import state_diagram_svg
+from lifecycle.testing import write_synthetic
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

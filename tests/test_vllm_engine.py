@@ -159,7 +159,7 @@ def test_audit_events_replay_through_the_transition_table(warm: dict[str, Any], 
     logs = sorted((workdir / "audit").glob("audit-*.jsonl"))
     assert logs, "the plugin wrote no JSON-lines audit log"
     from_file = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
-    from lifecycle.audit import SCHEMA_VERSION
+    from lifecycle.events import SCHEMA_VERSION
 
     assert all("ts" in e and "rank" in e and e["schema"] == SCHEMA_VERSION for e in from_file)
     transitions = [e for e in from_file if e["event"] == "transition"]
@@ -172,7 +172,7 @@ def test_audit_events_replay_through_the_transition_table(warm: dict[str, Any], 
     assert state is LifecycleState.QUARANTINED
     assert [e["event"] for e in events if e["event"] == "refused"] == ["refused"]
     # and the auditor (reload-lifecycle audit) replays the real engine's log clean
-    from lifecycle.auditor import audit_logs
+    from lifecycle.audit.replay import audit_logs
 
     result = audit_logs([workdir / "audit"])
     assert result.status == 0, [str(v) for v in result.violations]
@@ -205,7 +205,7 @@ def test_two_tensor_parallel_ranks_each_reload_and_report_their_rank(tp2: dict[s
     assert all(d["state"] == "GRAPH_CAPTURED" and d["epoch"] == 1 for d in drafts)
     assert all(v["ok"] for per_rank in tp2["verify"] for v in per_rank.values())
     assert tp2["generate_after"]["ok"] and tp2["generate_after"]["value"] == tp2["generate_before"]["value"]
-    from lifecycle.auditor import audit_logs
+    from lifecycle.audit.replay import audit_logs
 
     result = audit_logs([workdir / "audit-tp2"])  # one log per worker process, merged across ranks
     assert result.status == 0, [str(v) for v in result.violations]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..audit import configure_audit
+from ..events import configure_audit
 from .version import check_vllm_version
 
 #: A folder: each process writes its audit events to `audit-<pid>.jsonl` there (events carry their rank).
@@ -27,7 +27,7 @@ def activate() -> None:
     from vllm import ModelRegistry
 
     from . import patches, transfer
-    from .drafts import FAMILIES
+    from .families import FAMILIES
 
     for family in FAMILIES:
         for arch in family.architectures:

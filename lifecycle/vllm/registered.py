@@ -7,7 +7,8 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    from .drafts import FAMILIES, lifecycle_class
+    from .drafts import lifecycle_class
+    from .families import FAMILIES
 
     for family in FAMILIES:
         if family.name == name:

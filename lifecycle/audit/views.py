@@ -1,6 +1,6 @@
 """Views of an `AuditResult`: a readable summary for people, JSON for machines.
 
->>> from lifecycle.auditor import Auditor
+>>> from lifecycle.audit.replay import Auditor
 >>> print(render_text(Auditor().finish()).splitlines()[-1])
 RESULT: CLEAN (0 events audited; exit status 0)
 """
@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .auditor import VIOLATION_KINDS, AuditResult
+from .replay import VIOLATION_KINDS, AuditResult
 
 #: The JSON view's own format version.
 JSON_FORMAT = 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from transitions.extensions import GraphMachine
 
-from .states import INITIAL_STATE, TRANSITIONS, LifecycleState
+from ..states import INITIAL_STATE, TRANSITIONS, LifecycleState
 
 FORMATS = ("mermaid", "dot")
 

@@ -21,10 +21,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .auditor import VIOLATION_KINDS, Auditor, AuditResult, StreamReplay, Violation
-from .auditview import result_line
 from .logstream import LogEvent, iter_events
-from .svgdiagram import state_diagram_svg
+from .replay import VIOLATION_KINDS, Auditor, AuditResult, StreamReplay, Violation
+from .svg import state_diagram_svg
+from .views import result_line
 
 #: Layers remembered per epoch, and steps (transitions, refusals) per epoch, at most.
 MAX_LAYERS, MAX_MARKS = 512, 64

@@ -19,11 +19,11 @@ from typing import Any, TextIO
 
 import torch
 
-from .audit import configure_audit, read_events
-from .auditor import audit_logs
-from .diagram import mermaid
-from .errors import LayersNotReadyError
-from .loading import (
+from lifecycle.audit.diagram import mermaid
+from lifecycle.audit.replay import audit_logs
+from lifecycle.errors import LayersNotReadyError
+from lifecycle.events import configure_audit, read_events
+from lifecycle.loading import (
     apply_bucket,
     checkpoint_index,
     iter_buckets,
@@ -32,7 +32,7 @@ from .loading import (
     validate_index,
     write_checkpoint,
 )
-from .storage import StorageIdentity, count_allocations
+from lifecycle.storage import StorageIdentity, count_allocations
 
 DEMO_BACKBONE = "draft"
 
@@ -68,7 +68,7 @@ def run_demo(
     verbose: bool = False,
     stream: TextIO | None = None,
 ) -> DemoResult:
-    from models import get_family
+    from . import get_family
 
     family = get_family(model_name)
 

@@ -1,157 +1,30 @@
-"""Derived buffers: declared once on the backbone class, built cold once, refreshed in place ever after.
-
->>> class Toy(torch.nn.Module):
-...     def __init__(self):
-...         super().__init__()
-...         self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 3, bias=False) for _ in range(2))
->>> spec = concat("fused", sources=("weight",), per_layer=lambda layer: layer.weight[1:])
->>> toy = Toy(); names = [n for n, _ in toy.named_parameters()]
->>> plan = plan_refresh(toy, [spec], tensor_specs={n: TensorSpec.of(p) for n, p in toy.named_parameters()},
-...                     dirty=frozenset(names), context={"backbone": "toy", "state": "FULLY_LOADED"})
->>> report = apply_refresh(toy, plan)
->>> toy.fused.shape, report["fused"].mode, "fused" in toy.state_dict()
-(torch.Size([4, 2]), 'cold', False)
-
-Every refresh runs in two phases. `plan_refresh` validates EVERY buffer (sources ready and in the expected
-layout, the new layout equal to the existing buffer's) and raises before anything is written. `apply_refresh`
-then writes: a cold build allocates once; every later refresh copies into the existing storage, only the
-slices whose sources were written in this epoch, and checks afterwards that no storage moved.
-
-A `stack(..., computed=True)` slice is a real per-layer computation (it allocates a slice-sized result), so it
-is evaluated lazily, one slice at a time and only for the slices that are written: at most one slice-sized
-temporary lives at any moment, never a buffer-sized one.
-
->>> calls = []
->>> def scaled(layer):
-...     calls.append(layer)
-...     return layer.weight * 2.0   # a new tensor: a computation, not a view
->>> spec2 = stack("doubled", sources=("weight",), per_layer=scaled, computed=True)
->>> plan = plan_refresh(toy, [spec2], tensor_specs={n: TensorSpec.of(p) for n, p in toy.named_parameters()},
-...                     dirty=frozenset(names), context={"backbone": "toy", "state": "FULLY_LOADED"})
->>> report = apply_refresh(toy, plan)
->>> toy.doubled.shape, report["doubled"].mode, len(calls)  # plan validated 2 slices, apply computed 2
-(torch.Size([2, 3, 2]), 'cold', 4)
-
-All fallible work happens in the plan: every builder runs there (`per_layer` functions, `custom` builds,
-`torch.cat` / `torch.stack` of a cold build), and every copy is checked there to have equal shape, dtype and
-device at both ends. So a builder that raises leaves every buffer as it was. (Two kinds compute while writing, by
-design, to avoid a buffer-sized temporary: `stack(..., computed=True)` slices and `custom(..., into=)` writers; a
-failure there is handled like a device fault, below.) The apply phase only registers buffers (cold build, alias)
-and runs `copy_`s between those checked tensors. Should one of them raise anyway (a device fault), `apply_refresh`
-raises `RefreshInterruptedError` naming every buffer it touched; the backbone records them as torn, keeps its
-state (FULLY_LOADED, not usable) and rewrites them fully at the next refresh.
-"""
+"""The plan phase of a refresh: validate every derived buffer and decide every write, before anything is written."""
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode  # the dry-run engine torch.compile uses
 
-from .errors import (
+from ..errors import (
     DerivedBuildError,
     LayersNotReadyError,
     LifecycleError,
-    RefreshInterruptedError,
     SourceLayoutError,
-    StorageDriftError,
     StorageReallocationError,
 )
-from .readiness import layer_of
-from .storage import StorageIdentity, describe_changes
-from .types import BufferReport, RefreshReport, TensorSpec
+from ..readiness import layer_of
+from ..storage import StorageIdentity, describe_changes
+from ..types import TensorSpec
+from .specs import DerivedSpec, _layers, current_buffer, resolve_tensor
 
-Kind = Literal["concat", "stack", "alias", "custom"]
 T = TypeVar("T")
-PerLayer = Callable[[nn.Module], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DerivedSpec:
-    """A derived buffer declaration. Build it with `concat`, `stack`, `alias` or `custom`.
-
-    `sources`: for concat/stack, tensor names relative to each layer (`self_attn.k_norm.weight`); for alias,
-    the one absolute tensor name it points at; for custom, the absolute names it depends on.
-    `fallback`: when set, a source in the wrong layout disables the buffer (its last values stay, the model
-    takes the named fallback path) instead of refusing the refresh. Never silent: the report and the audit
-    event say so.
-    `into`: custom only, an in-place writer `into(backbone, out) -> out` that a refresh uses instead of `build`
-    (so no temporary the size of the buffer is created).
-    """
-
-    name: str
-    kind: Kind
-    sources: tuple[str, ...]
-    per_layer: PerLayer | None = None
-    build: Callable[[nn.Module], torch.Tensor] | None = None
-    dim: int = 0
-    layers_attr: str = "layers"
-    fallback: str | None = None
-    computed: bool = False
-
-    def __post_init__(self) -> None:
-        if self.computed and self.kind != "stack":
-            raise ValueError(f"{self.name}: computed=True is only supported for stack specs (got {self.kind})")
-    into: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
-
-    def source_names(self, backbone: nn.Module) -> list[str]:
-        """Absolute names of every tensor this buffer reads."""
-        if self.kind in ("concat", "stack"):
-            n = len(_layers(backbone, self.layers_attr))
-            return [f"{self.layers_attr}.{i}.{s}" for i in range(n) for s in self.sources]
-        return list(self.sources)
-
-
-def concat(name: str, *, sources: Sequence[str], per_layer: PerLayer, dim: int = 0, layers_attr: str = "layers",
-           fallback: str | None = None) -> DerivedSpec:
-    """One slice per layer, concatenated along `dim` (e.g. the fused KV weight)."""
-    return DerivedSpec(name, "concat", tuple(sources), per_layer=per_layer, dim=dim, layers_attr=layers_attr,
-                       fallback=fallback)
-
-
-def stack(name: str, *, sources: Sequence[str], per_layer: PerLayer, layers_attr: str = "layers",
-          fallback: str | None = None, computed: bool = False) -> DerivedSpec:
-    """One slice per layer, stacked along a new leading dim (e.g. the k-norm weights).
-
-    `computed=True`: `per_layer` computes its slice (a new slice-sized tensor, e.g. MLA's absorbed `W_UK_T`
-    from `kv_b_proj.weight`) instead of returning a view. Slices are then evaluated one at a time and only
-    where written (plan: to validate the layout, result dropped; apply: computed again and copied into the
-    buffer's slice), so a refresh never holds more than one slice-sized temporary. `per_layer` must be a
-    deterministic function of the layer's declared `sources`: a slice whose sources were not written is not
-    re-evaluated (its layout is what the last refresh validated)."""
-    return DerivedSpec(name, "stack", tuple(sources), per_layer=per_layer, layers_attr=layers_attr,
-                       fallback=fallback, computed=computed)
-
-
-def alias(name: str, *, source: str) -> DerivedSpec:
-    """The buffer IS the live source tensor (e.g. the RoPE cos/sin cache); re-validated at every refresh."""
-    return DerivedSpec(name, "alias", (source,))
-
-
-def custom(name: str, *, build: Callable[[nn.Module], torch.Tensor], depends_on: Sequence[str] = (),
-           fallback: str | None = None,
-           into: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> DerivedSpec:
-    """Any computation from absolute tensor names `depends_on`. `build(backbone)` makes the cold value.
-
-    A refresh (a dependency was written) copies a new `build` result into the buffer, or, when `into` is given,
-    calls `into(backbone, out)`, which must write the new value into `out` and return it: no temporary of
-    buffer size. The writer is first dry-run on a fake copy of the buffer (`FakeTensorMode`: no data is read or
-    written) so that a value that would not fit is refused before any buffer is written.
-
-    With no dependencies the buffer is a constant: built once at the cold build and never rewritten afterwards,
-    not even by `full=True`. `rebuild=True` (graphs released) reallocates it only if its layout changed.
-    """
-    return DerivedSpec(name, "custom", tuple(depends_on), build=build, fallback=fallback, into=into)
-
-
-# ---- plan ----------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -172,32 +45,6 @@ class _BufferPlan:
 class RefreshPlan:
     buffers: list[_BufferPlan]
     context: dict[str, str]
-
-
-def _layers(backbone: nn.Module, attr: str) -> Sequence[nn.Module]:
-    mod: object = backbone
-    for part in attr.split("."):
-        mod = getattr(mod, part)
-    return mod  # type: ignore[return-value]
-
-
-def resolve_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
-    """The live parameter or buffer called `name` (None when absent). Unlike `get_parameter` it finds both."""
-    path, _, leaf = name.rpartition(".")
-    try:
-        owner = module.get_submodule(path) if path else module
-    except AttributeError:
-        return None
-    t = owner._parameters.get(leaf)
-    if t is None:
-        t = owner._buffers.get(leaf)
-    return t
-
-
-def current_buffer(backbone: nn.Module, name: str) -> torch.Tensor | None:
-    """The derived buffer as registered now; None until its cold build (or while still META)."""
-    t = backbone._buffers.get(name)
-    return None if t is None or t.is_meta else t
 
 
 def _fmt_layout(t: torch.Tensor | StorageIdentity) -> str:
@@ -447,88 +294,3 @@ def _dry_run_into(spec: DerivedSpec, backbone: nn.Module, existing: torch.Tensor
     how = "resizes" if result is out else "returns a new tensor instead of writing into"
     return f"{spec.name}: its in-place writer {how} the buffer: new value {layout}, the existing buffer is " \
            f"{_fmt_layout(existing)}"
-
-
-# ---- apply ---------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
-    """Carry out a validated plan. Cold builds register new non-persistent buffers; everything else is a
-    `copy_` into existing storage, verified afterwards."""
-    t0 = time.perf_counter()
-    report = RefreshReport()
-    before: dict[str, StorageIdentity] = {}
-    touched: list[str] = []
-    for bp in plan.buffers:
-        if bp.mode in ("cold", "alias", "in_place"):
-            touched.append(bp.spec.name)
-        try:
-            _apply_one(backbone, bp, report, before)
-        except Exception as e:
-            raise RefreshInterruptedError(bp.spec.name, touched, e, backbone=plan.context.get("backbone", "?"),
-                                          state=plan.context.get("state", "?")) from e
-
-    drift = [
-        line
-        for name, old in before.items()
-        for line in describe_changes(name, old, StorageIdentity.of(backbone._buffers[name]))  # type: ignore[arg-type]
-    ]
-    if drift:
-        raise StorageDriftError(drift, backbone=plan.context.get("backbone", "?"),
-                                state=plan.context.get("state", "?"))
-    report.duration_ms = (time.perf_counter() - t0) * 1e3
-    return report
-
-
-def _build_computed_stack(backbone: nn.Module, spec: DerivedSpec,
-                          layout: tuple[tuple[int, ...], torch.dtype, torch.device]) -> torch.Tensor:
-    """The cold build of a computed stack: the buffer is allocated once and filled slice by slice (never a
-    `torch.stack` of L computed temporaries)."""
-    assert spec.per_layer is not None
-    layers = _layers(backbone, spec.layers_attr)
-    shape, dtype, device = layout
-    buf = torch.empty((len(layers), *shape), dtype=dtype, device=device)
-    for i, layer in enumerate(layers):
-        buf[i].copy_(spec.per_layer(layer))
-    return buf
-
-
-def _apply_one(backbone: nn.Module, bp: _BufferPlan, report: RefreshReport,
-               before: dict[str, StorageIdentity]) -> None:
-    spec = bp.spec
-    rep = BufferReport(spec.name, spec.kind, bp.mode, slices_total=bp.slices_total, reason=bp.reason)
-    if bp.mode == "cold" and bp.cold_layout is not None:
-        bp.new_tensor = _build_computed_stack(backbone, spec, bp.cold_layout)
-    if bp.mode in ("cold", "alias"):
-        assert bp.new_tensor is not None
-        if bp.mode == "cold":
-            rep.elements_written = bp.new_tensor.numel()
-            rep.slices_written = bp.slices_total
-        backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
-    elif bp.mode == "in_place":
-        buf = bp.existing
-        assert buf is not None
-        before[spec.name] = StorageIdentity.of(buf)
-        layers = _layers(backbone, spec.layers_attr) if spec.computed else ()
-        if spec.kind == "custom" and spec.into is not None:
-            spec.into(backbone, buf)
-            rep.elements_written = buf.numel()
-        for start, length, src in bp.copies:
-            if src is None:  # a computed slice: evaluated now, copied, dropped
-                assert spec.per_layer is not None
-                src = spec.per_layer(layers[start])
-            if spec.kind == "custom":
-                dst = buf
-            elif spec.kind == "stack":
-                dst = buf[start]
-            else:
-                dst = buf.narrow(spec.dim, start, length)
-            dst.copy_(src)
-            rep.elements_written += dst.numel()
-        rep.slices_written = len(bp.copies) if spec.kind != "custom" else 0
-    live = current_buffer(backbone, spec.name)
-    if live is not None:
-        rep.nbytes = live.numel() * live.element_size()
-        rep.data_ptr = live.data_ptr()
-    report.buffers.append(rep)

@@ -1,4 +1,5 @@
-"""Large, valid audit logs from a recorded one: the benchmark's and the tests' way to get a million real events.
+"""Test and benchmark helpers: random checkpoints for any backbone (`random_checkpoint`), and large, valid audit
+logs from a recorded one (`repeat_reloads`): the benchmarks' and the tests' way to get a million real events.
 
 A real lifecycle is recorded once (cold load in epoch 0, then one reload in epoch 1); `repeat_reloads` writes
 the cold load once and the reload again and again, as epochs 1, 2, 3, ..., renumbering `seq` and moving
@@ -18,7 +19,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .audit import TS_FORMAT
+import torch
+from torch import nn
+
+from .events import TS_FORMAT
 
 _EPOCH, _SEQ, _TS = -1_234_567_001, -1_234_567_002, "@@ts@@"
 
@@ -63,3 +67,17 @@ def write_synthetic(path: str | Path, recorded: Sequence[Mapping[str, Any]], rel
             fh.write(line + "\n")
             n += 1
     return n
+
+
+def random_checkpoint(model: nn.Module, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Random weights for every checkpoint tensor of `model` (META is fine): norm weights near 1, others
+    scaled by 1/sqrt(fan_in). Deterministic in `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            value = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
+        else:
+            value = torch.randn(t.shape, generator=gen) / max(t.shape[-1], 1) ** 0.5 if t.dim() else torch.randn(())
+        out[name] = value.to(t.dtype if t.dtype.is_floating_point else dtype).contiguous()
+    return out

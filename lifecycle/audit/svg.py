@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 
-from .states import INITIAL_STATE, TRANSITIONS, LifecycleState
+from ..states import INITIAL_STATE, TRANSITIONS, LifecycleState
 
 COL_W, ROW_H = 310, 250  # distance between columns / rows
 NODE_W, NODE_H = 150, 44

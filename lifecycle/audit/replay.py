@@ -6,7 +6,7 @@ most `MAX_BUFFERS` names), a counter of the transitions taken. What is legal com
 alone: a transition is legal when its (trigger, src, dst) is a row of `TRANSITIONS`; a row whose guard or
 condition needs every layer ready (`require_all_layers_ready`, `all_layers_ready`) needs it in the replay too.
 
->>> from lifecycle.logstream import LogEvent
+>>> from lifecycle.audit.logstream import LogEvent
 >>> def ev(n, **f):
 ...     base = {"backbone": "d", "rank": 0, "epoch": 0, "seq": n}
 ...     return LogEvent("log", n, {**base, **f}, float(n))
@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .logstream import InputProblem, Item, LogEvent, iter_events
-from .states import (
+from ..states import (
     INITIAL_STATE,
     TRANSITIONS,
     TRIGGERS,
@@ -36,6 +35,7 @@ from .states import (
     allowed_sources,
     possible_destinations,
 )
+from .logstream import InputProblem, Item, LogEvent, iter_events
 
 #: Every violation the auditor names, and what it means.
 VIOLATION_KINDS: dict[str, str] = {
@@ -95,7 +95,7 @@ def unknown_table_names(transitions: Iterable[Transition] = TRANSITIONS) -> list
 
 
 if unknown_table_names():  # pragma: no cover - a table change the auditor must learn about
-    raise ImportError(f"lifecycle.auditor does not know {unknown_table_names()} of the transition table")
+    raise ImportError(f"lifecycle.audit.replay does not know {unknown_table_names()} of the transition table")
 
 LOADING_STATES = frozenset(s.value for s in allowed_sources("finish_loading"))
 WEIGHTS_STATES = frozenset(s.value for s in allowed_sources(WEIGHTS))
