@@ -1,7 +1,8 @@
 """The lifecycle states and the transition table: the single source of truth.
 
-The machine (`machine.py`), the diagram (`diagram.py`), the tests and the docs all read `TRANSITIONS`;
-nothing else spells out which trigger may fire from which state.
+The machine (`machine.py`), the auditor and report (`lifecycle.audit`), the diagrams, the tests and the docs all
+read `TRANSITIONS` and the declarations beside it (`Guard`, `Condition`, `USABLE_STATES`, follow-ups); nothing
+else spells out which trigger may fire from which state, and no other module spells a state name as a string.
 
 >>> from lifecycle.states import LifecycleState, allowed_sources
 >>> [s.value for s in allowed_sources("capture_graphs")]
@@ -30,24 +31,48 @@ class LifecycleState(str, Enum):
 S = LifecycleState
 
 
+class Condition(str, Enum):
+    """Predicates that pick one row among several rows of the same trigger (first match wins)."""
+
+    ALL_LAYERS_READY = "all_layers_ready"  # every tracked tensor of every layer was loaded and is off META
+    HAS_PINNED_GRAPHS = "has_pinned_graphs"  # graphs were captured: storage identities are pinned
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Guard(str, Enum):
+    """Checks that refuse a trigger by raising with the full reason, before the state or any buffer changes."""
+
+    ALL_LAYERS_READY = "require_all_layers_ready"  # LayersNotReadyError naming every missing tensor
+    PINNED = "require_pinned"  # IllegalTransitionError unless graphs are captured
+    PINNED_UNCHANGED = "require_pinned_unchanged"  # StorageDriftError naming each moved address (old -> new)
+    RECOVERABLE = "require_recoverable"  # RecoveryError unless the aborted reload was rolled back exactly
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Transition:
-    """One row of the table. `condition` names a predicate on the lifecycle that picks this row among
-    several rows of the same trigger (first match wins); `guards` name checks that raise with the full
-    reason and so refuse the trigger, leaving the state unchanged."""
+    """One row of the table. `condition` picks this row among several rows of the same trigger (first match
+    wins); `guards` refuse the trigger with the full reason, leaving the state unchanged. `follows`: the row is
+    fired by the machine itself right after that trigger succeeded, when its sources include the state reached
+    and its condition holds (a follow-up, never called directly)."""
 
     trigger: str
     sources: tuple[LifecycleState, ...]
     dest: LifecycleState
-    condition: str | None = None
-    guards: tuple[str, ...] = ()
+    condition: Condition | None = None
+    guards: tuple[Guard, ...] = ()
+    follows: str | None = None
     doc: str = ""
 
 
 TRANSITIONS: tuple[Transition, ...] = (
     Transition(
         "weights_loaded", (S.META, S.PARTIALLY_LOADED, S.FULLY_LOADED), S.FULLY_LOADED,
-        condition="all_layers_ready",
+        condition=Condition.ALL_LAYERS_READY,
         doc="a bucket of tensors arrived and every layer is now ready",
     ),
     Transition(
@@ -61,18 +86,19 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(
         "finish_loading", (S.PARTIALLY_LOADED, S.FULLY_LOADED), S.FULLY_LOADED,
-        guards=("require_all_layers_ready",),
+        guards=(Guard.ALL_LAYERS_READY,),
         doc="the loader is done; every layer must be ready (LayersNotReadyError otherwise)",
     ),
     Transition(
         "refresh_derived", (S.FULLY_LOADED,), S.DERIVED_REFRESHED,
-        guards=("require_all_layers_ready", "require_pinned_unchanged"),
+        guards=(Guard.ALL_LAYERS_READY, Guard.PINNED_UNCHANGED),
         doc="derived buffers were built (cold) or refreshed in place, all validated (and, under captured "
             "graphs, every pinned identity checked) before any write",
     ),
     Transition(
         "graphs_verified", (S.DERIVED_REFRESHED,), S.GRAPH_CAPTURED,
-        guards=("require_pinned", "require_pinned_unchanged"),
+        condition=Condition.HAS_PINNED_GRAPHS, guards=(Guard.PINNED, Guard.PINNED_UNCHANGED),
+        follows="refresh_derived",
         doc="after a refresh under captured graphs, every pinned storage identity was verified unchanged",
     ),
     Transition(
@@ -89,20 +115,33 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(
         "recover", (S.QUARANTINED,), S.GRAPH_CAPTURED,
-        condition="has_pinned_graphs",
-        guards=("require_recoverable", "require_pinned_unchanged"),
+        condition=Condition.HAS_PINNED_GRAPHS,
+        guards=(Guard.RECOVERABLE, Guard.PINNED_UNCHANGED),
         doc="the aborted reload was rolled back exactly and graphs are still captured: the last good derived "
             "buffers match the restored weights again, at the pinned addresses",
     ),
     Transition(
         "recover", (S.QUARANTINED,), S.DERIVED_REFRESHED,
-        guards=("require_recoverable", "require_pinned_unchanged"),
+        guards=(Guard.RECOVERABLE, Guard.PINNED_UNCHANGED),
         doc="the aborted reload was rolled back exactly: the last good derived buffers match the restored weights",
     ),
 )
 
 INITIAL_STATE = S.META
 TRIGGERS: tuple[str, ...] = tuple(dict.fromkeys(t.trigger for t in TRANSITIONS))
+
+#: States whose derived buffers match the weights: the fused path may run (everything else refuses it).
+USABLE_STATES: frozenset[LifecycleState] = frozenset({S.DERIVED_REFRESHED, S.GRAPH_CAPTURED})
+#: The state a failed or aborted load leaves: forward use refused until a reload or `recover`.
+QUARANTINE_STATE = S.QUARANTINED
+
+#: trigger -> the follow-up triggers the machine fires itself after it (rows declared with `follows=`).
+FOLLOW_UPS: dict[str, tuple[str, ...]] = {}
+for _t in TRANSITIONS:
+    if _t.follows is not None:
+        FOLLOW_UPS.setdefault(_t.follows, ())
+        if _t.trigger not in FOLLOW_UPS[_t.follows]:
+            FOLLOW_UPS[_t.follows] += (_t.trigger,)
 
 
 @cache
@@ -128,5 +167,5 @@ def possible_destinations(trigger: str, source: LifecycleState) -> tuple[Lifecyc
     return tuple(dict.fromkeys(t.dest for t in TRANSITIONS if t.trigger == trigger and source in t.sources))
 
 
-def guards_of(trigger: str) -> tuple[str, ...]:
+def guards_of(trigger: str) -> tuple[Guard, ...]:
     return tuple(dict.fromkeys(g for t in TRANSITIONS if t.trigger == trigger for g in t.guards))
