@@ -20,15 +20,22 @@ from types import MappingProxyType
 from ..states import INITIAL_STATE, TRANSITIONS, Condition, Guard, LifecycleState, Transition, allowed_sources
 
 __all__ = [
+    "ABORT",
+    "BEGIN",
+    "CAPTURE",
     "CONDITION_CHECKS",
+    "FINISH",
     "GUARD_CHECKS",
     "INITIAL",
     "LOADING_STATES",
+    "REFRESH",
     "REFRESH_STATES",
+    "RELEASE",
     "REPLAYED_TRIGGERS",
     "ROW_CHECKS",
     "STATE_NAMES",
     "VIOLATION_KINDS",
+    "WEIGHTS",
     "WEIGHTS_STATES",
     "Check",
     "checks_of",
