@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lifecycle import DraftBackbone, concat, stack
+from lifecycle.audit.views import table as text_table
 from lifecycle.loading import apply_bucket
 from models.qwen3_dflash import RMSNorm
 
@@ -65,12 +66,8 @@ def write_json(path: Path, data: Mapping[str, Any]) -> Path:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [list(headers), *[[_cell(c) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = " | ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*cells[0]).rstrip(), "-+-".join("-" * w for w in widths)]
-    out += [fmt.format(*r).rstrip() for r in cells[1:]]
-    return "\n".join(out)
+    """The project's text table (`lifecycle.audit.views.table`), numbers to three significant digits."""
+    return text_table(headers, rows, cell=_cell)
 
 
 def _cell(c: Any) -> str:

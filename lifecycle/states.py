@@ -58,7 +58,9 @@ class Transition:
     """One row of the table. `condition` picks this row among several rows of the same trigger (first match
     wins); `guards` refuse the trigger with the full reason, leaving the state unchanged. `follows`: the row is
     fired by the machine itself right after that trigger succeeded, when its sources include the state reached
-    and its condition holds (a follow-up, never called directly)."""
+    and its condition holds (a follow-up, never called directly). `per_bucket`: the row fires once per bucket of
+    tensors, many times an epoch: bookkeeping of the load, not a step of the lifecycle (the report does not draw it
+    as a timeline mark)."""
 
     trigger: str
     sources: tuple[LifecycleState, ...]
@@ -67,17 +69,18 @@ class Transition:
     guards: tuple[Guard, ...] = ()
     follows: str | None = None
     doc: str = ""
+    per_bucket: bool = False
 
 
 TRANSITIONS: tuple[Transition, ...] = (
     Transition(
         "weights_loaded", (S.META, S.PARTIALLY_LOADED, S.FULLY_LOADED), S.FULLY_LOADED,
-        condition=Condition.ALL_LAYERS_READY,
+        condition=Condition.ALL_LAYERS_READY, per_bucket=True,
         doc="a bucket of tensors arrived and every layer is now ready",
     ),
     Transition(
         "weights_loaded", (S.META, S.PARTIALLY_LOADED), S.PARTIALLY_LOADED,
-        doc="a bucket of tensors arrived; some layer still misses tensors",
+        per_bucket=True, doc="a bucket of tensors arrived; some layer still misses tensors",
     ),
     Transition(
         "begin_reload",

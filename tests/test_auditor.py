@@ -25,8 +25,17 @@ from lifecycle.audit.replay import (
     audit_logs,
     unknown_table_names,
 )
+from lifecycle.audit.rules import CONDITION_CHECKS, GUARD_CHECKS, Check
 from lifecycle.cli import main
-from lifecycle.states import TRANSITIONS, TRIGGERS, LifecycleState, Transition, possible_destinations
+from lifecycle.states import (
+    TRANSITIONS,
+    TRIGGERS,
+    Condition,
+    Guard,
+    LifecycleState,
+    Transition,
+    possible_destinations,
+)
 from lifecycle.testing import write_synthetic
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
@@ -133,6 +142,31 @@ def test_the_auditor_understands_every_guard_and_condition_of_the_table() -> Non
     extra = Transition("weights_loaded", (S.META,), S.FULLY_LOADED, condition="moon_is_full",
                        guards=("require_tide",))
     assert unknown_table_names((*TRANSITIONS, extra)) == ["condition moon_is_full", "guard require_tide"]
+
+
+def test_every_guard_and_condition_member_maps_to_what_the_replay_checks() -> None:
+    assert set(GUARD_CHECKS) == set(Guard) and set(CONDITION_CHECKS) == set(Condition)
+    assert GUARD_CHECKS[Guard.ALL_LAYERS_READY] is CONDITION_CHECKS[Condition.ALL_LAYERS_READY] is Check.READY
+    assert GUARD_CHECKS[Guard.PINNED] is CONDITION_CHECKS[Condition.HAS_PINNED_GRAPHS] is Check.PINNED
+    # a member the table declares but no row uses yet is unknown too
+    assert unknown_table_names(guards=[*Guard, "require_tide"], conditions=[*Condition, "moon_is_full"]) == [
+        "condition moon_is_full", "guard require_tide"]
+
+
+def test_a_guard_the_replay_does_not_know_fails_the_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table growing a Guard member the auditor has no check for stops `lifecycle.audit` loading, loudly."""
+    import enum
+    import importlib.util
+
+    import lifecycle.audit.rules as rules
+    import lifecycle.states
+
+    grown = enum.Enum("Guard", [(g.name, g.value) for g in Guard] + [("TIDE", "require_tide")], type=str)
+    monkeypatch.setattr(lifecycle.states, "Guard", grown)
+    spec = importlib.util.spec_from_file_location("lifecycle.audit.rules_with_a_grown_table", rules.__file__)
+    assert spec is not None and spec.loader is not None
+    with pytest.raises(ImportError, match=r"does not know \['guard require_tide'\] of the transition table"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 # ---- each violation, made by editing a real log ---------------------------------------------------------------

@@ -20,8 +20,11 @@ from scenarios import index_of, read_lines, write_lines
 from lifecycle.audit.report import collect, write_report
 from lifecycle.audit.svg import state_diagram_svg
 from lifecycle.cli import main
-from lifecycle.states import TRANSITIONS
+from lifecycle.states import TRANSITIONS, TRIGGERS
 from lifecycle.testing import write_synthetic
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / "lifecycle" / "audit" / "assets"
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -168,3 +171,37 @@ def test_a_long_log_draws_only_the_latest_epochs(real_logs: Path, tmp_path: Path
     ids = [a["id"] for a in dom.with_class("timeline", "svg")]
     assert ids == [f"timeline-r-0-draft-i-1-e-{e}" for e in range(146, 151)]
     assert "146 earlier epoch(s) not drawn" in out.read_text()
+
+
+def test_every_step_of_the_table_is_a_timeline_mark_but_per_bucket_bookkeeping(real_logs: Path, tmp_path: Path) -> None:
+    """Marks come from the table: every trigger the logs took (all of them) is drawn, `recover` included, except
+    the rows declared per-bucket bookkeeping (weights_loaded: the layer rows already show each bucket)."""
+    out = tmp_path / "marks.html"
+    result = write_report([real_logs], out)
+    dom = Elements(out.read_text())
+    drawn = {c.removeprefix("mark-") for a in dom.with_class("mark", "g") for c in a["class"].split()
+             if c.startswith("mark-")}
+    taken = {t for r in result.streams for (t, _, _) in r.edges}
+    per_bucket = {t.trigger for t in TRANSITIONS if t.per_bucket}
+    assert taken == set(TRIGGERS) and per_bucket == {"weights_loaded"}
+    assert drawn == (taken - per_bucket) | {"refused"}
+    assert "recover" in drawn
+
+
+def test_the_inlined_stylesheet_and_script_are_the_packaged_assets(real_logs: Path, tmp_path: Path) -> None:
+    """The report inlines assets/report.css and report.js verbatim, and pyproject packages every file there."""
+    import tomllib
+
+    out = tmp_path / "assets.html"
+    write_report([real_logs], out)
+    text = out.read_text()
+    files = sorted(ASSETS.iterdir())
+    assert [f.name for f in files] == ["report.css", "report.js"]
+    for f in files:
+        body = f.read_text()
+        assert len(body) > 500 and body in text
+    assert re.search(r"<style>\s*" + re.escape(files[0].read_text()) + r"</style>", text)
+    assert re.search(r"<script>\s*" + re.escape(files[1].read_text()) + r"</script>", text)
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    packaged = {f for pattern in patterns["lifecycle.audit"] for f in (ROOT / "lifecycle" / "audit").glob(pattern)}
+    assert packaged == set(files)

@@ -12,6 +12,8 @@ from transitions.extensions import GraphMachine
 
 from ..states import INITIAL_STATE, TRANSITIONS, LifecycleState
 
+__all__ = ["FORMATS", "dot", "mermaid", "render"]
+
 FORMATS = ("mermaid", "dot")
 
 

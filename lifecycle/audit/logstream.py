@@ -23,6 +23,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, BinaryIO
 
+__all__ = ["LOG_PATTERNS", "MAX_LINE", "STDIN", "InputProblem", "Item", "LogEvent", "expand_inputs", "iter_events",
+           "parse_line", "parse_ts", "read_input", "read_stream"]
+
 #: A line longer than this (bytes) is reported as unreadable and skipped without being held in memory.
 MAX_LINE = 1 << 20
 #: In a directory, files whose names look like audit logs (rotated logs `audit.jsonl.1` included).

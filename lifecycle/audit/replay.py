@@ -1,19 +1,20 @@
 """Replay audit logs through the transition table and name every violation.
 
-Each (rank, backbone) stream is replayed on its own, event by event, in bounded memory: the replayed state and
-epoch, the layers ready in this epoch (at most the backbone's layer count), the derived buffers' addresses (at
-most `MAX_BUFFERS` names), a counter of the transitions taken. What is legal comes from `lifecycle.states`
-alone: a transition is legal when its (trigger, src, dst) is a row of `TRANSITIONS`; a row whose guard or
-condition needs every layer ready (`require_all_layers_ready`, `all_layers_ready`) needs it in the replay too.
+Each (rank, backbone) stream is replayed on its own, event by event, in bounded memory (`results.StreamReplay`).
+What is legal comes from `lifecycle.states` alone, through `rules`: a transition is legal when its
+(trigger, src, dst) is a row of `TRANSITIONS`, and a row whose guard or condition maps to a check (every layer
+ready, graphs captured, an exact rollback) needs that check to hold in the replay too.
 
 >>> from lifecycle.audit.logstream import LogEvent
+>>> from lifecycle.states import LifecycleState as S
 >>> def ev(n, **f):
 ...     base = {"backbone": "d", "rank": 0, "epoch": 0, "seq": n}
 ...     return LogEvent("log", n, {**base, **f}, float(n))
 >>> a = Auditor()
->>> _ = a.feed(ev(1, event="transition", trigger="weights_loaded", src="META", dst="PARTIALLY_LOADED",
+>>> _ = a.feed(ev(1, event="transition", trigger="weights_loaded", src=S.META.value, dst=S.PARTIALLY_LOADED.value,
 ...               layers_ready=0, layers_total=1))
->>> _ = a.feed(ev(2, event="transition", trigger="capture_graphs", src="PARTIALLY_LOADED", dst="GRAPH_CAPTURED"))
+>>> _ = a.feed(ev(2, event="transition", trigger="capture_graphs", src=S.PARTIALLY_LOADED.value,
+...               dst=S.GRAPH_CAPTURED.value))
 >>> [(v.kind, v.where) for v in a.finish().violations]
 [('illegal_transition', 'log:2')]
 """
@@ -22,183 +23,32 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..states import (
-    INITIAL_STATE,
-    TRANSITIONS,
-    TRIGGERS,
-    LifecycleState,
-    Transition,
-    allowed_sources,
-    possible_destinations,
-)
+from ..states import TRIGGERS, allowed_sources, possible_destinations
 from .logstream import InputProblem, Item, LogEvent, iter_events
+from .results import MAX_BUFFERS, AuditResult, StreamReplay, Violation
+from .rules import (
+    ABORT,
+    BEGIN,
+    CAPTURE,
+    INITIAL,
+    LOADING_STATES,
+    REFRESH,
+    REFRESH_STATES,
+    RELEASE,
+    ROW_CHECKS,
+    STATE_NAMES,
+    VIOLATION_KINDS,
+    WEIGHTS,
+    WEIGHTS_STATES,
+    Check,
+    unknown_table_names,
+)
 
-#: Every violation the auditor names, and what it means.
-VIOLATION_KINDS: dict[str, str] = {
-    "illegal_transition": "src -> dst is not a row of the transition table for that trigger (or an unknown trigger "
-                          "or state, or graphs_verified without captured graphs)",
-    "state_mismatch": "an event's src is not the state the replay says the backbone was in",
-    "event_out_of_state": "a refresh, layer_ready or layers_unchanged event while the replayed state does not allow "
-                          "the trigger that emits it (refresh_derived, weights_loaded)",
-    "not_ready": "a trigger that needs every layer ready (refresh_derived, finish_loading, weights_loaded -> "
-                 "FULLY_LOADED) fired while the replayed readiness had layers missing; or a refresh event with "
-                 "missing tensors",
-    "storage_drift": "a pinned storage identity changed: a derived buffer's data_ptr in a refresh under captured "
-                     "graphs differs from the one recorded at capture_graphs, or a storage_check with ok=false",
-    "unfinished_epoch": "a reload epoch began and the next begin_reload came before it was refreshed or aborted",
-    "ends_mid_reload": "the log ends (or the lifecycle restarts) while a reload is still loading: last state "
-                       "PARTIALLY_LOADED or FULLY_LOADED in epoch > 0",
-    "epoch_disagreement": "ranks of one backbone end at different epochs",
-    "epoch_jump": "the epoch changed other than by begin_reload raising it by one",
-    "out_of_order": "within one rank/backbone: a timestamp going backwards, an epoch decreasing, or a sequence "
-                    "number repeated or going back",
-    "missing_events": "a gap in the sequence numbers (`seq`) of one rank/backbone: lines were deleted or lost",
-}
-
-#: Derived-buffer addresses remembered per stream, at most.
-MAX_BUFFERS = 1024
-
-S = LifecycleState
-_STATES: dict[str, LifecycleState] = {s.value: s for s in LifecycleState}
-#: (trigger, src, dst) -> the first row of the table that has it. The replay works on state names (plain strings).
-_ROW: dict[tuple[str, str, str], Transition] = {}
-for _t in TRANSITIONS:
-    for _s in _t.sources:
-        _ROW.setdefault((_t.trigger, _s.value, _t.dest.value), _t)
-
-# What the replay must know about the table's names: guards and conditions it can check from a log, and the
-# triggers whose effect (beyond the state) it replays. `unknown_table_names()` is empty for the shipped table.
-READY_CONDITIONS = frozenset({"all_layers_ready"})
-PINNED_CONDITIONS = frozenset({"has_pinned_graphs"})
-RECOVERY_GUARDS = frozenset({"require_recoverable"})  # the abort_reload event says whether recovery is allowed
-READY_GUARDS = frozenset({"require_all_layers_ready"})
-PINNED_GUARDS = frozenset({"require_pinned"})
-STORAGE_GUARDS = frozenset({"require_pinned_unchanged"})  # checked through storage_check events
-BEGIN, CAPTURE, RELEASE, REFRESH, WEIGHTS, ABORT = (
-    "begin_reload", "capture_graphs", "release_graphs", "refresh_derived", "weights_loaded", "abort_reload")
-
-
-def unknown_table_names(transitions: Iterable[Transition] = TRANSITIONS) -> list[str]:
-    """Guards, conditions and effect triggers the replay does not understand (must be empty)."""
-    transitions = tuple(transitions)
-    triggers = {t.trigger for t in transitions}
-    known_guards = READY_GUARDS | PINNED_GUARDS | STORAGE_GUARDS | RECOVERY_GUARDS
-    out = [f"guard {g}" for t in transitions for g in t.guards if g not in known_guards]
-    known_conditions = READY_CONDITIONS | PINNED_CONDITIONS
-    out += [f"condition {t.condition}" for t in transitions if t.condition and t.condition not in known_conditions]
-    out += [f"trigger {name}" for name in (BEGIN, CAPTURE, RELEASE, REFRESH, WEIGHTS) if name not in triggers]
-    return sorted(set(out))
-
-
-if unknown_table_names():  # pragma: no cover - a table change the auditor must learn about
-    raise ImportError(f"lifecycle.audit.replay does not know {unknown_table_names()} of the transition table")
-
-LOADING_STATES = frozenset(s.value for s in allowed_sources("finish_loading"))
-WEIGHTS_STATES = frozenset(s.value for s in allowed_sources(WEIGHTS))
-REFRESH_STATES = frozenset(s.value for s in allowed_sources(REFRESH))
-_INITIAL = INITIAL_STATE.value
-
-
-@dataclass(frozen=True)
-class Violation:
-    kind: str
-    rank: int
-    backbone: str
-    epoch: int
-    where: str  # file:line of the event, or the last event of the stream for end-of-log findings
-    detail: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "rank": self.rank, "backbone": self.backbone, "epoch": self.epoch,
-                "where": self.where, "detail": self.detail}
-
-
-@dataclass(eq=False)
-class StreamReplay:
-    """The replayed lifecycle of one (rank, backbone): what the auditor keeps, all of it bounded."""
-
-    rank: int
-    backbone: str
-    state_name: str = _INITIAL
-    epoch: int = 0
-    seq: int = 0
-    events: int = 0
-    incarnations: int = 1
-    first_ts: float | None = None
-    last_ts: float | None = None
-    last_where: str = ""
-    layers_total: int | None = None
-    ready: set[str] = field(default_factory=set)
-    ready_extra: int = 0
-    pinned: bool = False
-    recoverable: bool = False
-    pinned_ptrs: dict[str, str] = field(default_factory=dict)
-    last_ptrs: dict[str, str] = field(default_factory=dict)
-    epoch_done: bool = True
-    epoch_began: str = ""
-    epochs_begun: int = 0
-    edges: Counter[tuple[str, str, str]] = field(default_factory=Counter)
-    illegal_edges: Counter[tuple[str, str, str]] = field(default_factory=Counter)
-    visited: set[str] = field(default_factory=lambda: {_INITIAL})
-    violations: Counter[str] = field(default_factory=Counter)
-
-    @property
-    def state(self) -> LifecycleState:
-        """The replayed state."""
-        return _STATES[self.state_name]
-
-    @property
-    def key(self) -> tuple[int, str]:
-        return self.rank, self.backbone
-
-    @property
-    def layers_ready(self) -> int:
-        return len(self.ready) + self.ready_extra
-
-    def restart(self) -> None:
-        """A new lifecycle under the same (rank, backbone): `seq` started again at 1."""
-        self.state_name, self.epoch, self.seq = _INITIAL, 0, 0
-        self.layers_total, self.ready_extra, self.pinned = None, 0, False
-        self.ready.clear()
-        self.pinned_ptrs.clear()
-        self.last_ptrs.clear()
-        self.epoch_done, self.epoch_began = True, ""
-        self.incarnations += 1
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank, "backbone": self.backbone, "events": self.events, "incarnations": self.incarnations,
-            "final_state": self.state_name, "final_epoch": self.epoch, "pinned": self.pinned,
-            "reloads": self.epochs_begun, "layers_ready": self.layers_ready, "layers_total": self.layers_total,
-            "violations": dict(self.violations),
-            "transitions": [{"trigger": t, "src": s, "dst": d, "count": n} for (t, s, d), n in self.edges.items()],
-        }
-
-
-@dataclass
-class AuditResult:
-    inputs: list[str]
-    events: int
-    streams: list[StreamReplay]
-    violations: list[Violation]  # the first `max_details`; `violation_counts` counts all
-    violation_counts: Counter[str]
-    input_problems: list[InputProblem]  # likewise capped; `input_problem_count` counts all
-    input_problem_count: int
-
-    @property
-    def status(self) -> int:
-        """0 clean, 1 violations, 2 unreadable input (whatever else was found)."""
-        if self.input_problem_count:
-            return 2
-        return 1 if sum(self.violation_counts.values()) else 0
-
-    @property
-    def total_violations(self) -> int:
-        return sum(self.violation_counts.values())
+__all__ = ["VIOLATION_KINDS", "AuditResult", "Auditor", "StreamReplay", "Violation", "audit_logs",
+           "unknown_table_names"]
 
 
 class Auditor:
@@ -332,7 +182,7 @@ class Auditor:
 
     def _src_matches(self, r: StreamReplay, ev: LogEvent, what: str) -> str | None:
         src = ev.fields.get("src")
-        if src not in _STATES:
+        if src not in STATE_NAMES:
             self._violate(r, "illegal_transition", ev.where, f"{what}: unknown src state {src!r}")
             return None
         if src != r.state_name:
@@ -356,29 +206,29 @@ class Auditor:
                           f"unknown trigger {trigger!r}; the table knows: {', '.join(TRIGGERS)}")
             return
         src = self._src_matches(r, ev, trigger)
-        if dst not in _STATES:
+        if dst not in STATE_NAMES:
             self._violate(r, "illegal_transition", ev.where, f"{trigger}: unknown dst state {dst!r}")
             return
         if src is None:
             return
         self._note_total(r, f)
         edge = (trigger, src, dst)
-        row = _ROW.get(edge)
-        if row is None:
+        checks = ROW_CHECKS.get(edge)
+        if checks is None:
             r.illegal_edges[edge] += 1
-            dests = possible_destinations(trigger, _STATES[src])
+            dests = possible_destinations(trigger, STATE_NAMES[src])
             why = (f"{trigger} from {src} leads to {' or '.join(d.value for d in dests)}, not {dst}" if dests else
                    f"{trigger} is not allowed from {src} (allowed from: "
                    f"{', '.join(s.value for s in allowed_sources(trigger))})")
             self._violate(r, "illegal_transition", ev.where, why)
         else:
             r.edges[edge] += 1
-            if row.condition in READY_CONDITIONS or READY_GUARDS.intersection(row.guards):
+            if Check.READY in checks:
                 self._check_ready(r, ev, f"{trigger} {src} -> {dst}")
-            if not r.pinned and (PINNED_GUARDS.intersection(row.guards) or row.condition in PINNED_CONDITIONS):
+            if not r.pinned and Check.PINNED in checks:
                 self._violate(r, "illegal_transition", ev.where,
                               f"{trigger} {src} -> {dst} without captured graphs")
-            if not r.recoverable and RECOVERY_GUARDS.intersection(row.guards):
+            if not r.recoverable and Check.RECOVERABLE in checks:
                 self._violate(r, "illegal_transition", ev.where,
                               f"{trigger} after an abort that was not recoverable (not rolled back exactly)")
         if trigger == BEGIN:
@@ -392,11 +242,11 @@ class Auditor:
             r.pinned_ptrs.clear()
         elif trigger == ABORT:
             r.recoverable = f.get("recoverable") is True
-        if RECOVERY_GUARDS.intersection(row.guards if row is not None else ()):
+        if checks is not None and Check.RECOVERABLE in checks:
             r.recoverable = False  # recovered once; the next recover needs another exact rollback
         r.state_name = dst
         r.visited.add(dst)
-        if dst not in LOADING_STATES and dst != _INITIAL:
+        if dst not in LOADING_STATES and dst != INITIAL:
             r.epoch_done = True
 
     def _storage_check(self, r: StreamReplay, ev: LogEvent) -> None:

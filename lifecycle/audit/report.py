@@ -1,125 +1,43 @@
 """`reload-lifecycle report`: one self-contained HTML file that shows a reload as a picture.
 
 The logs are streamed once: every event goes to the `Auditor` (the verdict and the violations) and to a
-`ReportCollector`, which keeps, per (rank, backbone), the latest `max_epochs` epochs: when each layer became
-ready, the lifecycle's steps and refusals, and the derived buffers' addresses after each refresh (all bounded).
-The page has no external reference at all: CSS, the small script and every picture (SVG, drawn here) are inline.
+`traces.ReportCollector`, which keeps, per (rank, backbone), the latest `max_epochs` epochs: when each layer
+became ready, the lifecycle's steps and refusals, and the derived buffers' addresses after each refresh (all
+bounded). The page has no external reference at all: the stylesheet and the small script (`assets/`) and every
+picture (SVG, drawn by `svg.py` and `timeline.py`) are inline.
 
 Sections: a summary with the verdict; the streams; the violations (filterable by kind); then one panel per
-backbone with the state diagram (the path its ranks took highlighted, `svgdiagram.py`), a layers × time
-readiness timeline per rank and epoch, and a table of derived-buffer addresses per epoch.
+backbone with the state diagram (the path its ranks took highlighted), a layers × time readiness timeline per
+rank and epoch, and a table of derived-buffer addresses per epoch.
 """
 
 from __future__ import annotations
 
 import html
 import re
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import cache
+from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from .logstream import LogEvent, iter_events
-from .replay import VIOLATION_KINDS, Auditor, AuditResult, StreamReplay, Violation
+from .replay import Auditor
+from .results import AuditResult, StreamReplay, Violation
+from .rules import VIOLATION_KINDS
 from .svg import state_diagram_svg
+from .timeline import timeline_svg
+from .traces import EpochTrace, ReportCollector, StreamTrace
 from .views import result_line
 
-#: Layers remembered per epoch, and steps (transitions, refusals) per epoch, at most.
-MAX_LAYERS, MAX_MARKS = 512, 64
-#: Lifecycle steps drawn as marks on the timeline (weights_loaded coincides with layer_ready: not drawn).
-MARKED_TRIGGERS = frozenset({"begin_reload", "finish_loading", "refresh_derived", "graphs_verified", "capture_graphs",
-                             "release_graphs", "abort_reload"})
+__all__ = ["collect", "render_html", "write_report"]
 
 
-@dataclass
-class EpochTrace:
-    """What one (rank, backbone) did in one epoch, for the pictures."""
-
-    incarnation: int
-    epoch: int
-    start: float
-    end: float
-    layers_total: int | None = None
-    layers: dict[str, tuple[float, str]] = field(default_factory=dict)  # layer -> (time, "ready" | "unchanged")
-    unchanged_more: int = 0
-    marks: list[tuple[float, str, str]] = field(default_factory=list)  # (time, text, css class)
-    states: list[str] = field(default_factory=list)
-    buffers: dict[str, dict[str, Any]] = field(default_factory=dict)  # after the last refresh in this epoch
-    refreshed_pinned: bool = False
-    refused: int = 0
-
-
-@dataclass
-class StreamTrace:
-    rank: int
-    backbone: str
-    epochs: deque[EpochTrace]
-    dropped: int = 0  # older epochs not kept
-
-
-class ReportCollector:
-    """Collects the pictures' data from the events the auditor replays (call `observe` after `Auditor.feed`)."""
-
-    def __init__(self, max_epochs: int = 12) -> None:
-        self.max_epochs = max_epochs
-        self.streams: dict[tuple[int, str], StreamTrace] = {}
-
-    def _trace(self, r: StreamReplay, ev: LogEvent) -> EpochTrace:
-        st = self.streams.get(r.key)
-        if st is None:
-            st = self.streams[r.key] = StreamTrace(r.rank, r.backbone, deque(maxlen=self.max_epochs))
-        cur = st.epochs[-1] if st.epochs else None
-        if cur is None or cur.epoch != r.epoch or cur.incarnation != r.incarnations:
-            if len(st.epochs) == st.epochs.maxlen:
-                st.dropped += 1
-            cur = EpochTrace(r.incarnations, r.epoch, ev.ts, ev.ts, states=[] if ev.fields["event"] == "transition"
-                             and ev.fields.get("trigger") == "begin_reload" else [r.state.value])
-            st.epochs.append(cur)
-        return cur
-
-    def observe(self, ev: LogEvent, r: StreamReplay) -> None:
-        f = ev.fields
-        tr = self._trace(r, ev)
-        tr.end = max(tr.end, ev.ts)
-        total = f.get("layers_total")
-        if isinstance(total, int):
-            tr.layers_total = total
-        name = f["event"]
-        if name == "layer_ready":
-            layer = f.get("layer")
-            if isinstance(layer, str) and layer not in tr.layers and len(tr.layers) < MAX_LAYERS:
-                tr.layers[layer] = (ev.ts, "ready")
-        elif name == "layers_unchanged":
-            for layer in f.get("layers") or []:
-                if isinstance(layer, str) and layer not in tr.layers and len(tr.layers) < MAX_LAYERS:
-                    tr.layers[layer] = (ev.ts, "unchanged")
-            more = f.get("layers_more")
-            tr.unchanged_more += more if isinstance(more, int) else 0
-        elif name == "transition":
-            trigger = str(f.get("trigger"))
-            if trigger == "begin_reload" and not tr.states:
-                tr.states.append(str(f.get("src")))
-            dst = str(f.get("dst"))
-            if (not tr.states or tr.states[-1] != dst) and len(tr.states) < MAX_MARKS:
-                tr.states.append(dst)
-            if trigger in MARKED_TRIGGERS:
-                self._mark(tr, ev.ts, f"{trigger} {f.get('src')} → {dst}", f"mark-{trigger}")
-        elif name == "refused":
-            tr.refused += 1
-            self._mark(tr, ev.ts, f"refused {f.get('trigger')} ({f.get('error')}) in {f.get('src')}", "mark-refused")
-        elif name == "refresh" and isinstance(f.get("buffers"), list):
-            tr.buffers = {b["name"]: b for b in f["buffers"][:MAX_LAYERS]
-                          if isinstance(b, dict) and isinstance(b.get("name"), str)}
-            tr.refreshed_pinned = r.pinned
-        elif name == "storage_check" and f.get("ok") is False:
-            self._mark(tr, ev.ts, f"storage check failed ({f.get('action')})", "mark-drift")
-
-    @staticmethod
-    def _mark(tr: EpochTrace, t: float, text: str, cls: str) -> None:
-        if len(tr.marks) < MAX_MARKS:
-            tr.marks.append((t, text, cls))
+@cache
+def _asset(name: str) -> str:
+    """The text of one file of `assets/` (the page's stylesheet or script, inlined into it)."""
+    return (resources.files("lifecycle.audit") / "assets" / name).read_text(encoding="utf-8")
 
 
 def collect(paths: Sequence[str | Path], *, max_epochs: int = 12) -> tuple[AuditResult, ReportCollector]:
@@ -138,59 +56,6 @@ esc = html.escape
 
 def _slug(*parts: object) -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "-", "-".join(str(p) for p in parts)).strip("-")
-
-
-def _layer_key(name: str) -> tuple[Any, ...]:
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
-
-
-TL_W, TL_LEFT, TL_RIGHT, ROW, TL_TOP, TL_BOTTOM = 1240, 170, 24, 18, 30, 30
-
-
-def timeline_svg(tr: EpochTrace, uid: str) -> str:
-    """Layers × time for one epoch: grey while a layer waits, green once ready (blue-grey: declared unchanged),
-    red for layers that never became ready; numbered vertical marks for the lifecycle's steps and refusals."""
-    layers = sorted(tr.layers.items(), key=lambda kv: _layer_key(kv[0]))
-    never = max(0, (tr.layers_total or 0) - len(layers) - tr.unchanged_more)
-    rows = len(layers) + (1 if tr.unchanged_more else 0) + (1 if never else 0)
-    height = TL_TOP + max(rows, 1) * ROW + TL_BOTTOM
-    span = max(tr.end - tr.start, 1e-6)
-    plot = TL_W - TL_LEFT - TL_RIGHT
-
-    def x(t: float) -> float:
-        return TL_LEFT + (t - tr.start) / span * plot
-
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" id="{uid}" viewBox="0 0 {TL_W} {height}" '
-           f'width="{TL_W}" height="{height}" role="img" aria-label="per-layer readiness, epoch {tr.epoch}">']
-    for i in range(6):  # time axis
-        t = tr.start + span * i / 5
-        out.append(f'<line class="tick" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{TL_TOP - 4}" y2="{height - TL_BOTTOM}"/>'
-                   f'<text class="tick-label" x="{x(t):.1f}" y="{height - TL_BOTTOM + 16}" text-anchor="middle">'
-                   f'{(t - tr.start) * 1e3:.2f} ms</text>')
-    y = TL_TOP
-    for name, (t, kind) in layers:
-        ready_x = x(t)
-        out.append(f'<g class="layer-row" data-layer="{esc(name)}"><text class="layer-label" x="{TL_LEFT - 8}" '
-                   f'y="{y + 13}" text-anchor="end">{esc(name)}</text>'
-                   f'<rect class="waiting" x="{TL_LEFT}" y="{y + 3}" width="{max(ready_x - TL_LEFT, 0):.1f}" '
-                   f'height="{ROW - 6}"/><rect class="{kind}" x="{ready_x:.1f}" y="{y + 3}" '
-                   f'width="{max(TL_W - TL_RIGHT - ready_x, 1.5):.1f}" height="{ROW - 6}"><title>{esc(name)} '
-                   f'{kind} at +{(t - tr.start) * 1e3:.3f} ms</title></rect></g>')
-        y += ROW
-    for label, cls, n in (("unchanged (not named)", "unchanged", tr.unchanged_more), ("never ready", "missing", never)):
-        if n:
-            out.append(f'<g class="layer-row {cls}-row"><text class="layer-label" x="{TL_LEFT - 8}" y="{y + 13}" '
-                       f'text-anchor="end">{n} layer(s) {label}</text><rect class="{cls}" x="{TL_LEFT}" y="{y + 3}" '
-                       f'width="{plot}" height="{ROW - 6}"/></g>')
-            y += ROW
-    for i, (t, text, cls) in enumerate(tr.marks, 1):
-        mx = x(t)
-        out.append(f'<g class="mark {cls}"><line x1="{mx:.1f}" x2="{mx:.1f}" y1="{TL_TOP - 10}" '
-                   f'y2="{height - TL_BOTTOM}"/><circle cx="{mx:.1f}" cy="{TL_TOP - 16}" r="8"/>'
-                   f'<text x="{mx:.1f}" y="{TL_TOP - 12}" text-anchor="middle">{i}</text>'
-                   f'<title>{i}: {esc(text)} at +{(t - tr.start) * 1e3:.3f} ms</title></g>')
-    out.append("</svg>")
-    return "".join(out)
 
 
 def _timeline_figure(st: StreamTrace, tr: EpochTrace, violations: int) -> str:
@@ -320,107 +185,6 @@ def _backbone_panel(backbone: str, replays: list[StreamReplay], traces: list[Str
             f'{"".join(tables)}</details>')
 
 
-CSS = """
-:root{--ink:#263238;--muted:#78909c;--line:#cfd8dc;--blue:#1565c0;--bad:#c62828;--good:#2e7d32;--warn:#ef6c00}
-*{box-sizing:border-box}
-body{margin:0;font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;color:var(--ink);
- background:#f5f7f8}
-main{max-width:1320px;margin:0 auto;padding:18px 22px 60px}
-h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:26px 0 8px}h3{font-size:15px;margin:18px 0 4px}
-h4{margin:10px 0 4px;font-size:13px}
-code{font:12px ui-monospace,"DejaVu Sans Mono",monospace}
-header#summary{background:#fff;border:1px solid var(--line);border-radius:10px;padding:14px 18px;display:flex;
- gap:20px;align-items:center;flex-wrap:wrap}
-.status{font-weight:700;font-size:15px;padding:6px 14px;border-radius:18px;color:#fff}
-.status-clean{background:var(--good)}.status-violations{background:var(--bad)}.status-unreadable{background:#6a1b9a}
-.facts{color:var(--muted)}.facts b{color:var(--ink)}
-section,details.backbone-panel{background:#fff;border:1px solid var(--line);border-radius:10px;padding:6px 18px 14px;
- margin-top:16px}
-details.backbone-panel>summary{cursor:pointer;font-size:16px;padding:8px 0}
-details.backbone-panel>summary .name{font-weight:700}
-table{border-collapse:collapse;margin:6px 0}
-th,td{border-bottom:1px solid #eceff1;padding:4px 10px;text-align:left;vertical-align:top}
-thead th{background:#eceff1;font-weight:600}
-td.num{text-align:right}
-tr.bad td{background:#ffebee}
-.bad{color:var(--bad);font-weight:600}.good{color:var(--good);font-weight:600}
-.hint{color:var(--muted);margin:2px 0 6px;font-size:12.5px}
-.scroll{overflow-x:auto}
-svg{max-width:100%;height:auto;display:block}
-.state rect{fill:#fff;stroke:#90a4ae;stroke-width:1.5}
-.state text{font:600 12px system-ui,"DejaVu Sans",sans-serif;fill:#37474f}
-.state.visited rect{fill:#e3f2fd;stroke:var(--blue)}
-.state.current rect{fill:#fff3e0;stroke:var(--warn);stroke-width:3.5}
-.edge{fill:none;stroke:#b0bec5;stroke-width:1.4}
-.edge.taken{stroke:var(--blue);stroke-width:3.2}
-.edge.illegal{stroke:var(--bad);stroke-width:2.6;stroke-dasharray:7 5}
-.arrow-plain{fill:#b0bec5}.arrow-taken{fill:var(--blue)}.arrow-illegal{fill:var(--bad)}
-.initial{fill:#37474f}
-.edge-label{font:11px ui-monospace,"DejaVu Sans Mono",monospace;fill:#78909c;paint-order:stroke;stroke:#fff;
- stroke-width:4px;stroke-linejoin:round}
-.edge-label .taken{fill:#0d47a1;font-weight:700}.edge-label .cond{font-style:italic;fill:#90a4ae}
-.edge-label.illegal{fill:var(--bad);font-weight:700}
-.timeline-figure{margin:10px 0 16px;border-top:1px dashed var(--line);padding-top:8px}
-.timeline-figure figcaption{font-size:13px}
-.timeline-figure .path{color:var(--muted);font:11.5px ui-monospace,"DejaVu Sans Mono",monospace}
-.layer-label{font:11px ui-monospace,"DejaVu Sans Mono",monospace;fill:#455a64}
-rect.waiting{fill:#e0e0e0}rect.ready{fill:#43a047}rect.unchanged{fill:#90a4ae}rect.missing{fill:#e53935}
-.tick{stroke:#eceff1}.tick-label{font:10px system-ui,"DejaVu Sans",sans-serif;fill:#90a4ae}
-.mark line{stroke:#546e7a;stroke-width:1.2}.mark circle{fill:#546e7a}
-.mark text{font:700 10px system-ui,"DejaVu Sans",sans-serif;fill:#fff}
-.mark-refused line{stroke:var(--bad);stroke-dasharray:4 3}.mark-refused circle{fill:var(--bad)}
-.mark-drift line{stroke:#6a1b9a;stroke-width:2}.mark-drift circle{fill:#6a1b9a}
-.mark-refresh_derived line,.mark-graphs_verified line{stroke:var(--good)}
-.mark-refresh_derived circle,.mark-graphs_verified circle{fill:var(--good)}
-.mark-begin_reload line,.mark-capture_graphs line{stroke:var(--blue)}
-.mark-begin_reload circle,.mark-capture_graphs circle{fill:var(--blue)}
-.mark-abort_reload line{stroke:var(--warn);stroke-width:2}.mark-abort_reload circle{fill:var(--warn)}
-ol.marks{margin:2px 0 0;padding-left:28px;columns:2;font-size:12px;color:#455a64}
-ol.marks .t{color:var(--muted);font:11px ui-monospace,"DejaVu Sans Mono",monospace}
-ol.marks .mark-refused,ol.marks .mark-drift{color:var(--bad)}
-table.buffers td small{display:block;color:var(--muted);font-size:11px}
-td.ptr-same{background:#f1f8e9}td.ptr-first{background:#fafafa}td.ptr-moved{background:#fff8e1}
-td.ptr-drift{background:#ffcdd2;outline:2px solid var(--bad)}td.no-refresh{color:#b0bec5}
-#violation-filter button{border:1px solid var(--line);background:#fff;border-radius:14px;padding:3px 10px;
- margin:0 6px 6px 0;cursor:pointer;font:12px system-ui,sans-serif}
-#violation-filter button.active{background:var(--ink);color:#fff}
-#violation-table td.kind{font-weight:600;color:var(--bad);white-space:nowrap}
-#violation-table td{font-size:12.5px}
-p.clean{color:var(--good);font-weight:600}
-dl#kinds dt{font:600 12px ui-monospace,"DejaVu Sans Mono",monospace;margin-top:6px}
-dl#kinds dt.seen{color:var(--bad)}dl#kinds dd{margin:0 0 0 18px;color:#546e7a;font-size:12.5px}
-footer{color:var(--muted);font-size:12px;margin-top:24px}
-"""
-
-JS = """
-(function () {
-  var root = document.documentElement;
-  var buttons = Array.prototype.slice.call(document.querySelectorAll('#violation-filter button'));
-  buttons.forEach(function (b) {
-    b.addEventListener('click', function () {
-      var kind = b.getAttribute('data-kind');
-      document.querySelectorAll('#violation-table tr.violation').forEach(function (tr) {
-        tr.style.display = (kind === 'all' || tr.getAttribute('data-kind') === kind) ? '' : 'none';
-      });
-      buttons.forEach(function (x) { x.classList.toggle('active', x === b); });
-    });
-  });
-  // hovering a layer highlights that layer in every timeline of its panel
-  document.querySelectorAll('g.layer-row[data-layer]').forEach(function (g) {
-    var panel = g.closest('details');
-    g.addEventListener('mouseenter', function () {
-      panel.querySelectorAll('g.layer-row[data-layer="' + g.getAttribute('data-layer') + '"]').forEach(
-        function (x) { x.style.opacity = '1'; x.style.filter = 'drop-shadow(0 0 2px #1565c0)'; });
-    });
-    g.addEventListener('mouseleave', function () {
-      panel.querySelectorAll('g.layer-row').forEach(function (x) { x.style.filter = ''; });
-    });
-  });
-  root.setAttribute('data-rendered', 'yes');
-})();
-"""
-
-
 def render_html(result: AuditResult, collector: ReportCollector, *, title: str = "reload-lifecycle report") -> str:
     """The whole page as one string."""
     if result.input_problem_count:
@@ -449,7 +213,8 @@ def render_html(result: AuditResult, collector: ReportCollector, *, title: str =
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{esc(title)}</title>
-<style>{CSS}</style>
+<style>
+{_asset('report.css')}</style>
 </head>
 <body>
 <main id="report">
@@ -467,7 +232,8 @@ def render_html(result: AuditResult, collector: ReportCollector, *, title: str =
 <footer>{esc(result_line(result))} · generated by <code>reload-lifecycle report</code> at {generated}; self-contained,
 no network.</footer>
 </main>
-<script>{JS}</script>
+<script>
+{_asset('report.js')}</script>
 </body>
 </html>
 """

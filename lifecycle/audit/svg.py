@@ -5,8 +5,10 @@ Layout: a state's column is the longest path to it from the initial state over e
 declared later in `LifecycleState` (the forward direction of the lifecycle); states sharing a column stack in
 rows. Edges of the table are grouped per (src, dst) and labelled with their triggers.
 
->>> svg = state_diagram_svg({("capture_graphs", "DERIVED_REFRESHED", "GRAPH_CAPTURED"): 2}, current={"GRAPH_CAPTURED"})
->>> svg.count('class="edge taken"'), 'data-state="GRAPH_CAPTURED"' in svg
+>>> from lifecycle.states import LifecycleState as S
+>>> captured = S.GRAPH_CAPTURED.value
+>>> svg = state_diagram_svg({("capture_graphs", S.DERIVED_REFRESHED.value, captured): 2}, current={captured})
+>>> svg.count('class="edge taken"'), f'class="state current" data-state="{captured}"' in svg
 (1, True)
 """
 
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from ..states import INITIAL_STATE, TRANSITIONS, LifecycleState
+
+__all__ = ["Edge", "layout", "state_diagram_svg"]
 
 COL_W, ROW_H = 310, 250  # distance between columns / rows
 NODE_W, NODE_H = 150, 44

@@ -8,17 +8,29 @@ RESULT: CLEAN (0 events audited; exit status 0)
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from .replay import VIOLATION_KINDS, AuditResult
+from .results import AuditResult
+from .rules import VIOLATION_KINDS
+
+__all__ = ["JSON_FORMAT", "as_json", "render_json", "render_text", "result_line", "table"]
 
 #: The JSON view's own format version.
 JSON_FORMAT = 1
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [list(headers), *[[str(c) for c in r] for r in rows]]
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, cell: Callable[[Any], str] = str) -> str:
+    """A plain-text table: the headers, a rule, a line per row, each column as wide as its widest cell, no
+    trailing blanks. `cell` writes one value (default `str`). The project's one text-table helper.
+
+    >>> print(table(["kind", "count"], [["not_ready", 2], ["epoch_jump", 10]]))
+    kind       | count
+    -----------+------
+    not_ready  | 2
+    epoch_jump | 10
+    """
+    cells = [list(headers), *[[cell(c) for c in r] for r in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     fmt = " | ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*headers).rstrip(), "-+-".join("-" * w for w in widths)]

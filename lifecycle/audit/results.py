@@ -1,0 +1,119 @@
+"""What the replay keeps and what it returns: the replayed lifecycle of one (rank, backbone), each violation found,
+and the audit's result.
+
+Everything a `StreamReplay` holds is bounded: the layers ready in this epoch (at most the backbone's layer
+count), the derived buffers' addresses (at most `MAX_BUFFERS` names), a counter of the transitions taken.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..states import LifecycleState
+from .logstream import InputProblem
+from .rules import INITIAL, STATE_NAMES
+
+__all__ = ["MAX_BUFFERS", "AuditResult", "StreamReplay", "Violation"]
+
+#: Derived-buffer addresses remembered per stream, at most.
+MAX_BUFFERS = 1024
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: str
+    rank: int
+    backbone: str
+    epoch: int
+    where: str  # file:line of the event, or the last event of the stream for end-of-log findings
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "rank": self.rank, "backbone": self.backbone, "epoch": self.epoch,
+                "where": self.where, "detail": self.detail}
+
+
+@dataclass(eq=False)
+class StreamReplay:
+    """The replayed lifecycle of one (rank, backbone): what the auditor keeps, all of it bounded."""
+
+    rank: int
+    backbone: str
+    state_name: str = INITIAL
+    epoch: int = 0
+    seq: int = 0
+    events: int = 0
+    incarnations: int = 1
+    first_ts: float | None = None
+    last_ts: float | None = None
+    last_where: str = ""
+    layers_total: int | None = None
+    ready: set[str] = field(default_factory=set)
+    ready_extra: int = 0
+    pinned: bool = False
+    recoverable: bool = False
+    pinned_ptrs: dict[str, str] = field(default_factory=dict)
+    last_ptrs: dict[str, str] = field(default_factory=dict)
+    epoch_done: bool = True
+    epoch_began: str = ""
+    epochs_begun: int = 0
+    edges: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    illegal_edges: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    visited: set[str] = field(default_factory=lambda: {INITIAL})
+    violations: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def state(self) -> LifecycleState:
+        """The replayed state."""
+        return STATE_NAMES[self.state_name]
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.rank, self.backbone
+
+    @property
+    def layers_ready(self) -> int:
+        return len(self.ready) + self.ready_extra
+
+    def restart(self) -> None:
+        """A new lifecycle under the same (rank, backbone): `seq` started again at 1."""
+        self.state_name, self.epoch, self.seq = INITIAL, 0, 0
+        self.layers_total, self.ready_extra, self.pinned = None, 0, False
+        self.ready.clear()
+        self.pinned_ptrs.clear()
+        self.last_ptrs.clear()
+        self.epoch_done, self.epoch_began = True, ""
+        self.incarnations += 1
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "backbone": self.backbone, "events": self.events, "incarnations": self.incarnations,
+            "final_state": self.state_name, "final_epoch": self.epoch, "pinned": self.pinned,
+            "reloads": self.epochs_begun, "layers_ready": self.layers_ready, "layers_total": self.layers_total,
+            "violations": dict(self.violations),
+            "transitions": [{"trigger": t, "src": s, "dst": d, "count": n} for (t, s, d), n in self.edges.items()],
+        }
+
+
+@dataclass
+class AuditResult:
+    inputs: list[str]
+    events: int
+    streams: list[StreamReplay]
+    violations: list[Violation]  # the first `max_details`; `violation_counts` counts all
+    violation_counts: Counter[str]
+    input_problems: list[InputProblem]  # likewise capped; `input_problem_count` counts all
+    input_problem_count: int
+
+    @property
+    def status(self) -> int:
+        """0 clean, 1 violations, 2 unreadable input (whatever else was found)."""
+        if self.input_problem_count:
+            return 2
+        return 1 if sum(self.violation_counts.values()) else 0
+
+    @property
+    def total_violations(self) -> int:
+        return sum(self.violation_counts.values())
