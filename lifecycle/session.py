@@ -52,7 +52,6 @@ from torch import nn
 
 from .errors import NonFiniteWeightError, SessionStateError
 from .loading import LoadReport, Writer, apply_bucket, load_safetensors, non_finite
-from .states import LifecycleState, allowed_triggers
 from .types import RefreshReport
 
 if TYPE_CHECKING:
@@ -163,8 +162,7 @@ class ReloadSession:
     def recoverable(self) -> bool:
         """After an abort: whether `backbone.recover()` will be allowed."""
         lc = self.backbone.lifecycle
-        return (self.status == "aborted" and lc.state is LifecycleState.QUARANTINED
-                and lc.recovery_blocker is None)
+        return self.status == "aborted" and lc.quarantined and lc.recovery_blocker is None
 
     def _require_open(self, what: str) -> None:
         if self.status != "open":
@@ -185,7 +183,7 @@ class ReloadSession:
                                     state=lc.state.value)
         if self.status != "new":
             self._require_open("begin")
-        self.epoch = lc.epoch if lc.state is LifecycleState.META else self.backbone.begin_reload()
+        self.epoch = lc.epoch if lc.unloaded else self.backbone.begin_reload()
         self.status = "open"
         self._audit("begin", rollback=self.rollback, finite_check=self.finite_check)
         return self.epoch
@@ -277,16 +275,15 @@ class ReloadSession:
         lc = self.backbone.lifecycle
         restore = self._snapshot.restore if self._snapshot is not None else None
         with lc.quiesced():
-            state = lc.state
-            if "abort_reload" in allowed_triggers(state):
+            if lc.can("abort_reload"):
                 lc.abort_reload(reason, rollback=restore)
                 outcome = "quarantined"
-            elif state is LifecycleState.META:  # nothing was reported: put back what a failed write may have set
+            elif lc.unloaded:  # nothing was reported: put back what a failed write may have set
                 if restore is not None:
                     restore()
-                outcome = "unchanged (META)"
+                outcome = f"unchanged ({lc.state.value})"
             else:  # e.g. refreshed outside commit(), or quarantined by someone else: nothing safe to undo
-                outcome = f"left {state.value}"
+                outcome = f"left {lc.state.value}"
         self.status = "aborted"
         self.abort_reason = reason
         self._close_snapshot()

@@ -73,7 +73,7 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         owner = MODULE_OWNERS.get(layer)
         if complete and owner is not None:
             backbone, names = owner
-            if backbone.lifecycle.state.value in ("META", "PARTIALLY_LOADED", "FULLY_LOADED"):
+            if backbone.lifecycle.can("weights_loaded"):
                 backbone.lifecycle.weights_loaded(names)
         return result
 

@@ -58,7 +58,7 @@ class LifecycleWorkerExtension:
         """Pin the storage identity of every draft tensor now (what `capture_graphs` does): later reloads must
         keep every pinned address or refuse. On CUDA, call it after vLLM captured its graphs."""
         return {b.lifecycle.name: b.capture_graphs() for _, b in self._lifecycle_backbones()
-                if b.lifecycle.state.value == "DERIVED_REFRESHED"}
+                if b.lifecycle.can("capture_graphs")}
 
     def lifecycle_verify(self) -> dict[str, Any]:
         """Check every pinned identity against the live tensors. {backbone: {"ok", "checked", "problems"}}."""
