@@ -21,7 +21,7 @@ Then: load (the loader reports `weights_loaded`), `finalize_loading()` (finish +
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -245,6 +245,3 @@ class DraftBackbone(nn.Module):
         if not lc.usable:
             missing = lc.missing() or {"(derived buffers)": ("not refreshed since the last load",)}
             raise LayersNotReadyError(what, missing, backbone=lc.name, state=lc.state.value)
-
-    def tensor_names(self) -> Iterable[str]:
-        return self.lifecycle.specs.keys()

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from .types import capped
+
 #: How many offending items an error message spells out before it says "... and N more".
 MESSAGE_ITEMS_CAP = 20
 
 
-def _capped(items: Sequence[str], cap: int = MESSAGE_ITEMS_CAP) -> str:
-    shown = list(items[:cap])
-    if len(items) > cap:
-        shown.append(f"... and {len(items) - cap} more")
-    return "\n  ".join(shown)
+def _listing(items: Sequence[str]) -> str:
+    """One item per line, at most `MESSAGE_ITEMS_CAP` of them, then how many were left out."""
+    shown, more = capped(items, MESSAGE_ITEMS_CAP)
+    return "\n  ".join([*shown, f"... and {more} more"] if more else shown)
 
 
 class LifecycleError(RuntimeError):
@@ -49,7 +50,7 @@ class LayersNotReadyError(LifecycleError):
         n_tensors = sum(len(v) for v in missing.values())
         super().__init__(
             f"{action} refused: {len(missing)} layer(s) not ready, {n_tensors} tensor(s) missing or on META:\n  "
-            + _capped(lines),
+            + _listing(lines),
             backbone=backbone,
             state=state,
         )
@@ -63,7 +64,7 @@ class StorageReallocationError(LifecycleError):
     def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
         super().__init__(
             "refresh refused, it would reallocate storage that must stay in place; no buffer was written:\n  "
-            + _capped(problems),
+            + _listing(problems),
             backbone=backbone,
             state=state,
         )
@@ -74,7 +75,7 @@ class StorageDriftError(LifecycleError):
     """A storage identity changed behind the lifecycle's back (a pinned address moved)."""
 
     def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
-        super().__init__("storage identity changed:\n  " + _capped(problems), backbone=backbone, state=state)
+        super().__init__("storage identity changed:\n  " + _listing(problems), backbone=backbone, state=state)
         self.problems = tuple(problems)
 
 
@@ -84,7 +85,7 @@ class SourceLayoutError(LifecycleError):
     def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
         super().__init__(
             "derived-buffer build refused, a source is not in the layout the builder expects; no buffer was "
-            "written:\n  " + _capped(problems),
+            "written:\n  " + _listing(problems),
             backbone=backbone,
             state=state,
         )
@@ -97,7 +98,7 @@ class UnknownWeightError(LifecycleError):
     def __init__(self, names: Sequence[str], *, backbone: str, state: str, source: str = "") -> None:
         where = f" in {source}" if source else ""
         super().__init__(
-            f"{len(names)} unknown tensor name(s){where}; nothing was loaded:\n  " + _capped(sorted(names)),
+            f"{len(names)} unknown tensor name(s){where}; nothing was loaded:\n  " + _listing(sorted(names)),
             backbone=backbone,
             state=state,
         )
@@ -111,7 +112,7 @@ class WeightShapeError(LifecycleError):
         where = f" in {source}" if source else ""
         super().__init__(
             f"{len(problems)} tensor(s) with the wrong shape or dtype{where}; nothing was loaded:\n  "
-            + _capped(problems),
+            + _listing(problems),
             backbone=backbone,
             state=state,
         )
@@ -159,7 +160,7 @@ class NonFiniteWeightError(LifecycleError):
         where = f" in {source}" if source else ""
         super().__init__(
             f"{len(problems)} tensor(s) with NaN or Inf values{where}; nothing of this bucket was written:\n  "
-            + _capped(problems),
+            + _listing(problems),
             backbone=backbone,
             state=state,
         )

@@ -28,7 +28,7 @@ import json
 import logging
 import sys
 import threading
-from collections.abc import Iterable, MutableMapping
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -47,11 +47,6 @@ STR_CAP = 4096
 TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 _logger = structlog.get_logger(LOGGER_NAME)
-
-
-def capped(items: Iterable[str], cap: int = LIST_CAP) -> tuple[list[str], int]:
-    items = list(items)
-    return items[:cap], max(0, len(items) - cap)
 
 
 def emit(event: str, *, level: str = "info", **fields: Any) -> None:

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .errors import (
+    MESSAGE_ITEMS_CAP,
     CheckpointError,
     LifecycleError,
     NonFiniteWeightError,
@@ -39,6 +40,7 @@ from .errors import (
     WeightShapeError,
     WeightWriteError,
 )
+from .types import capped
 
 if TYPE_CHECKING:
     from .backbone import DraftBackbone
@@ -312,7 +314,9 @@ def load_safetensors(
         wanted = list(subset)
         absent = [n for n in wanted if n not in index]
         if absent:
-            error = CheckpointError(f"subset names not in the checkpoint: {', '.join(absent[:20])}",
+            shown, more = capped(absent, MESSAGE_ITEMS_CAP)
+            error = CheckpointError(f"subset names not in the checkpoint: {', '.join(shown)}"
+                                    + (f" ... and {more} more" if more else ""),
                                     backbone=backbone.lifecycle.name, state=backbone.lifecycle.state.value)
             backbone.lifecycle.record_refusal("weights_loaded", error)
             raise error

@@ -4,7 +4,7 @@ the non-tensor precompute attributes vLLM's own builder would set. `drafts.py` t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,10 +123,3 @@ FAMILIES: tuple[VLLMDraftFamily, ...] = (
                     "DFlashLagunaForCausalLM", "model", _qkv_kv_rows, _laguna_derived, _laguna_metadata),
 )
 
-
-def families_by_architecture() -> dict[str, VLLMDraftFamily]:
-    return {arch: fam for fam in FAMILIES for arch in fam.architectures}
-
-
-def lifecycle_architectures() -> Iterable[str]:
-    return families_by_architecture().keys()

@@ -109,8 +109,3 @@ def install() -> list[str]:
     """Install every wrapper (idempotent). Returns `module.attr` for each patched name."""
     return [f"{m}.{a}" for m, a, make in PATCH_POINTS if _wrap(m, a, make)]
 
-
-def is_installed() -> bool:
-    from vllm.model_executor.model_loader import reload
-
-    return bool(getattr(reload.finalize_layerwise_reload, _MARK, False))

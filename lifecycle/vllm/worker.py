@@ -10,7 +10,9 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
+from ..errors import MESSAGE_ITEMS_CAP
 from ..storage import StorageIdentity
+from ..types import capped
 from .drafts import LifecycleDraftModel, backbones_in
 
 
@@ -65,8 +67,9 @@ class LifecycleWorkerExtension:
         out: dict[str, Any] = {}
         for _, b in self._lifecycle_backbones():
             problems = b.lifecycle.pinned_changes()
+            shown, more = capped(problems, MESSAGE_ITEMS_CAP)
             out[b.lifecycle.name] = {"ok": not problems, "checked": len(b.lifecycle.pinned or ()),
-                                     "problems": problems[:20]}
+                                     "problems": shown, "problems_more": more}
         return out
 
     def lifecycle_derived_digests(self) -> dict[str, dict[str, str]]:
