@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from .loading import Writer
     from .session import ReloadSession
 
+__all__ = ["DraftBackbone"]
+
 
 class DraftBackbone(nn.Module):
     """Mixin for draft backbones whose derived buffers must follow a guarded reload lifecycle."""

@@ -34,6 +34,21 @@ from typing import Any, TextIO
 
 import structlog
 
+__all__ = [
+    "LIST_CAP",
+    "LOGGER_NAME",
+    "RECORDS_CAP",
+    "SCHEMA_VERSION",
+    "STR_CAP",
+    "TS_FORMAT",
+    "JsonLinesSink",
+    "add_schema_version",
+    "bound_event",
+    "configure_audit",
+    "emit",
+    "read_events",
+]
+
 #: Version of the event schema (the `schema` field). 2: `seq`, fixed-width timestamps, `_more`/`_truncated` counts.
 SCHEMA_VERSION = 2
 LOGGER_NAME = "reload_lifecycle"

@@ -45,6 +45,25 @@ from .types import capped
 if TYPE_CHECKING:
     from .backbone import DraftBackbone
 
+__all__ = [
+    "BeforeWrite",
+    "BucketBy",
+    "IndexEntry",
+    "LoadProgress",
+    "LoadReport",
+    "Subset",
+    "Writer",
+    "apply_bucket",
+    "checkpoint_index",
+    "iter_buckets",
+    "load_safetensors",
+    "non_finite",
+    "plan_buckets",
+    "validate_index",
+    "write_checkpoint",
+    "write_tensor",
+]
+
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

@@ -21,7 +21,7 @@ Inside `with backbone.reload_session(...) as s:`
 - BEGIN (`__enter__`): `begin_reload()` (nothing for a cold load from META).
 - APPLY: `s.apply({name: tensor})` or `s.apply([(name, tensor), ...])` per bucket, `s.load(path, ...)` for a
   checkpoint; any number, from several threads on a locked lifecycle.
-- FINALIZE: `s.finalize(keep_untouched=...)`: every layer ready, then the phase hooks.
+- FINALIZE: `s.finalize_loading(keep_untouched=...)`: every layer ready, then the phase hooks.
 - VERIFY: `s.verify()`: every pinned storage identity unchanged; with `finite_check`, no NaN/Inf in what was written.
 - COMMIT: `s.commit()`: finalize and verify if not done yet, then refresh the derived buffers in place.
 - ABORT: an exception, `s.abort(reason)`, or leaving the block without `commit()`: `abort_reload(reason)`, so the
@@ -56,6 +56,8 @@ from .types import RefreshReport
 
 if TYPE_CHECKING:
     from .backbone import DraftBackbone
+
+__all__ = ["ReloadSession", "WeightSnapshot"]
 
 Bucket = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 Status = Literal["new", "open", "committed", "aborted"]
@@ -226,10 +228,10 @@ class ReloadSession:
                                 writer=self.writer, before_write=self._before_write, **options)
 
     # ---- FINALIZE, VERIFY -----------------------------------------------------------------------------------
-    def finalize(self, *, keep_untouched: bool | None = None) -> list[str]:
-        """`finalize_loading()`: every layer ready (untouched layers declared unchanged with keep_untouched),
-        then the phase hooks. Returns the hooks that ran."""
-        self._require_open("finalize")
+    def finalize_loading(self, *, keep_untouched: bool | None = None) -> list[str]:
+        """The backbone's `finalize_loading()`: every layer ready (untouched layers declared unchanged with
+        keep_untouched), then the phase hooks. Returns the hooks that ran."""
+        self._require_open("finalize_loading")
         keep = self.keep_untouched if keep_untouched is None else keep_untouched
         ran = self.backbone.finalize_loading(keep_untouched=keep)
         self._finalized = True
@@ -259,7 +261,7 @@ class ReloadSession:
         session is closed and the snapshot released; on failure it stays open (leaving the block aborts)."""
         self._require_open("commit")
         if not self._finalized:
-            self.finalize()
+            self.finalize_loading()
         self.verify()
         report = self.backbone.refresh_derived_buffers(full=full)
         self.status = "committed"

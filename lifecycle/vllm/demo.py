@@ -18,6 +18,8 @@ import torch
 
 from ..states import LifecycleState
 
+__all__ = ["expected_dflash_digests", "run_vllm_demo"]
+
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -24,6 +24,8 @@ from torch import nn
 from ..backbone import DraftBackbone
 from .families import SHADOW, VLLMDraftFamily
 
+__all__ = ["MODULE_OWNERS", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
+
 #: module -> (backbone, tracked tensor names of that module): how vLLM's per-module events find the lifecycle.
 MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[LifecycleDraftModel, list[str]]] = (
     weakref.WeakKeyDictionary()

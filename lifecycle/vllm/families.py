@@ -12,6 +12,8 @@ from torch import nn
 
 from ..derived import DerivedSpec, alias, concat, custom, stack
 
+__all__ = ["FAMILIES", "SHADOW", "VLLMDraftFamily"]
+
 #: The per-layer buffer holding a source's rows in checkpoint layout, captured before post-processing.
 SHADOW = "ckpt_kv_weight"
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from .drafts import MODULE_OWNERS, backbones_in
 
+__all__ = ["PATCH_POINTS", "install"]
+
 _MARK = "__reload_lifecycle_wrapped__"
 
 

@@ -15,6 +15,8 @@ from ..storage import StorageIdentity
 from ..types import capped
 from .drafts import LifecycleDraftModel, backbones_in
 
+__all__ = ["LifecycleWorkerExtension"]
+
 
 class LifecycleWorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker."""
