@@ -21,7 +21,7 @@ Then: load (the loader reports `weights_loaded`), `finalize_loading()` (finish +
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -30,13 +30,15 @@ from torch import nn
 from .derived import DerivedSpec, apply_refresh, current_buffer, plan_refresh, resolve_tensor
 from .errors import LayersNotReadyError, QuarantinedError, RefreshInterruptedError
 from .hooks import Hook, Phase, collect_hooks
-from .machine import USABLE_STATES, BackboneLifecycle
+from .machine import BackboneLifecycle
 from .states import LifecycleState
 from .types import RefreshReport, TensorSpec
 
 if TYPE_CHECKING:
     from .loading import Writer
     from .session import ReloadSession
+
+__all__ = ["DraftBackbone"]
 
 
 class DraftBackbone(nn.Module):
@@ -237,14 +239,11 @@ class DraftBackbone(nn.Module):
         """Refuse fused use unless derived buffers are current (DERIVED_REFRESHED or GRAPH_CAPTURED):
         `QuarantinedError` (naming why the reload was aborted and the way out) or `LayersNotReadyError`."""
         lc = self.lifecycle
-        if lc.state is LifecycleState.QUARANTINED:
+        if lc.quarantined:
             way_out = ("call recover() (the reload was rolled back exactly) or reload" if lc.recovery_blocker is None
                        else "reload (begin_reload, load, finalize_loading, refresh_derived_buffers)")
             raise QuarantinedError(f"{what} refused: quarantined after {lc.quarantine_reason!r}; {way_out}",
                                    backbone=lc.name, state=lc.state.value, quarantine_reason=lc.quarantine_reason)
-        if lc.state not in USABLE_STATES:
+        if not lc.usable:
             missing = lc.missing() or {"(derived buffers)": ("not refreshed since the last load",)}
             raise LayersNotReadyError(what, missing, backbone=lc.name, state=lc.state.value)
-
-    def tensor_names(self) -> Iterable[str]:
-        return self.lifecycle.specs.keys()

@@ -18,6 +18,8 @@ from pathlib import Path
 from .audit.diagram import FORMATS
 from .states import LifecycleState
 
+__all__ = ["build_parser", "main"]
+
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":

@@ -1,35 +1,93 @@
-"""One exception hierarchy. Every message names the backbone, the state, and what was expected vs found.
+"""One exception hierarchy, grouped by what a caller does about it (as httpx groups its exceptions):
 
-The bar is PyTorch's cudagraph-trees message: "static input data pointer changed ... from X to Y".
+    LifecycleError                    every error the package raises
+    ├── StateError                    refused in the current state; nothing changed
+    │   ├── IllegalTransitionError    the table does not allow the trigger from this state
+    │   ├── LayersNotReadyError       a finish, refresh or forward use needs every layer loaded (off META)
+    │   ├── QuarantinedError          forward use after a failed or aborted reload
+    │   ├── RecoveryError             `recover()` without an exact rollback to return to
+    │   └── SessionStateError         a reload session used out of order
+    ├── LoadRefusedError              the loader refused a bucket or checkpoint before writing any of it
+    │   ├── UnknownWeightError        names the backbone does not have
+    │   ├── WeightShapeError          a shape or dtype that differs from the parameter's
+    │   ├── NonFiniteWeightError      NaN or Inf values (with the finite check on)
+    │   └── CheckpointError           a file that cannot be read, or subset names it lacks
+    ├── RefreshRefusedError           a derived buffer cannot be refreshed as declared; no buffer was written
+    │   ├── SourceLayoutError         a source is not in the layout its builder expects
+    │   ├── StorageReallocationError  the refresh would give a buffer new storage
+    │   └── DerivedBuildError         a builder (`per_layer`, `build`) raised
+    ├── PartialWriteError             a write failed part way: something WAS changed (the error names what)
+    │   ├── WeightWriteError          a weight write, mid-bucket
+    │   └── RefreshInterruptedError   a derived-buffer write, mid-refresh
+    ├── StorageDriftError             a pinned storage identity moved behind the lifecycle's back
+    └── UnsupportedVLLMError          the vLLM plugin met a vLLM version it does not know
+
+Each class says what state it leaves. Every message names the backbone, the state, and what was expected vs
+found; the bar is PyTorch's cudagraph-trees message: "static input data pointer changed ... from X to Y".
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from .types import capped
+
+__all__ = [
+    "MESSAGE_ITEMS_CAP",
+    "CheckpointError",
+    "DerivedBuildError",
+    "IllegalTransitionError",
+    "LayersNotReadyError",
+    "LifecycleError",
+    "LoadRefusedError",
+    "NonFiniteWeightError",
+    "PartialWriteError",
+    "QuarantinedError",
+    "RecoveryError",
+    "RefreshInterruptedError",
+    "RefreshRefusedError",
+    "SessionStateError",
+    "SourceLayoutError",
+    "StateError",
+    "StorageDriftError",
+    "StorageReallocationError",
+    "UnknownWeightError",
+    "UnsupportedVLLMError",
+    "WeightShapeError",
+    "WeightWriteError",
+]
+
 #: How many offending items an error message spells out before it says "... and N more".
 MESSAGE_ITEMS_CAP = 20
 
 
-def _capped(items: Sequence[str], cap: int = MESSAGE_ITEMS_CAP) -> str:
-    shown = list(items[:cap])
-    if len(items) > cap:
-        shown.append(f"... and {len(items) - cap} more")
-    return "\n  ".join(shown)
+def _listing(items: Sequence[str]) -> str:
+    """One item per line, at most `MESSAGE_ITEMS_CAP` of them, then how many were left out."""
+    shown, more = capped(items, MESSAGE_ITEMS_CAP)
+    return "\n  ".join([*shown, f"... and {more} more"] if more else shown)
 
 
 class LifecycleError(RuntimeError):
-    """Base of every error the lifecycle raises. A raised error means nothing was changed."""
+    """Base of every error this package raises. Most are refusals that changed nothing (`StateError`,
+    `LoadRefusedError`, `RefreshRefusedError`); a `PartialWriteError` means a write failed part way and changed
+    what it names; a `StorageDriftError` reports a change made behind the lifecycle's back. `reason` is the
+    message without the `[backbone, state]` prefix."""
 
-    def __init__(self, message: str, *, backbone: str = "?", state: str = "?") -> None:
-        super().__init__(f"[backbone {backbone!r}, state {state}] {message}")
+    def __init__(self, message: str, *, backbone: str | None = "?", state: str | None = "?") -> None:
+        super().__init__(message if backbone is None else f"[backbone {backbone!r}, state {state}] {message}")
         self.backbone = backbone
         self.state = state
         self.reason = message
 
 
-class IllegalTransitionError(LifecycleError):
-    """A trigger fired from a state where the transition table does not allow it."""
+# ---- refused in the current state: nothing changed ------------------------------------------------------------
+class StateError(LifecycleError):
+    """The operation is not allowed in the backbone's (or the session's) current state. Nothing was changed:
+    neither the state nor any weight or buffer; the refusal is audited."""
+
+
+class IllegalTransitionError(StateError):
+    """A trigger fired from a state where the transition table does not allow it. Nothing was changed."""
 
     def __init__(self, trigger: str, *, backbone: str, state: str, allowed_from: Sequence[str]) -> None:
         super().__init__(
@@ -41,15 +99,17 @@ class IllegalTransitionError(LifecycleError):
         self.allowed_from = tuple(allowed_from)
 
 
-class LayersNotReadyError(LifecycleError):
-    """A build, refresh or finish was asked for while some layer still lacks tensors (or holds META ones)."""
+class LayersNotReadyError(StateError):
+    """A finish, build, refresh or forward use was asked for while some layer still lacks tensors (or holds
+    META ones); `missing` names every one by layer. Nothing was changed (a refused finish with
+    `keep_untouched` marks no layer either). Inside vLLM the plugin then quarantines the draft."""
 
     def __init__(self, action: str, missing: Mapping[str, Sequence[str]], *, backbone: str, state: str) -> None:
         lines = [f"{layer}: {', '.join(names)}" for layer, names in missing.items()]
         n_tensors = sum(len(v) for v in missing.values())
         super().__init__(
             f"{action} refused: {len(missing)} layer(s) not ready, {n_tensors} tensor(s) missing or on META:\n  "
-            + _capped(lines),
+            + _listing(lines),
             backbone=backbone,
             state=state,
         )
@@ -57,81 +117,120 @@ class LayersNotReadyError(LifecycleError):
         self.missing = {k: tuple(v) for k, v in missing.items()}
 
 
-class StorageReallocationError(LifecycleError):
-    """A refresh would give a derived buffer new storage (its shape, dtype, device or stride would change)."""
-
-    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
-        super().__init__(
-            "refresh refused, it would reallocate storage that must stay in place; no buffer was written:\n  "
-            + _capped(problems),
-            backbone=backbone,
-            state=state,
-        )
-        self.problems = tuple(problems)
-
-
-class StorageDriftError(LifecycleError):
-    """A storage identity changed behind the lifecycle's back (a pinned address moved)."""
-
-    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
-        super().__init__("storage identity changed:\n  " + _capped(problems), backbone=backbone, state=state)
-        self.problems = tuple(problems)
-
-
-class SourceLayoutError(LifecycleError):
-    """A derived buffer's source is not in the layout its builder expects (emptied, packed, resized)."""
-
-    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
-        super().__init__(
-            "derived-buffer build refused, a source is not in the layout the builder expects; no buffer was "
-            "written:\n  " + _capped(problems),
-            backbone=backbone,
-            state=state,
-        )
-        self.problems = tuple(problems)
-
-
-class UnknownWeightError(LifecycleError):
-    """Weights arrived under names the backbone does not have."""
-
-    def __init__(self, names: Sequence[str], *, backbone: str, state: str, source: str = "") -> None:
-        where = f" in {source}" if source else ""
-        super().__init__(
-            f"{len(names)} unknown tensor name(s){where}; nothing was loaded:\n  " + _capped(sorted(names)),
-            backbone=backbone,
-            state=state,
-        )
-        self.names = tuple(names)
-
-
-class WeightShapeError(LifecycleError):
-    """Weights arrived with a shape or dtype that differs from the parameter they are meant for."""
-
-    def __init__(self, problems: Sequence[str], *, backbone: str, state: str, source: str = "") -> None:
-        where = f" in {source}" if source else ""
-        super().__init__(
-            f"{len(problems)} tensor(s) with the wrong shape or dtype{where}; nothing was loaded:\n  "
-            + _capped(problems),
-            backbone=backbone,
-            state=state,
-        )
-        self.problems = tuple(problems)
-
-
-class CheckpointError(LifecycleError):
-    """A checkpoint file could not be read (missing, truncated, corrupt header)."""
-
-
-class QuarantinedError(LifecycleError):
-    """The backbone is quarantined after a failed or aborted reload; forward use is refused until a successful
-    reload or `recover()`. `quarantine_reason` is why the reload was aborted."""
+class QuarantinedError(StateError):
+    """Forward use of a quarantined backbone (a failed or aborted reload) was refused; it stays QUARANTINED
+    until a successful reload or `recover()`. `quarantine_reason` is why the reload was aborted."""
 
     def __init__(self, message: str, *, backbone: str, state: str, quarantine_reason: str | None = None) -> None:
         super().__init__(message, backbone=backbone, state=state)
         self.quarantine_reason = quarantine_reason
 
 
-class DerivedBuildError(LifecycleError):
+class RecoveryError(StateError):
+    """`recover()` was refused: the weights were not rolled back exactly to a set the derived buffers still match
+    (no rollback, an incomplete one, a reload that did not start from a refreshed state, or derived buffers
+    interrupted mid-write). The backbone stays QUARANTINED; a reload (`begin_reload` ...
+    `refresh_derived_buffers`) is the way out."""
+
+
+class SessionStateError(StateError):
+    """A reload session was used out of order: begun twice, or used after it committed or aborted. Nothing was
+    changed."""
+
+
+# ---- the loader refused its input: nothing of the bucket was written --------------------------------------------
+class LoadRefusedError(LifecycleError):
+    """The loader refused a bucket (or a whole checkpoint, from its header) before writing any of it: nothing of
+    it was written or recorded, and the state is unchanged. Buckets an earlier call (or an earlier bucket of the
+    same `load_safetensors` call) wrote stay written; a `reload_session(rollback=True)` undoes them."""
+
+
+class UnknownWeightError(LoadRefusedError):
+    """Weights arrived under names the backbone does not have. Nothing of the bucket was loaded."""
+
+    def __init__(self, names: Sequence[str], *, backbone: str, state: str, source: str = "") -> None:
+        where = f" in {source}" if source else ""
+        super().__init__(
+            f"{len(names)} unknown tensor name(s){where}; nothing was loaded:\n  " + _listing(sorted(names)),
+            backbone=backbone,
+            state=state,
+        )
+        self.names = tuple(names)
+
+
+class WeightShapeError(LoadRefusedError):
+    """Weights arrived with a shape or dtype that differs from the parameter they are meant for. Nothing of the
+    bucket (or, from a checkpoint header, of the checkpoint) was loaded."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str, source: str = "") -> None:
+        where = f" in {source}" if source else ""
+        super().__init__(
+            f"{len(problems)} tensor(s) with the wrong shape or dtype{where}; nothing was loaded:\n  "
+            + _listing(problems),
+            backbone=backbone,
+            state=state,
+        )
+        self.problems = tuple(problems)
+
+
+class NonFiniteWeightError(LoadRefusedError):
+    """Weights with NaN or Inf values arrived while the finite check was on: nothing of the bucket was written.
+    Raised by a session's `verify()` too, about tensors already written: that verify changed nothing, and the
+    session aborts (rollback restores them) when the error leaves its block."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str, source: str = "") -> None:
+        where = f" in {source}" if source else ""
+        super().__init__(
+            f"{len(problems)} tensor(s) with NaN or Inf values{where}; nothing of this bucket was written:\n  "
+            + _listing(problems),
+            backbone=backbone,
+            state=state,
+        )
+        self.problems = tuple(problems)
+
+
+class CheckpointError(LoadRefusedError):
+    """A checkpoint file could not be read (missing, truncated, corrupt header, an unsupported dtype), or a
+    subset named tensors it lacks. Refused from the headers, before any of its tensors was written."""
+
+
+# ---- a derived buffer cannot be refreshed as declared: no buffer was written ------------------------------------
+class RefreshRefusedError(LifecycleError):
+    """The refresh plan refused a derived buffer: every buffer is validated (and every builder run) before any
+    is written, so no buffer was written and the state is unchanged (FULLY_LOADED; a session quarantines when
+    the error leaves its block). A refresh asked for before every layer is ready raises `LayersNotReadyError`
+    (a `StateError`) instead."""
+
+
+class SourceLayoutError(RefreshRefusedError):
+    """A derived buffer's source is not in the layout its builder expects (emptied, packed, resized). No buffer
+    was written."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
+        super().__init__(
+            "derived-buffer build refused, a source is not in the layout the builder expects; no buffer was "
+            "written:\n  " + _listing(problems),
+            backbone=backbone,
+            state=state,
+        )
+        self.problems = tuple(problems)
+
+
+class StorageReallocationError(RefreshRefusedError):
+    """A refresh would give a derived buffer new storage (its shape, dtype, device or stride would change). No
+    buffer was written."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
+        super().__init__(
+            "refresh refused, it would reallocate storage that must stay in place; no buffer was written:\n  "
+            + _listing(problems),
+            backbone=backbone,
+            state=state,
+        )
+        self.problems = tuple(problems)
+
+
+class DerivedBuildError(RefreshRefusedError):
     """A derived buffer's builder (`per_layer`, `build`) raised. Builders run while the refresh is planned, before
     any write: no buffer was written, the state is unchanged."""
 
@@ -146,29 +245,18 @@ class DerivedBuildError(LifecycleError):
         self.step = step
 
 
-class RecoveryError(LifecycleError):
-    """`recover()` was asked for, but the weights were not rolled back exactly to a set the derived buffers
-    still match (no rollback, an incomplete one, a reload that did not start from a refreshed state, or derived
-    buffers interrupted mid-write). A reload (`begin_reload` ... `refresh_derived_buffers`) is the way out."""
+# ---- a write failed part way: something WAS changed ---------------------------------------------------------------
+class PartialWriteError(LifecycleError):
+    """A validated write failed part way (a device fault, a failing writer): some tensors or buffers WERE written
+    and the error names them. The lifecycle records what it cannot vouch for, so nothing stale is ever used:
+    see each subclass for the state it leaves."""
 
 
-class NonFiniteWeightError(LifecycleError):
-    """Weights with NaN or Inf values arrived while the finite check was on."""
-
-    def __init__(self, problems: Sequence[str], *, backbone: str, state: str, source: str = "") -> None:
-        where = f" in {source}" if source else ""
-        super().__init__(
-            f"{len(problems)} tensor(s) with NaN or Inf values{where}; nothing of this bucket was written:\n  "
-            + _capped(problems),
-            backbone=backbone,
-            state=state,
-        )
-        self.problems = tuple(problems)
-
-
-class WeightWriteError(LifecycleError):
-    """Writing one tensor of a bucket failed after the bucket was validated. The tensors written before it are
-    recorded as loaded; the failing one is recorded as possibly written (dirty) but not loaded."""
+class WeightWriteError(PartialWriteError):
+    """Writing one tensor of a bucket failed after the bucket was validated. The tensors written before it
+    (`written`) are recorded as loaded (the state may have moved, e.g. to PARTIALLY_LOADED); the failing one
+    (`name`) may be partly written: it is recorded as dirty, not loaded, so it must be sent again and a later
+    refresh rewrites what reads it."""
 
     def __init__(self, name: str, written: Sequence[str], total: int, cause: BaseException, *, backbone: str,
                  state: str) -> None:
@@ -182,10 +270,10 @@ class WeightWriteError(LifecycleError):
         self.written = tuple(written)
 
 
-class RefreshInterruptedError(LifecycleError):
+class RefreshInterruptedError(PartialWriteError):
     """A validated refresh failed while writing (its plan was sound, a write raised). The buffers named in
-    `touched` may hold a mix of old and new values: the refresh is refused (the state stays FULLY_LOADED),
-    the next refresh rewrites them fully, and `recover()` is refused until then."""
+    `touched` may hold a mix of old and new values: the refresh is refused (the state stays FULLY_LOADED, not
+    usable), the next refresh rewrites them fully, and `recover()` is refused until then."""
 
     def __init__(self, buffer: str, touched: Sequence[str], cause: BaseException, *, backbone: str,
                  state: str) -> None:
@@ -199,5 +287,23 @@ class RefreshInterruptedError(LifecycleError):
         self.touched = tuple(touched)
 
 
-class SessionStateError(LifecycleError):
-    """A reload session was used out of order: begun twice, or used after it committed or aborted."""
+# ---- changed behind the lifecycle's back --------------------------------------------------------------------------
+class StorageDriftError(LifecycleError):
+    """A storage identity that captured graphs read moved behind the lifecycle's back (`problems`: old -> new).
+    Checked before a refresh under captured graphs, a `recover()` and a session's `verify()`: those are refused
+    and change nothing. Found after a refresh wrote in place (the refresh's own storage check, or the
+    `graphs_verified` follow-up), the buffers hold the new values but the state is not GRAPH_CAPTURED
+    (FULLY_LOADED, respectively DERIVED_REFRESHED): release and capture the graphs again."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
+        super().__init__("storage identity changed:\n  " + _listing(problems), backbone=backbone, state=state)
+        self.problems = tuple(problems)
+
+
+# ---- engine integration -----------------------------------------------------------------------------------------
+class UnsupportedVLLMError(LifecycleError):
+    """The vLLM plugin refused a vLLM version it was not built against: it patched nothing and registered no
+    draft class (`lifecycle.vllm.version.check_vllm_version`). No backbone is involved."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, backbone=None, state=None)

@@ -28,11 +28,26 @@ import json
 import logging
 import sys
 import threading
-from collections.abc import Iterable, MutableMapping
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
+
+__all__ = [
+    "LIST_CAP",
+    "LOGGER_NAME",
+    "RECORDS_CAP",
+    "SCHEMA_VERSION",
+    "STR_CAP",
+    "TS_FORMAT",
+    "JsonLinesSink",
+    "add_schema_version",
+    "bound_event",
+    "configure_audit",
+    "emit",
+    "read_events",
+]
 
 #: Version of the event schema (the `schema` field). 2: `seq`, fixed-width timestamps, `_more`/`_truncated` counts.
 SCHEMA_VERSION = 2
@@ -47,11 +62,6 @@ STR_CAP = 4096
 TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 _logger = structlog.get_logger(LOGGER_NAME)
-
-
-def capped(items: Iterable[str], cap: int = LIST_CAP) -> tuple[list[str], int]:
-    items = list(items)
-    return items[:cap], max(0, len(items) - cap)
 
 
 def emit(event: str, *, level: str = "info", **fields: Any) -> None:

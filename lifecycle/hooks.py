@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
+__all__ = ["Hook", "Phase", "collect_hooks", "post_load_hook"]
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 _ATTR = "__lifecycle_phases__"

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .errors import (
+    MESSAGE_ITEMS_CAP,
     CheckpointError,
     LifecycleError,
     NonFiniteWeightError,
@@ -39,9 +40,29 @@ from .errors import (
     WeightShapeError,
     WeightWriteError,
 )
+from .types import capped
 
 if TYPE_CHECKING:
     from .backbone import DraftBackbone
+
+__all__ = [
+    "BeforeWrite",
+    "BucketBy",
+    "IndexEntry",
+    "LoadProgress",
+    "LoadReport",
+    "Subset",
+    "Writer",
+    "apply_bucket",
+    "checkpoint_index",
+    "iter_buckets",
+    "load_safetensors",
+    "non_finite",
+    "plan_buckets",
+    "validate_index",
+    "write_checkpoint",
+    "write_tensor",
+]
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -312,7 +333,9 @@ def load_safetensors(
         wanted = list(subset)
         absent = [n for n in wanted if n not in index]
         if absent:
-            error = CheckpointError(f"subset names not in the checkpoint: {', '.join(absent[:20])}",
+            shown, more = capped(absent, MESSAGE_ITEMS_CAP)
+            error = CheckpointError(f"subset names not in the checkpoint: {', '.join(shown)}"
+                                    + (f" ... and {more} more" if more else ""),
                                     backbone=backbone.lifecycle.name, state=backbone.lifecycle.state.value)
             backbone.lifecycle.record_refusal("weights_loaded", error)
             raise error

@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 
+__all__ = ["LayerReadiness", "layer_of"]
+
 _LAYER_PREFIX = re.compile(r"^(.*?\blayers\.\d+)\.")
 
 

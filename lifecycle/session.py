@@ -21,7 +21,7 @@ Inside `with backbone.reload_session(...) as s:`
 - BEGIN (`__enter__`): `begin_reload()` (nothing for a cold load from META).
 - APPLY: `s.apply({name: tensor})` or `s.apply([(name, tensor), ...])` per bucket, `s.load(path, ...)` for a
   checkpoint; any number, from several threads on a locked lifecycle.
-- FINALIZE: `s.finalize(keep_untouched=...)`: every layer ready, then the phase hooks.
+- FINALIZE: `s.finalize_loading(keep_untouched=...)`: every layer ready, then the phase hooks.
 - VERIFY: `s.verify()`: every pinned storage identity unchanged; with `finite_check`, no NaN/Inf in what was written.
 - COMMIT: `s.commit()`: finalize and verify if not done yet, then refresh the derived buffers in place.
 - ABORT: an exception, `s.abort(reason)`, or leaving the block without `commit()`: `abort_reload(reason)`, so the
@@ -52,11 +52,12 @@ from torch import nn
 
 from .errors import NonFiniteWeightError, SessionStateError
 from .loading import LoadReport, Writer, apply_bucket, load_safetensors, non_finite
-from .states import LifecycleState, allowed_triggers
 from .types import RefreshReport
 
 if TYPE_CHECKING:
     from .backbone import DraftBackbone
+
+__all__ = ["ReloadSession", "WeightSnapshot"]
 
 Bucket = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 Status = Literal["new", "open", "committed", "aborted"]
@@ -163,8 +164,7 @@ class ReloadSession:
     def recoverable(self) -> bool:
         """After an abort: whether `backbone.recover()` will be allowed."""
         lc = self.backbone.lifecycle
-        return (self.status == "aborted" and lc.state is LifecycleState.QUARANTINED
-                and lc.recovery_blocker is None)
+        return self.status == "aborted" and lc.quarantined and lc.recovery_blocker is None
 
     def _require_open(self, what: str) -> None:
         if self.status != "open":
@@ -185,7 +185,7 @@ class ReloadSession:
                                     state=lc.state.value)
         if self.status != "new":
             self._require_open("begin")
-        self.epoch = lc.epoch if lc.state is LifecycleState.META else self.backbone.begin_reload()
+        self.epoch = lc.epoch if lc.unloaded else self.backbone.begin_reload()
         self.status = "open"
         self._audit("begin", rollback=self.rollback, finite_check=self.finite_check)
         return self.epoch
@@ -228,10 +228,10 @@ class ReloadSession:
                                 writer=self.writer, before_write=self._before_write, **options)
 
     # ---- FINALIZE, VERIFY -----------------------------------------------------------------------------------
-    def finalize(self, *, keep_untouched: bool | None = None) -> list[str]:
-        """`finalize_loading()`: every layer ready (untouched layers declared unchanged with keep_untouched),
-        then the phase hooks. Returns the hooks that ran."""
-        self._require_open("finalize")
+    def finalize_loading(self, *, keep_untouched: bool | None = None) -> list[str]:
+        """The backbone's `finalize_loading()`: every layer ready (untouched layers declared unchanged with
+        keep_untouched), then the phase hooks. Returns the hooks that ran."""
+        self._require_open("finalize_loading")
         keep = self.keep_untouched if keep_untouched is None else keep_untouched
         ran = self.backbone.finalize_loading(keep_untouched=keep)
         self._finalized = True
@@ -261,7 +261,7 @@ class ReloadSession:
         session is closed and the snapshot released; on failure it stays open (leaving the block aborts)."""
         self._require_open("commit")
         if not self._finalized:
-            self.finalize()
+            self.finalize_loading()
         self.verify()
         report = self.backbone.refresh_derived_buffers(full=full)
         self.status = "committed"
@@ -277,16 +277,15 @@ class ReloadSession:
         lc = self.backbone.lifecycle
         restore = self._snapshot.restore if self._snapshot is not None else None
         with lc.quiesced():
-            state = lc.state
-            if "abort_reload" in allowed_triggers(state):
+            if lc.can("abort_reload"):
                 lc.abort_reload(reason, rollback=restore)
                 outcome = "quarantined"
-            elif state is LifecycleState.META:  # nothing was reported: put back what a failed write may have set
+            elif lc.unloaded:  # nothing was reported: put back what a failed write may have set
                 if restore is not None:
                     restore()
-                outcome = "unchanged (META)"
+                outcome = f"unchanged ({lc.state.value})"
             else:  # e.g. refreshed outside commit(), or quarantined by someone else: nothing safe to undo
-                outcome = f"left {state.value}"
+                outcome = f"left {lc.state.value}"
         self.status = "aborted"
         self.abort_reason = reason
         self._close_snapshot()

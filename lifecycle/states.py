@@ -15,6 +15,23 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import cache
 
+__all__ = [
+    "FOLLOW_UPS",
+    "INITIAL_STATE",
+    "QUARANTINE_STATE",
+    "TRANSITIONS",
+    "TRIGGERS",
+    "USABLE_STATES",
+    "Condition",
+    "Guard",
+    "LifecycleState",
+    "Transition",
+    "allowed_sources",
+    "allowed_triggers",
+    "guards_of",
+    "possible_destinations",
+]
+
 
 class LifecycleState(str, Enum):
     META = "META"
@@ -165,6 +182,7 @@ def allowed_triggers(state: LifecycleState) -> frozenset[str]:
     return frozenset(t.trigger for t in TRANSITIONS if state in t.sources)
 
 
+@cache
 def possible_destinations(trigger: str, source: LifecycleState) -> tuple[LifecycleState, ...]:
     """The states `trigger` can lead to from `source` (several when rows carry conditions)."""
     return tuple(dict.fromkeys(t.dest for t in TRANSITIONS if t.trigger == trigger and source in t.sources))

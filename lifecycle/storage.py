@@ -23,6 +23,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .types import dtype_name
+
+__all__ = ["AllocationLog", "AllocationRecord", "PinnedStorage", "StorageIdentity", "count_allocations",
+           "describe_changes"]
+
 
 @dataclass(frozen=True)
 class StorageIdentity:
@@ -46,18 +51,9 @@ class StorageIdentity:
                 and t.shape == self.shape and t.stride() == self.stride and t.dtype == self.dtype
                 and t.device == self.device)
 
-    @property
-    def layout(self) -> tuple[tuple[int, ...], tuple[int, ...], str, str]:
-        """Everything but the address: what must match for an in-place write to be possible."""
-        return (self.shape, self.stride, self.dtype, self.device)
-
     def as_log(self) -> dict[str, object]:
-        return {"data_ptr": hex(self.data_ptr), "shape": list(self.shape), "dtype": _name(self.dtype),
+        return {"data_ptr": hex(self.data_ptr), "shape": list(self.shape), "dtype": dtype_name(self.dtype),
                 "device": str(self.device)}
-
-
-def _name(x: object) -> str:
-    return str(x).removeprefix("torch.")
 
 
 _FIELDS = ("data_ptr", "storage_offset", "shape", "stride", "dtype", "device")
@@ -73,7 +69,7 @@ def describe_changes(name: str, old: StorageIdentity, new: StorageIdentity, fiel
             if f == "data_ptr":
                 a, b = hex(a), hex(b)
             elif f in ("dtype", "device"):
-                a, b = _name(a), _name(b)
+                a, b = dtype_name(a), dtype_name(b)
             out.append(f"{name}: {f} {a} -> {b}")
     return out
 

@@ -24,6 +24,8 @@ from torch import nn
 
 from .events import TS_FORMAT
 
+__all__ = ["random_checkpoint", "repeat_reloads", "write_synthetic"]
+
 _EPOCH, _SEQ, _TS = -1_234_567_001, -1_234_567_002, "@@ts@@"
 
 

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+__all__ = ["BufferReport", "RefreshReport", "TensorSpec", "capped", "dtype_name"]
+
+T = TypeVar("T")
+
+
+def dtype_name(x: torch.dtype | torch.device | str) -> str:
+    """How messages and audit events name a dtype (`float32`, not `torch.float32`); a device is unchanged."""
+    return str(x).removeprefix("torch.")
+
+
+def capped(items: Iterable[T], cap: int) -> tuple[list[T], int]:
+    """The first `cap` items and how many were left out: every bounded list of names (audit events at
+    `events.LIST_CAP`, error messages at `errors.MESSAGE_ITEMS_CAP`) is cut by this one helper."""
+    items = list(items)
+    return items[:cap], max(0, len(items) - cap)
 
 
 @dataclass(frozen=True)
@@ -26,12 +44,8 @@ class TensorSpec:
         if tuple(shape) != self.shape:
             parts.append(f"shape expected {self.shape} got {tuple(shape)}")
         if dtype != self.dtype:
-            parts.append(f"dtype expected {_dt(self.dtype)} got {_dt(dtype)}")
+            parts.append(f"dtype expected {dtype_name(self.dtype)} got {dtype_name(dtype)}")
         return f"{name}: {', '.join(parts)}" if parts else None
-
-
-def _dt(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
 
 
 @dataclass

@@ -15,12 +15,13 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 
 from lifecycle.audit.diagram import mermaid
 from lifecycle.audit.replay import audit_logs
+from lifecycle.audit.views import table as _table
 from lifecycle.errors import LayersNotReadyError
 from lifecycle.events import configure_audit, read_events
 from lifecycle.loading import (
@@ -46,15 +47,6 @@ class DemoResult:
     @property
     def ok(self) -> bool:
         return all(ok for _, ok, _ in self.checks)
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [headers, *[[str(c) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = " | ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*headers), "-+-".join("-" * w for w in widths)]
-    out += [fmt.format(*r) for r in cells[1:]]
-    return "\n".join(out)
 
 
 def run_demo(

@@ -57,7 +57,7 @@ def test_explicit_phases_and_selective_commit(loaded: DFlashQwen3Draft, ckpt_b: 
         s.begin()
     assert loaded.lifecycle.epoch == 1
     s.load(ckpt_b, subset=lambda n: n.startswith("layers.1."))
-    assert s.finalize() == []  # no reload hooks on DFlash; the cold_load one never replays
+    assert s.finalize_loading() == []  # no reload hooks on DFlash; the cold_load one never replays
     assert s.verify() == 0  # nothing pinned, no finite check asked
     assert s.verify(finite=True) == len(s.touched)
     report = s.commit()
@@ -78,7 +78,7 @@ def test_leaving_without_commit_quarantines(loaded: DFlashQwen3Draft, ckpt_b: Pa
 def test_a_closed_session_refuses_everything(loaded: DFlashQwen3Draft, ckpt_b: Path) -> None:
     with loaded.reload_session(rollback=True) as s:
         s.abort("operator said stop")
-        for call in (lambda: s.apply({}), lambda: s.load(ckpt_b), s.finalize, s.verify, s.commit,
+        for call in (lambda: s.apply({}), lambda: s.load(ckpt_b), s.finalize_loading, s.verify, s.commit,
                      lambda: s.abort("again"), s.begin):
             with pytest.raises(SessionStateError, match=r"aborted \(operator said stop\)"):
                 call()

@@ -27,9 +27,11 @@ from lifecycle.errors import (
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.machine import BackboneLifecycle
 from lifecycle.states import (
+    FOLLOW_UPS,
     INITIAL_STATE,
     TRANSITIONS,
     TRIGGERS,
+    Guard,
     LifecycleState,
     allowed_sources,
     allowed_triggers,
@@ -41,19 +43,16 @@ from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
 S = LifecycleState
 
-#: The error each guard named in the table raises when it refuses (read from machine.py's guard methods).
-GUARD_ERRORS: dict[str, type[LifecycleError]] = {
-    "require_all_layers_ready": LayersNotReadyError,
-    "require_pinned": IllegalTransitionError,
-    "require_pinned_unchanged": StorageDriftError,
-    "require_recoverable": RecoveryError,
+#: The error each guard named in the table raises when it refuses (read from lifecycle/guards.py).
+GUARD_ERRORS: dict[Guard, type[LifecycleError]] = {
+    Guard.ALL_LAYERS_READY: LayersNotReadyError,
+    Guard.PINNED: IllegalTransitionError,
+    Guard.PINNED_UNCHANGED: StorageDriftError,
+    Guard.RECOVERABLE: RecoveryError,
 }
 
 #: States in which `refresh_derived` reports missing tensors (LayersNotReadyError) before the state check.
 _LOADING = (S.META, S.PARTIALLY_LOADED)
-
-#: Triggers the lifecycle fires by itself after a trigger succeeded (refresh under captured graphs verifies pins).
-FOLLOW_UPS: dict[str, set[str]] = {"refresh_derived": {"graphs_verified"}}
 
 
 # ---- harnesses: the same steps on a bare lifecycle and on a real DFlash draft ---------------------------------
@@ -353,6 +352,7 @@ def test_state_trigger_pair(harness_cls: type[Harness], ckpts: tuple[Path, Path]
             h = _reach(harness_cls, ckpts, state, path)
             before = _snapshot(h)
             was_missing = bool(h.lc.missing())
+            assert h.lc.can(trigger) is allowed, f"{state.value} via {path}"
             err: LifecycleError | None = None
             with capture_logs() as logs:
                 try:

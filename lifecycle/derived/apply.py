@@ -13,6 +13,8 @@ from ..types import BufferReport, RefreshReport
 from .plan import RefreshPlan, _BufferPlan
 from .specs import DerivedSpec, _layers, current_buffer
 
+__all__ = ["apply_refresh"]
+
 
 @torch.no_grad()
 def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:

@@ -9,6 +9,8 @@ from typing import Literal, TypeVar
 import torch
 from torch import nn
 
+__all__ = ["DerivedSpec", "Kind", "PerLayer", "alias", "concat", "current_buffer", "custom", "resolve_tensor", "stack"]
+
 Kind = Literal["concat", "stack", "alias", "custom"]
 T = TypeVar("T")
 PerLayer = Callable[[nn.Module], torch.Tensor]

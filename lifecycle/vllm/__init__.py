@@ -12,6 +12,8 @@ A worker extension (`lifecycle.vllm.worker.LifecycleWorkerExtension`) adds RPCs 
 
 from __future__ import annotations
 
+__all__ = ["register"]
+
 
 def register() -> None:
     """The `vllm.general_plugins` entry point. Idempotent: vLLM may call it several times per process."""

@@ -16,6 +16,10 @@ from typing import Any, TextIO
 
 import torch
 
+from ..states import LifecycleState
+
+__all__ = ["expected_dflash_digests", "run_vllm_demo"]
+
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -98,8 +102,8 @@ def run_vllm_demo(out_dir: str | Path | None = None, *, bucket_size: int = 5, se
                    f"{sum(v['checked'] for v in verify.values())} checked"))
     wrong = [n for n, d in expected.items() if digests.get(n) != d]
     checks.append(("fused buffers equal draft B's checkpoint, bit for bit", not wrong, ", ".join(wrong) or "equal"))
-    checks.append(("lifecycle back in GRAPH_CAPTURED after the reload", after["state"] == "GRAPH_CAPTURED",
-                   after["state"]))
+    back = LifecycleState.GRAPH_CAPTURED  # the demo's expectation (the RPC answers plain data: the state's name)
+    checks.append((f"lifecycle back in {back} after the reload", after["state"] == back, after["state"]))
     say("\nchecks:")
     for name, ok, detail in checks:
         say(f"  {'PASS' if ok else 'FAIL'}  {name}" + (f"  ({detail})" if detail else ""))

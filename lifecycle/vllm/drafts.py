@@ -24,6 +24,8 @@ from torch import nn
 from ..backbone import DraftBackbone
 from .families import SHADOW, VLLMDraftFamily
 
+__all__ = ["MODULE_OWNERS", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
+
 #: module -> (backbone, tracked tensor names of that module): how vLLM's per-module events find the lifecycle.
 MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[LifecycleDraftModel, list[str]]] = (
     weakref.WeakKeyDictionary()
@@ -65,7 +67,7 @@ class LifecycleDraftModel(DraftBackbone):
     def _build_fused_kv_buffers(self) -> None:
         self._family.metadata(self)
         lc = self.lifecycle
-        if lc.epoch == 0 and lc.state.value in ("META", "PARTIALLY_LOADED"):
+        if lc.epoch == 0 and lc.awaiting_weights:
             lc.weights_loaded([n for n in lc.specs if not n.endswith(SHADOW)])
 
     def precompute_and_store_context_kv(self, *args: Any, **kwargs: Any) -> None:
@@ -75,24 +77,24 @@ class LifecycleDraftModel(DraftBackbone):
     # ---- driven by the patched vLLM entry points ------------------------------------------------------------
     def on_cold_load_processed(self) -> None:
         lc = self.lifecycle
-        if lc.epoch == 0 and lc.state.value in ("PARTIALLY_LOADED", "FULLY_LOADED"):
+        if lc.epoch == 0 and lc.can("finish_loading"):
             self.finalize_loading()
             self.refresh_derived_buffers()
 
     def on_reload_begin(self) -> None:
-        if self.lifecycle.state.value != "META":
+        if not self.lifecycle.unloaded:
             self.begin_reload()
 
     def on_reload_finalized(self) -> None:
         lc = self.lifecycle
-        if lc.state.value not in ("PARTIALLY_LOADED", "FULLY_LOADED"):
+        if not lc.can("finish_loading"):  # no load of this draft in progress: nothing to finish
             return
         try:
             self.finalize_loading()
             self.refresh_derived_buffers()
         except Exception as e:
             # fail closed: the draft keeps its last good derived buffers and refuses to run until a good reload
-            if lc.state.value in ("PARTIALLY_LOADED", "FULLY_LOADED"):
+            if lc.can("abort_reload"):
                 lc.abort_reload(f"{type(e).__name__}: {getattr(e, 'reason', e)}")
             raise
 

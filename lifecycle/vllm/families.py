@@ -4,13 +4,15 @@ the non-tensor precompute attributes vLLM's own builder would set. `drafts.py` t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..derived import DerivedSpec, alias, concat, custom, stack
+
+__all__ = ["FAMILIES", "SHADOW", "VLLMDraftFamily"]
 
 #: The per-layer buffer holding a source's rows in checkpoint layout, captured before post-processing.
 SHADOW = "ckpt_kv_weight"
@@ -123,10 +125,3 @@ FAMILIES: tuple[VLLMDraftFamily, ...] = (
                     "DFlashLagunaForCausalLM", "model", _qkv_kv_rows, _laguna_derived, _laguna_metadata),
 )
 
-
-def families_by_architecture() -> dict[str, VLLMDraftFamily]:
-    return {arch: fam for fam in FAMILIES for arch in fam.architectures}
-
-
-def lifecycle_architectures() -> Iterable[str]:
-    return families_by_architecture().keys()

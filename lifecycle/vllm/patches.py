@@ -22,6 +22,8 @@ from typing import Any
 
 from .drafts import MODULE_OWNERS, backbones_in
 
+__all__ = ["PATCH_POINTS", "install"]
+
 _MARK = "__reload_lifecycle_wrapped__"
 
 
@@ -73,7 +75,7 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         owner = MODULE_OWNERS.get(layer)
         if complete and owner is not None:
             backbone, names = owner
-            if backbone.lifecycle.state.value in ("META", "PARTIALLY_LOADED", "FULLY_LOADED"):
+            if backbone.lifecycle.can("weights_loaded"):
                 backbone.lifecycle.weights_loaded(names)
         return result
 
@@ -109,8 +111,3 @@ def install() -> list[str]:
     """Install every wrapper (idempotent). Returns `module.attr` for each patched name."""
     return [f"{m}.{a}" for m, a, make in PATCH_POINTS if _wrap(m, a, make)]
 
-
-def is_installed() -> bool:
-    from vllm.model_executor.model_loader import reload
-
-    return bool(getattr(reload.finalize_layerwise_reload, _MARK, False))

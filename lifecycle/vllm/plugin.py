@@ -8,6 +8,8 @@ from pathlib import Path
 from ..events import configure_audit
 from .version import check_vllm_version
 
+__all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "activate"]
+
 #: A folder: each process writes its audit events to `audit-<pid>.jsonl` there (events carry their rank).
 AUDIT_DIR_ENV = "RELOAD_LIFECYCLE_AUDIT_DIR"
 #: "1": also print readable events to stderr.

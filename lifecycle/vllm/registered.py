@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+#: Nothing to star-import: each family's class is made on first access (`__getattr__`), by name.
+__all__: list[str] = []
+
 
 def __getattr__(name: str) -> Any:
     from .drafts import lifecycle_class

@@ -9,6 +9,8 @@ import torch
 
 from ..loading import write_checkpoint
 
+__all__ = ["ENGINE_ENV", "dflash_draft_tensors", "engine_kwargs", "make_dflash_draft", "make_target"]
+
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 128, 2, 1, 32, 256  # head_dim 32: the CPU backend has it
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 
+from ..errors import UnsupportedVLLMError
+
+__all__ = ["FORCE_ENV", "SUPPORTED_SERIES", "UnsupportedVLLMError", "check_vllm_version"]
+
 #: Release series whose reload internals (`model_loader.reload`, the DFlash-family builders) the patches match.
 SUPPORTED_SERIES = ("0.32",)
 FORCE_ENV = "RELOAD_LIFECYCLE_ALLOW_UNKNOWN_VLLM"
-
-
-class UnsupportedVLLMError(RuntimeError):
-    pass
 
 
 def check_vllm_version(version: str | None = None) -> str:

@@ -10,8 +10,12 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
+from ..errors import MESSAGE_ITEMS_CAP
 from ..storage import StorageIdentity
+from ..types import capped
 from .drafts import LifecycleDraftModel, backbones_in
+
+__all__ = ["LifecycleWorkerExtension"]
 
 
 class LifecycleWorkerExtension:
@@ -58,15 +62,16 @@ class LifecycleWorkerExtension:
         """Pin the storage identity of every draft tensor now (what `capture_graphs` does): later reloads must
         keep every pinned address or refuse. On CUDA, call it after vLLM captured its graphs."""
         return {b.lifecycle.name: b.capture_graphs() for _, b in self._lifecycle_backbones()
-                if b.lifecycle.state.value == "DERIVED_REFRESHED"}
+                if b.lifecycle.can("capture_graphs")}
 
     def lifecycle_verify(self) -> dict[str, Any]:
         """Check every pinned identity against the live tensors. {backbone: {"ok", "checked", "problems"}}."""
         out: dict[str, Any] = {}
         for _, b in self._lifecycle_backbones():
             problems = b.lifecycle.pinned_changes()
+            shown, more = capped(problems, MESSAGE_ITEMS_CAP)
             out[b.lifecycle.name] = {"ok": not problems, "checked": len(b.lifecycle.pinned or ()),
-                                     "problems": problems[:20]}
+                                     "problems": shown, "problems_more": more}
         return out
 
     def lifecycle_derived_digests(self) -> dict[str, dict[str, str]]:

@@ -1,0 +1,175 @@
+"""How one trigger of the table is fired: the `transitions` machine built from `states.TRANSITIONS`, with the
+guards and conditions of `guards.py`, the trigger's effect, the follow-ups the table declares, and one numbered
+audit event either way.
+
+A fire runs the row's guards, then the effect (a refresh, a pin), then changes the state; a guard or an effect
+that raises leaves the state as it was, and the refusal is itself an audit event. `BackboneLifecycle`
+(`machine.py`) builds on this and says what each trigger does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from transitions import Machine, MachineError
+from transitions.extensions import LockedMachine
+
+from . import events
+from .errors import IllegalTransitionError, LayersNotReadyError
+from .guards import CONDITIONS, GUARDS
+from .readiness import LayerReadiness
+from .states import (
+    FOLLOW_UPS,
+    INITIAL_STATE,
+    TRANSITIONS,
+    LifecycleState,
+    Transition,
+    allowed_sources,
+    allowed_triggers,
+)
+from .types import capped
+
+__all__ = ["TableMachine"]
+
+T = TypeVar("T")
+
+
+class _Model:
+    """What `transitions` binds to: it holds `state` and the trigger methods, nothing else."""
+
+    state: LifecycleState
+
+
+class TableMachine:
+    """The table's state machine for one backbone, and its audit trail. Every info-level event is numbered
+    (`seq`: 1, 2, ... per lifecycle, so the auditor sees a deleted, duplicated or reordered line as a gap or a
+    step back, and a restart as a new lifecycle) and kept in `recent_events` (the worker RPCs read it)."""
+
+    def __init__(self, name: str, rank: int, readiness: LayerReadiness, *, locked: bool, recent_events: int
+                 ) -> None:
+        self.name = name
+        self.rank = rank
+        self.readiness = readiness
+        self.recent_events: deque[dict[str, Any]] = deque(maxlen=recent_events)
+        self._seq = 0
+        self._model = _Model()
+        self._machine = (LockedMachine if locked else Machine)(
+            model=self._model,
+            states=LifecycleState,
+            initial=INITIAL_STATE,
+            transitions=[self._machine_row(t) for t in TRANSITIONS],
+            auto_transitions=False,
+            send_event=True,
+        )
+
+    def _machine_row(self, t: Transition) -> dict[str, Any]:
+        """One row for `transitions`: its guards (then the trigger's effect) run before the state changes; its
+        condition picks it among the trigger's rows. Both are looked up in `guards.py` by enum member."""
+        row: dict[str, Any] = {
+            "trigger": t.trigger,
+            "source": list(t.sources),
+            "dest": t.dest,
+            "before": [*(self._guard_callback(GUARDS[g]) for g in t.guards), _run_effect],
+        }
+        if t.condition is not None:
+            check = CONDITIONS[t.condition]
+            row["conditions"] = [lambda _event: check(self)]
+        return row
+
+    def _guard_callback(self, guard: Callable[[Any, str], None]) -> Callable[[Any], None]:
+        return lambda event: guard(self, event.event.name)
+
+    @property
+    def state(self) -> LifecycleState:
+        return self._model.state
+
+    @property
+    def epoch(self) -> int:
+        return self.readiness.epoch
+
+    def can(self, trigger: str) -> bool:
+        """Whether the table allows `trigger` from the current state (its guards may still refuse it)."""
+        return trigger in allowed_triggers(self.state)
+
+    # ---- firing -----------------------------------------------------------------------------------------------
+    def _fire(self, trigger: str, effect: Callable[[], T] | None = None, **log: Any) -> T | None:
+        """Fire `trigger`: guards, then `effect`, then the state change; one audit event either way."""
+        src = self.state
+        t0 = time.perf_counter()
+        holder: dict[str, Any] = {"effect": effect}
+        try:
+            if not self.can(trigger):
+                raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
+                                             allowed_from=[s.value for s in allowed_sources(trigger)])
+            try:
+                fired = self._model.trigger(trigger, holder=holder)  # type: ignore[attr-defined]
+            except MachineError as e:  # the table check above should make this unreachable
+                raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
+                                             allowed_from=[s.value for s in allowed_sources(trigger)]) from e
+            if not fired:
+                raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
+                                             allowed_from=["(no row's condition held)"])
+        except Exception as e:  # guards' refusals and effects' failures alike: audited, state unchanged
+            self.record_refusal(trigger, e, duration_ms=_ms(t0))
+            raise
+        self._audit("transition", trigger=trigger, src=src.value, dst=self.state.value, duration_ms=_ms(t0),
+                    **self._readiness_fields(), **log)
+        return holder.get("result")
+
+    def _fire_follow_ups(self, trigger: str, **log: Any) -> None:
+        """Fire what the table declares to follow `trigger` (`FOLLOW_UPS`): each follow-up with a row from the
+        state reached whose condition holds (a refresh under captured graphs goes on to `graphs_verified`)."""
+        for follow_up in FOLLOW_UPS.get(trigger, ()):
+            if any(t.trigger == follow_up and self.state in t.sources
+                   and (t.condition is None or CONDITIONS[t.condition](self)) for t in TRANSITIONS):
+                self._fire(follow_up, **log)
+
+    def _require_allowed_audited(self, trigger: str) -> None:
+        """Refuse (audited) before any bookkeeping when the table does not allow `trigger` now."""
+        if not self.can(trigger):
+            self._fire(trigger)  # raises IllegalTransitionError and records the refusal
+
+    # ---- the audit trail ------------------------------------------------------------------------------------------
+    def _readiness_fields(self) -> dict[str, Any]:
+        return {"layers_ready": self.readiness.layers_ready, "layers_total": self.readiness.layers_total}
+
+    def _audit(self, event: str, *, level: str = "info", **fields: Any) -> None:
+        if level == "debug":  # per-bucket detail: not numbered, a log at info level has no gaps in `seq`
+            events.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
+            return
+        self._seq += 1
+        self.recent_events.append({"event": event, "backbone": self.name, "rank": self.rank, "epoch": self.epoch,
+                                   "seq": self._seq, **fields})
+        events.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, seq=self._seq,
+                   **fields)
+
+    def record_refusal(self, trigger: str, error: Exception, **fields: Any) -> None:
+        """Audit a refusal: the machine's own, and those decided outside it (the loader's checks of names,
+        shapes, files). A refusal for unready layers names the missing tensors (capped)."""
+        self._audit("refused", trigger=trigger, src=self.state.value, error=type(error).__name__,
+                    reason=getattr(error, "reason", str(error)), **fields, **self._readiness_fields(),
+                    **_missing_fields(error))
+
+    def audit_event(self, event: str, *, level: str = "info", **fields: Any) -> None:
+        """Emit an event in this backbone's context (used by the backbone, loader and hooks)."""
+        self._audit(event, level=level, **fields)
+
+
+def _run_effect(event: Any) -> None:
+    holder = event.kwargs.get("holder")
+    if holder is not None and holder.get("effect") is not None:
+        holder["result"] = holder["effect"]()
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 3)
+
+
+def _missing_fields(e: Exception) -> dict[str, Any]:
+    if not isinstance(e, LayersNotReadyError):
+        return {}
+    shown, more = capped((n for names in e.missing.values() for n in names), events.LIST_CAP)
+    return {"missing": shown, "missing_more": more}

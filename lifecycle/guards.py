@@ -1,0 +1,107 @@
+"""The checks the transition table names: one function per `Guard` and per `Condition` of `states.py`.
+
+The machine binds a row's guards and condition through `GUARDS` and `CONDITIONS`, explicit mappings from the
+enum members (complete: checked at import), so a name in the table is a function here, never a method looked up
+by its string. A guard raises with the full reason before the state or any buffer changes; a condition picks one
+row among several rows of the same trigger. `recovery_verdict` is what `Guard.RECOVERABLE` reads: decided at
+abort time, from what the aborted reload wrote and what its rollback restored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import IllegalTransitionError, LayersNotReadyError, RecoveryError, StorageDriftError
+from .events import LIST_CAP
+from .states import Condition, Guard, allowed_sources
+from .types import capped
+
+if TYPE_CHECKING:
+    from .machine import BackboneLifecycle
+
+__all__ = ["CONDITIONS", "GUARDS", "ReloadOrigin", "recovery_verdict"]
+
+
+# ---- conditions ----------------------------------------------------------------------------------------------
+def all_layers_ready(lc: BackboneLifecycle) -> bool:
+    return lc.readiness.counts_complete() and not lc.missing()
+
+
+def has_pinned_graphs(lc: BackboneLifecycle) -> bool:
+    return lc.pinned is not None
+
+
+# ---- guards --------------------------------------------------------------------------------------------------
+def require_all_layers_ready(lc: BackboneLifecycle, action: str) -> None:
+    missing = lc.missing()
+    if missing:
+        raise LayersNotReadyError(action, missing, backbone=lc.name, state=lc.state.value)
+
+
+def require_pinned(lc: BackboneLifecycle, action: str) -> None:
+    if lc.pinned is None:
+        raise IllegalTransitionError(action, backbone=lc.name, state=lc.state.value,
+                                     allowed_from=[f"{s} with graphs captured" for s in allowed_sources(action)])
+
+
+def require_pinned_unchanged(lc: BackboneLifecycle, action: str) -> None:
+    if lc.pinned is None:
+        return
+    problems = lc.pinned_changes()
+    shown, more = capped(problems, LIST_CAP)
+    lc.audit_event("storage_check", action=action, checked=len(lc.pinned), ok=not problems, problems=shown,
+                   problems_more=more)
+    if problems:
+        raise StorageDriftError(problems, backbone=lc.name, state=lc.state.value)
+
+
+def require_recoverable(lc: BackboneLifecycle, action: str) -> None:
+    if lc.recovery_blocker is not None:
+        raise RecoveryError(f"{action} refused: {lc.recovery_blocker}; reload instead (begin_reload, load, "
+                            "finalize_loading, refresh_derived_buffers)", backbone=lc.name, state=lc.state.value)
+
+
+GUARDS: dict[Guard, Callable[[Any, str], None]] = {  # (the lifecycle, the trigger or action) -> None or raise
+    Guard.ALL_LAYERS_READY: require_all_layers_ready,
+    Guard.PINNED: require_pinned,
+    Guard.PINNED_UNCHANGED: require_pinned_unchanged,
+    Guard.RECOVERABLE: require_recoverable,
+}
+CONDITIONS: dict[Condition, Callable[[Any], bool]] = {
+    Condition.ALL_LAYERS_READY: all_layers_ready,
+    Condition.HAS_PINNED_GRAPHS: has_pinned_graphs,
+}
+if set(GUARDS) != set(Guard) or set(CONDITIONS) != set(Condition):  # a name the table may use has no check
+    raise ImportError(f"guards.py lacks a check for {sorted({*Guard, *Condition} - {*GUARDS, *CONDITIONS})}")
+
+
+# ---- what `Guard.RECOVERABLE` reads ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReloadOrigin:
+    """Recorded at `begin_reload`: whether the derived buffers matched the weights then, and the dirty set."""
+
+    current: bool = False
+    dirty: frozenset[str] = frozenset()
+
+
+def recovery_verdict(origin: ReloadOrigin, dirty_now: frozenset[str], restored: frozenset[str] | None,
+                     rollback_error: str | None, torn: frozenset[str]) -> str | None:
+    """Why `recover` would be wrong after this abort; None when the last good derived buffers match the weights
+    again (the reload began with current buffers and its rollback undid every write, none torn)."""
+    if not origin.current:
+        return ("this load did not start from refreshed derived buffers (a cold load, or a reload begun from "
+                "a state whose derived buffers were stale), so there is nothing to return to")
+    if rollback_error is not None:
+        return f"the rollback failed ({rollback_error})"
+    if restored is None:
+        return "the aborted reload was not rolled back: the weights may hold part of it"
+    outside = sorted(dirty_now - origin.dirty - restored)
+    if outside:
+        shown, more = capped(outside, LIST_CAP)
+        return (f"{len(outside)} tensor(s) were written outside the rollback snapshot: {', '.join(shown)}"
+                + (f" ... and {more} more" if more else ""))
+    if torn:
+        return f"derived buffer(s) {', '.join(sorted(torn))} were interrupted mid-write"
+    return None
