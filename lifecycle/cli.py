@@ -3,7 +3,7 @@
     reload-lifecycle models
     reload-lifecycle demo [--engine torch|vllm] [--model NAME] [--layers N] [--out DIR] [--seed S]
                           [--bucket-size K] [--device cpu|cuda] [-v]
-    reload-lifecycle diagram [--format mermaid|dot] [--state STATE] [-o FILE]
+    reload-lifecycle diagram [--format mermaid|dot|markdown] [--state STATE] [-o FILE]
     reload-lifecycle audit LOG [LOG ...] [--json] [--max-details N]
     reload-lifecycle report LOG [LOG ...] -o report.html [--title T] [--max-epochs N]
 """
