@@ -115,7 +115,7 @@ def test_no_import_cycle_between_project_modules() -> None:
         stack.append(n)
         for d in sorted(graph.get(n, ())):
             if state.get(d) == 1:
-                cycle = stack[stack.index(d):] + [d]
+                cycle = [*stack[stack.index(d):], d]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if d not in state:
                 visit(d)
