@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lifecycle.testing import random_checkpoint
+
 from .qwen3_dflash import DFlashConfig, DFlashQwen3DecoderLayer, DFlashQwen3Draft
 
 
@@ -152,6 +154,4 @@ class DFlash2Qwen3Draft(DFlashQwen3Draft):
 
 
 def random_weights(config: DFlash2Config, seed: int) -> dict[str, torch.Tensor]:
-    from lifecycle.testing import random_checkpoint
-
     return random_checkpoint(DFlash2Qwen3Draft(config, device="meta"), seed)

@@ -21,8 +21,8 @@ from lifecycle import (
 )
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.storage import count_allocations
-from models.gemma_dspark import GemmaDSparkConfig, GemmaDSparkDraft, random_weights, rms_norm_unweighted
-from models.qwen3_dflash import rms_norm
+from models.gemma_dspark import GemmaDSparkConfig, GemmaDSparkDraft, random_weights
+from models.layers import rms_norm
 
 S = LifecycleState
 CFG = GemmaDSparkConfig(num_hidden_layers=3)
@@ -73,7 +73,7 @@ def test_fused_k_weight_and_context_v_come_from_the_same_projection(model: Gemma
     x = rms_norm(ctx, model.hidden_norm.weight, CFG.rms_norm_eps)
     for i, w in enumerate(kw):
         raw = F.linear(x, w).view(5, CFG.num_key_value_heads, HD)
-        torch.testing.assert_close(v[i], rms_norm_unweighted(raw, CFG.rms_norm_eps), atol=1e-6, rtol=0)  # V = v_norm(K)
+        torch.testing.assert_close(v[i], rms_norm(raw, None, CFG.rms_norm_eps), atol=1e-6, rtol=0)  # V = v_norm(K)
     assert not torch.allclose(k, v)  # K is k-normed and rotated besides
 
 

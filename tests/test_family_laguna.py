@@ -31,7 +31,8 @@ from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.storage import StorageIdentity, count_allocations
 from lifecycle.types import TensorSpec
 from models import get_family
-from models.laguna_dflash import DFlashLagunaDraft, LagunaDFlashConfig, apply_partial_rope
+from models.laguna_dflash import DFlashLagunaDraft, LagunaDFlashConfig
+from models.layers import apply_rope
 
 S = LifecycleState
 FAMILY = get_family("laguna-dflash")
@@ -118,7 +119,7 @@ def test_config_variants_fused_path_matches_reference(tmp_path, variant):
         torch.testing.assert_close(f, r, atol=1e-5, rtol=0)
     # partial rotary: channels past rotary_dim pass through, the first rotary_dim are rotated
     k = torch.randn(3, 2, cfg.head_dim)
-    roped = apply_partial_rope(k, torch.tensor([1, 5, 9]), m._rope_cos_sin_cache)
+    roped = apply_rope(k, torch.tensor([1, 5, 9]), m._rope_cos_sin_cache)
     assert torch.equal(roped[..., rotary_dim:], k[..., rotary_dim:])
     assert not torch.allclose(roped[..., :rotary_dim], k[..., :rotary_dim])
 
