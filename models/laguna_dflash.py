@@ -42,15 +42,17 @@ from .qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 @dataclass(frozen=True)
 class LagunaDFlashConfig(DFlashConfig):
-    gating: bool | str = True  # True / "per-head": one softplus gate per head; "per-element": per channel
-    partial_rotary_factor: float = 0.5  # RoPE on the first head_dim * factor channels of each head
+    """DFlash's fields with Laguna's sizes, plus Laguna's own. Inherited `num_target_features`
+    (len(dflash_config.target_layer_ids)): one `aux_hidden_norm` per target feature."""
+
     intermediate_size: int = 96
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 16
     rope_theta: float = 500_000.0
+    partial_rotary_factor: float = 0.5  # RoPE on the first head_dim * factor channels of each head
+    gating: bool | str = True  # True / "per-head": one softplus gate per head; "per-element": per channel
     target_hidden_size: int = 48  # the verifier's hidden size (vllm_config.model_config.get_hidden_size())
-    num_target_features: int = 2  # len(dflash_config.target_layer_ids): one aux_hidden_norm per feature
     mask_token_id: int | None = None  # dflash_config.mask_token_id
 
 

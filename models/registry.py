@@ -89,23 +89,25 @@ def _context_then_step(m: Any, x: Inputs, reference: bool) -> Outputs:
             step(x["input_embeds"], x["positions"], x["context_states"], x["context_positions"]))
 
 
-def _dspark_step(m: Any, x: Inputs, reference: bool, own_embeddings: bool = False) -> Outputs:
-    """Context K/V, the parallel block pass, then the sequential stage's Markov bias and confidence.
-    `own_embeddings`: the draft embeds the query tokens itself (Gemma); otherwise they come embedded."""
+def _block_step(m: Any, x: Inputs, reference: bool, embeds: torch.Tensor | None = None) -> Outputs:
+    """Context K/V, then the parallel pass over the query block that reads them (DFlash's `draft_block`)."""
     k, v = _context_kv(m, x, reference)
-    embeds = m.embed_input_ids(x["input_ids"]) if own_embeddings else x["input_embeds"]
-    h = m.draft_block(embeds, x["positions"], k, v)
+    return k, v, m.draft_block(x["input_embeds"] if embeds is None else embeds, x["positions"], k, v)
+
+
+def _dspark_step(m: Any, x: Inputs, reference: bool, own_embeddings: bool = False) -> Outputs:
+    """The block step, then the sequential stage's confidence and Markov bias. `own_embeddings`: the draft embeds
+    the query tokens itself (Gemma); otherwise they come embedded."""
+    k, v, h = _block_step(m, x, reference, m.embed_input_ids(x["input_ids"]) if own_embeddings else None)
     prev = x["prev_token_ids"]
     conf = m.compute_confidence_reference(h, prev) if reference else m.compute_confidence(h, prev)
     return k, v, h, conf, m.markov_bias(m.markov_embed(prev))
 
 
 def _dflash2_step(m: Any, x: Inputs, reference: bool) -> Outputs:
-    """Context K/V, the block pass through the grouped convolutions, then the candidate selector's scores."""
-    k, v = _context_kv(m, x, reference)
-    h = m.draft_block(x["input_embeds"], x["positions"], k, v)
-    scores = m.score_candidates(x["candidate_ids"], x["unary_logits"], h.unsqueeze(0), x["anchor_token_ids"])
-    return k, v, h, scores
+    """The block step (through the grouped convolutions), then the candidate selector's scores."""
+    k, v, h = _block_step(m, x, reference)
+    return k, v, h, m.score_candidates(x["candidate_ids"], x["unary_logits"], h.unsqueeze(0), x["anchor_token_ids"])
 
 
 def _family(name: str, summary: str, derives: str, config: Callable[..., Any], build: Callable[..., DraftBackbone],
@@ -118,7 +120,7 @@ FAMILIES: dict[str, DraftFamily] = {f.name: f for f in (
     _family("dflash", "Qwen3 DFlash draft (vLLM DFlashQwen3Model)",
             "`_fused_kv_weight` (cat of qkv_proj K/V rows), `_k_norm_weights` (stack), "
             "`_rope_cos_sin_cache` (alias), `_hidden_norm_weight` (alias)",
-            DFlashConfig, DFlashQwen3Draft, _query_inputs, _context_kv),
+            DFlashConfig, DFlashQwen3Draft, _query_inputs, _block_step),
     _family("dspark", "Qwen3 DSpark draft (vLLM Qwen3DSparkModel): DFlash backbone + Markov / confidence heads",
             "DFlash's four (inherited) + `_markov_confidence_logits` (custom, in place via `into=`: "
             "markov_w1 @ confidence weights + bias; ours, not vLLM's)",
