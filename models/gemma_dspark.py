@@ -45,6 +45,9 @@ from .dspark_heads import MARKOV_CONFIDENCE, DSparkHeads, DSparkHeadsConfig
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding, attend_to_context, rms_norm
 from .qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
+__all__ = ["Gemma4DSparkAttention", "Gemma4DSparkDecoderLayer", "GemmaDSparkConfig", "GemmaDSparkDraft", "gelu_tanh",
+           "random_weights"]
+
 
 @dataclass(frozen=True)
 class GemmaDSparkConfig(DSparkHeadsConfig, DFlashConfig):

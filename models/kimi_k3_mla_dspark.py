@@ -49,6 +49,9 @@ from lifecycle.testing import random_checkpoint
 from .dspark_heads import DSparkMarkovHead
 from .layers import DecoderLayer, DraftConfig, RMSNorm, RotaryEmbedding, apply_rope_gptj, init_rope_caches, rms_norm
 
+__all__ = ["K3DSparkConfig", "K3DSparkDecoderLayer", "K3DSparkDraft", "MultiHeadLatentAttention", "random_weights",
+           "split_kv_b_proj"]
+
 
 @dataclass(frozen=True)
 class K3DSparkConfig(DraftConfig):

@@ -39,6 +39,9 @@ from lifecycle.testing import random_checkpoint
 from .layers import DecoderLayer, DFlashAttention, RMSNorm, rms_norm
 from .qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
+__all__ = ["DFlashLagunaDraft", "LagunaAttention", "LagunaDFlashConfig", "LagunaDecoderLayer", "LagunaMLP",
+           "random_weights"]
+
 
 @dataclass(frozen=True)
 class LagunaDFlashConfig(DFlashConfig):

@@ -28,6 +28,8 @@ from lifecycle.testing import random_checkpoint
 
 from .layers import DecoderLayer, DFlashAttention, DraftConfig, RMSNorm, apply_rope, init_rope_caches, rms_norm
 
+__all__ = ["DFlashConfig", "DFlashQwen3DecoderLayer", "DFlashQwen3Draft", "random_weights"]
+
 
 @dataclass(frozen=True)
 class DFlashConfig(DraftConfig):

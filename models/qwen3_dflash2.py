@@ -39,6 +39,9 @@ from lifecycle.testing import random_checkpoint
 
 from .qwen3_dflash import DFlashConfig, DFlashQwen3DecoderLayer, DFlashQwen3Draft
 
+__all__ = ["CandidateSelector", "DFlash2Config", "DFlash2Qwen3DecoderLayer", "DFlash2Qwen3Draft",
+           "DFlashGroupedConv", "grouped_conv", "random_weights", "score_edges"]
+
 
 @dataclass(frozen=True)
 class DFlash2Config(DFlashConfig):

@@ -29,6 +29,8 @@ from lifecycle.testing import random_checkpoint
 from .dspark_heads import MARKOV_CONFIDENCE, DSparkHeads, DSparkHeadsConfig
 from .qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
+__all__ = ["DSparkConfig", "Qwen3DSparkDraft", "random_weights"]
+
 
 @dataclass(frozen=True)
 class DSparkConfig(DSparkHeadsConfig, DFlashConfig):
