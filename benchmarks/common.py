@@ -30,7 +30,7 @@ from torch import nn
 from lifecycle import DraftBackbone, concat, stack
 from lifecycle.audit.views import table as text_table
 from lifecycle.loading import apply_bucket
-from models.qwen3_dflash import RMSNorm
+from models.layers import RMSNorm
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -51,6 +51,8 @@ class DraftBackbone(nn.Module):
         """Register every derived buffer as an (empty) non-persistent buffer and build the state machine from
         the checkpoint tensors this module expects: its state_dict (parameters and persistent buffers), or
         `tensors` when the caller knows better (vLLM drafts share their embeddings with the target)."""
+        # the class declares every buffer; this backbone keeps those its `enabled=` predicates accept
+        self.derived_buffers = tuple(s for s in self.derived_buffers if s.is_enabled(self))
         for spec in self.derived_buffers:
             self.register_buffer(spec.name, None, persistent=False)
         tracked = self.state_dict(keep_vars=True) if tensors is None else tensors

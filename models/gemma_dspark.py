@@ -17,7 +17,7 @@ Derived state, as vLLM's `Gemma4DSparkModel._build_context_kv_buffers()` builds 
   _v_norm_weights      ones [layers, head_dim], NO weight source     grouped V RMSNorm (v_norm has no scale)
   _rope_cos_sin_cache  alias of layers.0 rotary cos/sin cache
   _hidden_norm_weight  alias of hidden_norm.weight
-  _markov_confidence_logits   the DSpark confidence precompute (ours, see models/qwen3_dspark.py)
+  _markov_confidence_logits   the DSpark confidence precompute (ours, see models/dspark_heads.py)
 
 `_v_norm_weights` is a constant: vLLM reallocates it with `torch.ones` at every `load_weights` call (once per
 bucket during a reload), moving it under captured graphs; here it is a `custom` buffer with no dependencies,
@@ -38,50 +38,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lifecycle import DraftBackbone, Phase, alias, concat, custom, post_load_hook, stack
+from lifecycle import Phase, alias, concat, custom, post_load_hook, stack
+from lifecycle.testing import random_checkpoint
 
-from .qwen3_dflash import RMSNorm, RotaryEmbedding, apply_rope, rms_norm
-from .qwen3_dspark import MARKOV_CONFIDENCE, DSparkHeads
+from .dspark_heads import MARKOV_CONFIDENCE, DSparkHeads, DSparkHeadsConfig
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding, attend_to_context, rms_norm
+from .qwen3_dflash import DFlashConfig, DFlashQwen3Draft
+
+__all__ = ["Gemma4DSparkAttention", "Gemma4DSparkDecoderLayer", "GemmaDSparkConfig", "GemmaDSparkDraft", "gelu_tanh",
+           "random_weights"]
 
 
 @dataclass(frozen=True)
-class GemmaDSparkConfig:
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 2
-    num_key_value_heads: int = 1
-    head_dim: int = 32
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 256
-    num_target_features: int = 2  # len(dspark_target_layer_ids): fc input is hidden * this
-    vocab_size: int = 96
-    draft_vocab_size: int | None = None
-    markov_rank: int = 8
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    dtype: torch.dtype = torch.float32
+class GemmaDSparkConfig(DSparkHeadsConfig, DFlashConfig):
+    """The Gemma4 DSpark fields modelled here: DFlash's sizes (vLLM's `Gemma4DSparkModel` subclasses
+    `DFlashQwen3Model`) and the DSpark heads'; `num_target_features` is `len(dspark_target_layer_ids)`."""
 
 
-def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
-
-
-class UnweightedRMSNorm(nn.Module):
-    """vLLM's `RMSNorm(has_weight=False)`: no parameter, nothing in the checkpoint."""
-
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_unweighted(x, self.variance_epsilon)
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """Gemma4's `gelu_pytorch_tanh`."""
+    return F.gelu(x, approximate="tanh")
 
 
 class Gemma4DSparkAttention(nn.Module):
-    """Gemma4 attention owning its K/V, with K = V: `k_proj` only; scaling 1.0 (q_norm does the scaling)."""
+    """vLLM's `Gemma4DSparkAttention` (a `Gemma4MTPAttention` with `attention_k_eq_v`): it owns its K/V, with
+    K = V, so there is a `k_proj` and no `v_proj`; scaling 1.0 (q_norm does the scaling)."""
 
     def __init__(self, c: GemmaDSparkConfig) -> None:
         super().__init__()
@@ -96,8 +77,8 @@ class Gemma4DSparkAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_proj = nn.Linear(c.hidden_size, self.kv_size, bias=False)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.v_norm = UnweightedRMSNorm(c.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, c.max_position_embeddings, c.rope_theta)
+        self.v_norm = RMSNorm(self.head_dim, c.rms_norm_eps, has_weight=False)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, self.head_dim, c.max_position_embeddings, c.rope_theta)
 
     def _kv_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normed K (before RoPE) and V from one projection: [n, nkv, hd] each."""
@@ -114,24 +95,8 @@ class Gemma4DSparkAttention(nn.Module):
         n = x.shape[0]
         q = self.rotary_emb(positions, self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim)))
         k, v = self._kv_proj(x)
-        k = self.rotary_emb(positions, k)
-        k, v = torch.cat((ctx_k, k)), torch.cat((ctx_v, v))
-        rep = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             scale=self.scaling)
-        return self.o_proj(out.transpose(0, 1).reshape(n, self.q_size))
-
-
-class Gemma4MLP(nn.Module):
-    def __init__(self, c: GemmaDSparkConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)  # gelu_pytorch_tanh
+        out = attend_to_context(q, self.rotary_emb(positions, k), v, ctx_k, ctx_v, self.scaling)
+        return self.o_proj(out.reshape(n, self.q_size))
 
 
 class Gemma4DSparkDecoderLayer(nn.Module):
@@ -140,7 +105,7 @@ class Gemma4DSparkDecoderLayer(nn.Module):
     def __init__(self, c: GemmaDSparkConfig) -> None:
         super().__init__()
         self.self_attn = Gemma4DSparkAttention(c)
-        self.mlp = Gemma4MLP(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, activation=gelu_tanh)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -159,8 +124,10 @@ def _v_norm_weights(m: nn.Module) -> torch.Tensor:
     return torch.ones(len(m.layers), m.layers[0].self_attn.head_dim, dtype=k_norm.dtype, device=k_norm.device)
 
 
-class GemmaDSparkDraft(DSparkHeads, DraftBackbone):
-    """The draft backbone (vLLM's `Gemma4DSparkModel`); lm_head stays on the causal-LM wrapper."""
+class GemmaDSparkDraft(DSparkHeads, DFlashQwen3Draft):
+    """The draft backbone (vLLM's `Gemma4DSparkModel`, a `DFlashQwen3Model` with its own modules): Gemma4 layers,
+    its own `embed_tokens`, the DSpark heads; lm_head stays on the causal-LM wrapper. Inherited from DFlash: the
+    per-layer reference path, the block pass, `combine_hidden_states` and the RoPE hook."""
 
     derived_buffers = (
         concat("_fused_k_weight", sources=("self_attn.k_proj.weight",),
@@ -175,7 +142,7 @@ class GemmaDSparkDraft(DSparkHeads, DraftBackbone):
 
     def __init__(self, config: GemmaDSparkConfig | None = None, *, device: str | torch.device = "meta",
                  name: str = "gemma-dspark", rank: int = 0) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # as vLLM's Gemma4DSparkModel: DFlash's methods, its own modules
         c = self.config = config or GemmaDSparkConfig()
         with torch.device(device):
             embed = torch.empty(c.vocab_size, c.hidden_size)  # given as _weight: no random init, the load writes it
@@ -186,20 +153,11 @@ class GemmaDSparkDraft(DSparkHeads, DraftBackbone):
             self.layers = nn.ModuleList(Gemma4DSparkDecoderLayer(c) for _ in range(c.num_hidden_layers))
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.to(c.dtype)
-            dropped = self.build_dspark_heads(c)
-        if dropped:
-            self.derived_buffers = tuple(s for s in type(self).derived_buffers if s not in dropped)
+            self.build_dspark_heads(c)
         self.init_lifecycle(name, rank=rank)
 
-    # One-time cold-start work: tables computed, not loaded. Replaying either on reload would give it new storage
-    # under what captured graphs read, so both opt into cold_load only.
-    @post_load_hook(Phase.COLD_LOAD)
-    def init_rope_caches(self) -> None:
-        device = self.hidden_norm.weight.device
-        for layer in self.layers:
-            rot = layer.self_attn.rotary_emb
-            rot.register_buffer("cos_sin_cache", rot.compute_cos_sin_cache(device), persistent=False)
-
+    # One-time cold-start work besides the inherited RoPE tables (`init_rope_caches`): computed, not loaded.
+    # Replayed on reload it would give the buffer new storage under captured graphs, so it opts into cold_load only.
     @post_load_hook(Phase.COLD_LOAD)
     def init_normalizer(self) -> None:
         c = self.config
@@ -209,45 +167,21 @@ class GemmaDSparkDraft(DSparkHeads, DraftBackbone):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.normalizer
 
-    def combine_hidden_states(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        return self.fc(target_hidden)
-
-    # ---- context K/V: fused path (reads the derived buffers) -------------------------------------------------
-    def precompute_context_kv(self, context_states: torch.Tensor, positions: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the context for every layer at once: [L, n, nkv, hd] each. One GEMM, grouped norms."""
-        self.require_usable("precompute_context_kv")
+    # ---- context K/V: the inherited fused path over one K projection --------------------------------------
+    def _project_context_kv(self, context_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw K of every layer from one GEMM over `_fused_k_weight`; V = v_norm(K) through the grouped constant
+        `_v_norm_weights` (K = V). The inherited `precompute_context_kv` then k-norms and rotates K."""
         attn0 = self.layers[0].self_attn
         L, n, nkv, hd = len(self.layers), context_states.shape[0], attn0.num_kv_heads, attn0.head_dim
         x = rms_norm(context_states, self._hidden_norm_weight, self.hidden_norm.variance_epsilon)
-        k = F.linear(x, self._fused_k_weight).view(n, L, nkv, hd).permute(1, 0, 2, 3)  # raw K, [L, n, nkv, hd]
-        v = rms_norm(k, self._v_norm_weights.view(L, 1, 1, hd), attn0.v_norm.variance_epsilon)
-        k = rms_norm(k, self._k_norm_weights.view(L, 1, 1, hd), attn0.k_norm.variance_epsilon)
-        k = apply_rope(k, positions, self._rope_cos_sin_cache)
-        return k.contiguous(), v.contiguous()
+        k = F.linear(x, self._fused_k_weight).view(n, L, nkv, hd).permute(1, 0, 2, 3)  # [L, n, nkv, hd]
+        return k, rms_norm(k, self._v_norm_weights.view(L, 1, 1, hd), attn0.v_norm.variance_epsilon)
 
-    # ---- context K/V: reference path (per layer, no derived buffers) ----------------------------------------
-    def precompute_context_kv_reference(self, context_states: torch.Tensor, positions: torch.Tensor
-                                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.hidden_norm(context_states)
-        ks, vs = zip(*(layer.self_attn.context_kv(x, positions) for layer in self.layers), strict=True)
-        return torch.stack(ks), torch.stack(vs)
-
-    # ---- the draft step -----------------------------------------------------------------------------------
+    # ---- the draft step: the query block comes as token ids, embedded by the draft itself ---------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context_states: torch.Tensor,
                 context_positions: torch.Tensor) -> torch.Tensor:
-        ctx_k, ctx_v = self.precompute_context_kv(context_states, context_positions)
-        return self.draft_block(self.embed_input_ids(input_ids), positions, ctx_k, ctx_v)
-
-    def draft_block(self, input_embeds: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor,
-                    ctx_v: torch.Tensor) -> torch.Tensor:
-        h = input_embeds
-        for i, layer in enumerate(self.layers):
-            h = layer(h, positions, ctx_k[i], ctx_v[i])
-        return self.norm(h)
+        return super().forward(self.embed_input_ids(input_ids), positions, context_states, context_positions)
 
 
 def random_weights(config: GemmaDSparkConfig, seed: int) -> dict[str, torch.Tensor]:
-    from lifecycle.testing import random_checkpoint
-
     return random_checkpoint(GemmaDSparkDraft(config, device="meta"), seed)

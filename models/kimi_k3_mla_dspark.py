@@ -43,40 +43,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lifecycle import DraftBackbone, Phase, alias, concat, post_load_hook, stack
+from lifecycle import DraftBackbone, alias, concat, stack
+from lifecycle.testing import random_checkpoint
 
-from .qwen3_dflash import RMSNorm, rms_norm, rope_cos_sin_cache
+from .dspark_heads import DSparkMarkovHead
+from .layers import DecoderLayer, DraftConfig, RMSNorm, RotaryEmbedding, apply_rope_gptj, init_rope_caches, rms_norm
+
+__all__ = ["K3DSparkConfig", "K3DSparkDecoderLayer", "K3DSparkDraft", "MultiHeadLatentAttention", "random_weights",
+           "split_kv_b_proj"]
 
 
 @dataclass(frozen=True)
-class K3DSparkConfig:
-    hidden_size: int = 64
+class K3DSparkConfig(DraftConfig):
     intermediate_size: int = 96
-    num_hidden_layers: int = 4
     num_attention_heads: int = 4
+    rope_theta: float = 50_000.0
+    # MLA: a q-LoRA front end, one kv latent per token, per-head keys split into a no-RoPE and a RoPE part
     q_lora_rank: int = 32
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 50_000.0
-    max_position_embeddings: int = 256
+    # the target's hidden states and the DSpark Markov head
     target_hidden_size: int = 48
     num_target_layers: int = 2  # context_proj input is target_hidden_size * this
     vocab_size: int = 128
     draft_vocab_size: int = 128
     markov_rank: int = 8
-    dtype: torch.dtype = torch.float32
-
-
-def apply_rope_interleaved(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """GPT-J-style rotation (`is_neox_style=False`: channel pairs 2i, 2i+1), in fp32 as vLLM's K3 kernels do.
-    x: [..., n, heads, rope_dim] with positions [n]; cache rows are [cos | sin]."""
-    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # [n, rope/2] each
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
 
 
 def split_kv_b_proj(weight: torch.Tensor, act_dtype: torch.dtype, kv_lora_rank: int, num_heads: int,
@@ -90,24 +83,6 @@ def split_kv_b_proj(weight: torch.Tensor, act_dtype: torch.dtype, kv_lora_rank: 
                          f"(configured: {num_heads} heads, rank {kv_lora_rank})")
     # heads and rank follow the weight, so a checkpoint of another layout yields (and is refused as) a new layout
     return w.view(w.shape[0], w.shape[1] // per_head, per_head).split([qk_nope_head_dim, v_head_dim], -1)
-
-
-class K3RotaryEmbedding(nn.Module):
-    """Default RoPE over `qk_rope_head_dim`, fp32 cos/sin table as a NON-persistent buffer (computed at cold load)."""
-
-    def __init__(self, rope_dim: int, max_position: int, base: float) -> None:
-        super().__init__()
-        self.head_size = rope_dim
-        self.max_position = max_position
-        self.base = base
-        self.is_neox_style = False
-        self.register_buffer("cos_sin_cache", torch.empty(max_position, rope_dim), persistent=False)
-
-    def compute_cos_sin_cache(self, device: torch.device) -> torch.Tensor:
-        return rope_cos_sin_cache(self.head_size, self.max_position, self.base, device)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return apply_rope_interleaved(x, positions, self.cos_sin_cache)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -131,9 +106,16 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=False)
-        self.rotary_emb = K3RotaryEmbedding(c.qk_rope_head_dim, c.max_position_embeddings, c.rope_theta)
+        self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.qk_rope_head_dim, c.max_position_embeddings,
+                                          c.rope_theta, is_neox_style=False)  # GPT-J style, fp32
 
-    # ---- vLLM's process_weights_after_loading: absorb kv_b_proj --------------------------------------------
+    # ---- what the derived buffers read -------------------------------------------------------------------
+    def kv_a_proj_with_mqa_weight(self) -> torch.Tensor:
+        """The checkpoint's `kv_a_proj_with_mqa` rows of `fused_qkv_a_proj` (a view): vLLM's `context_kv_proj`
+        duplicates them for the context path."""
+        return self.fused_qkv_a_proj.weight[self.q_lora_rank:]
+
+    # vLLM's process_weights_after_loading: absorb kv_b_proj
     def absorbed_W_UK_T(self) -> torch.Tensor:
         """(L, N, P) -> (N, P, L): queries are projected into latent space by this."""
         W_UK, _ = split_kv_b_proj(self.kv_b_proj.weight, self.act_dtype, self.kv_lora_rank, self.num_heads,
@@ -198,44 +180,11 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim))
 
 
-class KimiMLP(nn.Module):
-    def __init__(self, c: K3DSparkConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class K3DSparkDecoderLayer(nn.Module):
-    def __init__(self, c: K3DSparkConfig) -> None:
-        super().__init__()
-        self.self_attn = MultiHeadLatentAttention(c)
-        self.mlp = KimiMLP(c)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_kv_c: torch.Tensor, ctx_k_pe: torch.Tensor,
-                absorbed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, ctx_kv_c, ctx_k_pe, absorbed)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class DSparkMarkovHead(nn.Module):
-    """The sequential transition-bias head (low-rank vocab x r, r x draft vocab); not read by the backbone."""
+class K3DSparkDecoderLayer(DecoderLayer):
+    """Forward: `layer(h, positions, ctx_kv_c, ctx_k_pe, absorbed)`, `absorbed` = (W_UK_T, W_UV) or None."""
 
     def __init__(self, c: K3DSparkConfig) -> None:
-        super().__init__()
-        self.markov_w1 = nn.Embedding(c.vocab_size, c.markov_rank)
-        self.markov_w2 = nn.Linear(c.markov_rank, c.draft_vocab_size, bias=False)
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.markov_w1(token_ids)
-
-    def bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
-        return self.markov_w2(markov_embed)
+        super().__init__(c, MultiHeadLatentAttention(c))
 
 
 class K3DSparkDraft(DraftBackbone):
@@ -244,7 +193,7 @@ class K3DSparkDraft(DraftBackbone):
 
     derived_buffers = (
         concat("_context_kv_weight", sources=("self_attn.fused_qkv_a_proj.weight",),
-               per_layer=lambda layer: layer.self_attn.fused_qkv_a_proj.weight[layer.self_attn.q_lora_rank:]),
+               per_layer=lambda layer: layer.self_attn.kv_a_proj_with_mqa_weight()),
         stack("_context_kv_norm_weights", sources=("self_attn.kv_a_layernorm.weight",),
               per_layer=lambda layer: layer.self_attn.kv_a_layernorm.weight),
         alias("_rope_cos_sin_cache", source="layers.0.self_attn.rotary_emb.cos_sin_cache"),
@@ -263,18 +212,11 @@ class K3DSparkDraft(DraftBackbone):
             self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.layers = nn.ModuleList(K3DSparkDecoderLayer(c) for _ in range(c.num_hidden_layers))
             self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-            self.markov_head = DSparkMarkovHead(c)
+            self.markov_head = DSparkMarkovHead(c.vocab_size, c.draft_vocab_size, c.markov_rank)
         self.to(c.dtype)
         self.init_lifecycle(name, rank=rank)
 
-    # A one-time cold-start transform (not in the checkpoint): replaying it on reload would give the table new
-    # storage under the alias that captured graphs read, so it opts into cold_load only.
-    @post_load_hook(Phase.COLD_LOAD)
-    def init_rope_caches(self) -> None:
-        device = self.final_norm.weight.device
-        for layer in self.layers:
-            rot = layer.self_attn.rotary_emb
-            rot.register_buffer("cos_sin_cache", rot.compute_cos_sin_cache(device), persistent=False)
+    init_rope_caches = init_rope_caches  # cold_load hook: the RoPE tables, computed once (models/layers.py)
 
     # ---- target hidden states -> draft context --------------------------------------------------------------
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -291,7 +233,7 @@ class K3DSparkDraft(DraftBackbone):
         all_kv = F.linear(context_states, self._context_kv_weight).view(n, L, -1).transpose(0, 1)  # [L, n, w]
         kv_c = rms_norm(all_kv[..., :lkv], self._context_kv_norm_weights.unsqueeze(1),
                         attn0.kv_a_layernorm.variance_epsilon)
-        k_pe = apply_rope_interleaved(all_kv[..., lkv:].unsqueeze(-2), positions, self._rope_cos_sin_cache)
+        k_pe = apply_rope_gptj(all_kv[..., lkv:].unsqueeze(-2), positions, self._rope_cos_sin_cache)
         return kv_c.contiguous(), k_pe.squeeze(-2).contiguous()
 
     # ---- context latents: reference path (per layer, no derived buffers) ------------------------------------
@@ -306,23 +248,21 @@ class K3DSparkDraft(DraftBackbone):
                 context_positions: torch.Tensor) -> torch.Tensor:
         """Absorbed attention (W_UK_T, W_UV) over the latent cache built by the fused context path."""
         kv_c, k_pe = self.precompute_context_kv(context_states, context_positions)
-        h = input_embeds
-        for i, layer in enumerate(self.layers):
-            h = layer(h, positions, kv_c[i], k_pe[i], (self._W_UK_T[i], self._W_UV[i]))
-        return self.final_norm(h)
+        return self._decode(input_embeds, positions, kv_c, k_pe, absorbed=True)
 
     def forward_reference(self, input_embeds: torch.Tensor, positions: torch.Tensor, context_states: torch.Tensor,
                           context_positions: torch.Tensor) -> torch.Tensor:
         """Per layer, no derived buffers: each layer's own latent projection, and K/V from kv_b_proj directly."""
         kv_c, k_pe = self.precompute_context_kv_reference(context_states, context_positions)
-        h = input_embeds
+        return self._decode(input_embeds, positions, kv_c, k_pe, absorbed=False)
+
+    def _decode(self, h: torch.Tensor, positions: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, *,
+                absorbed: bool) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, kv_c[i], k_pe[i])
+            h = layer(h, positions, kv_c[i], k_pe[i], (self._W_UK_T[i], self._W_UV[i]) if absorbed else None)
         return self.final_norm(h)
 
 
 def random_weights(config: K3DSparkConfig, seed: int) -> dict[str, torch.Tensor]:
     """A full checkpoint of random weights (norm weights near 1), in vLLM's parameter names."""
-    from lifecycle.testing import random_checkpoint
-
     return random_checkpoint(K3DSparkDraft(config, device="meta"), seed)

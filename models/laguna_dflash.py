@@ -33,96 +33,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lifecycle import DraftBackbone, Phase, alias, post_load_hook, stack
+from lifecycle import Phase, alias, post_load_hook, stack
+from lifecycle.testing import random_checkpoint
 
-from .qwen3_dflash import RMSNorm, apply_rope, rms_norm, rope_cos_sin_cache
+from .layers import DecoderLayer, DFlashAttention, RMSNorm, rms_norm
+from .qwen3_dflash import DFlashConfig, DFlashQwen3Draft
+
+__all__ = ["DFlashLagunaDraft", "LagunaAttention", "LagunaDFlashConfig", "LagunaDecoderLayer", "LagunaMLP",
+           "random_weights"]
 
 
 @dataclass(frozen=True)
-class LagunaDFlashConfig:
-    hidden_size: int = 64
+class LagunaDFlashConfig(DFlashConfig):
+    """DFlash's fields with Laguna's sizes, plus Laguna's own. Inherited `num_target_features`
+    (len(dflash_config.target_layer_ids)): one `aux_hidden_norm` per target feature."""
+
     intermediate_size: int = 96
-    num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 16
+    rope_theta: float = 500_000.0
     partial_rotary_factor: float = 0.5  # RoPE on the first head_dim * factor channels of each head
     gating: bool | str = True  # True / "per-head": one softplus gate per head; "per-element": per channel
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 500_000.0
-    max_position_embeddings: int = 256
     target_hidden_size: int = 48  # the verifier's hidden size (vllm_config.model_config.get_hidden_size())
-    num_target_features: int = 2  # len(dflash_config.target_layer_ids): one aux_hidden_norm per feature
     mask_token_id: int | None = None  # dflash_config.mask_token_id
-    dtype: torch.dtype = torch.float32
 
 
-def apply_partial_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation of the first `rotary_dim` channels (the cache's width); the rest pass through."""
-    rot = cos_sin_cache.shape[-1]
-    if rot == x.shape[-1]:
-        return apply_rope(x, positions, cos_sin_cache)
-    return torch.cat((apply_rope(x[..., :rot], positions, cos_sin_cache), x[..., rot:]), dim=-1)
+class LagunaAttention(DFlashAttention):
+    """DFlash attention with partial rotary and Laguna's softplus output gate (`g_proj`: per head or per channel)."""
 
-
-class LagunaRotaryEmbedding(nn.Module):
-    """The cos/sin table as a NON-persistent buffer: not in the checkpoint, computed once at cold load."""
-
-    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float) -> None:
-        super().__init__()
-        self.head_size = head_dim
-        self.rotary_dim = rotary_dim
-        self.max_position = max_position
-        self.base = base
-        self.is_neox_style = True
-        self.register_buffer("cos_sin_cache", torch.empty(max_position, rotary_dim), persistent=False)
-
-    def compute_cos_sin_cache(self, device: torch.device) -> torch.Tensor:
-        return rope_cos_sin_cache(self.rotary_dim, self.max_position, self.base, device)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return apply_partial_rope(x, positions, self.cos_sin_cache)
-
-
-class LagunaAttention(nn.Module):
     def __init__(self, c: LagunaDFlashConfig) -> None:
-        super().__init__()
-        self.head_dim = c.head_dim
-        self.num_heads = c.num_attention_heads
-        self.num_kv_heads = c.num_key_value_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scaling = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        super().__init__(c, rotary_dim=int(c.head_dim * c.partial_rotary_factor))
         self.gate_per_head = c.gating is True or c.gating == "per-head"
         self.g_proj = (nn.Linear(c.hidden_size, self.num_heads if self.gate_per_head else self.q_size, bias=False)
                        if c.gating else None)
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
-        rotary_dim = int(self.head_dim * c.partial_rotary_factor)
-        self.rotary_emb = LagunaRotaryEmbedding(self.head_dim, rotary_dim, c.max_position_embeddings, c.rope_theta)
-
-    def context_kv(self, normed_context: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference (per-layer) context K/V from this layer's input_layernorm output: [n, nkv, hd] each."""
-        n = normed_context.shape[0]
-        kv = self.qkv_proj(normed_context)[:, self.q_size:].view(n, 2, self.num_kv_heads, self.head_dim)
-        k = self.rotary_emb(positions, self.k_norm(kv[:, 0]))
-        return k, kv[:, 1]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor
                 ) -> torch.Tensor:
-        """Query tokens attend (non-causally) to the context K/V plus their own; softplus output gate."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary_emb(positions, self.q_norm(q.view(n, self.num_heads, self.head_dim)))
-        k = self.rotary_emb(positions, self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)))
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        k, v = torch.cat((ctx_k, k)), torch.cat((ctx_v, v))  # [ctx + n, nkv, hd]
-        rep = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             scale=self.scaling).transpose(0, 1)  # [n, heads, hd]
+        out = self.attend(x, positions, ctx_k, ctx_v)  # [n, heads, hd]
         if self.g_proj is not None:
             gate = F.softplus(self.g_proj(x).float()).type_as(out)
             out = out * (gate.unsqueeze(-1) if self.gate_per_head else gate.view(n, self.num_heads, self.head_dim))
@@ -142,23 +91,16 @@ class LagunaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LagunaDecoderLayer(nn.Module):
+class LagunaDecoderLayer(DecoderLayer):
     def __init__(self, c: LagunaDFlashConfig) -> None:
-        super().__init__()
-        self.self_attn = LagunaAttention(c)
-        self.mlp = LagunaMLP(c)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor
-                ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        super().__init__(c, LagunaAttention(c), LagunaMLP(c))
 
 
-class DFlashLagunaDraft(DraftBackbone):
-    """The draft backbone (vLLM's `DFlashLagunaModel`): decoder layers, per-feature `aux_hidden_norms` + `fc` +
-    `hidden_norm` for the verifier's hidden states, final `norm`. Embeddings and lm_head are the target's."""
+class DFlashLagunaDraft(DFlashQwen3Draft):
+    """The draft backbone (vLLM's `DFlashLagunaModel`, a `DFlashQwen3Model` with its own modules): Laguna
+    decoder layers, per-feature `aux_hidden_norms` + `fc` + `hidden_norm` for the verifier's hidden states, final
+    `norm`. Embeddings and lm_head are the target's. Inherited from DFlash: the fused path's k-norm and RoPE, the
+    draft step and the RoPE hook."""
 
     derived_buffers = (
         stack("_kv_weights", sources=("self_attn.qkv_proj.weight",),
@@ -172,7 +114,7 @@ class DFlashLagunaDraft(DraftBackbone):
 
     def __init__(self, config: LagunaDFlashConfig | None = None, *, device: str | torch.device = "meta",
                  name: str = "laguna-dflash", rank: int = 0) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # as vLLM's DFlashLagunaModel: DFlash's methods, its own modules
         c = self.config = config or LagunaDFlashConfig()
         self.mask_token_id = c.mask_token_id
         self.has_separate_mask_embedding = False  # vLLM's Laguna loader never sets it
@@ -187,15 +129,8 @@ class DFlashLagunaDraft(DraftBackbone):
         self.to(c.dtype)
         self.init_lifecycle(name, rank=rank)
 
-    # One-time cold-start buffers, neither in the checkpoint. Replaying either on reload would give the tensor new
-    # storage under captured graphs (the RoPE table under its alias), so both opt into cold_load only.
-    @post_load_hook(Phase.COLD_LOAD)
-    def init_rope_caches(self) -> None:
-        device = self.norm.weight.device
-        for layer in self.layers:
-            rot = layer.self_attn.rotary_emb
-            rot.register_buffer("cos_sin_cache", rot.compute_cos_sin_cache(device), persistent=False)
-
+    # A one-time cold-start buffer besides the inherited RoPE tables (`init_rope_caches`), not in the checkpoint.
+    # Replayed on reload it would give the buffer new storage under captured graphs: cold_load only.
     @post_load_hook(Phase.COLD_LOAD)
     def init_mask_embedding(self) -> None:
         if self.mask_embedding.is_meta:
@@ -217,22 +152,17 @@ class DFlashLagunaDraft(DraftBackbone):
             return torch.where(is_mask, self.mask_embedding.to(input_embeds.dtype), input_embeds)
         return input_embeds
 
-    # ---- context K/V: fused path (reads the derived buffers) -------------------------------------------------
-    def precompute_context_kv(self, context_states: torch.Tensor, positions: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the context for every layer at once: [L, n, nkv, hd] each. One grouped norm, one bmm, one
-        grouped k-norm, one RoPE."""
-        self.require_usable("precompute_context_kv")
+    # ---- context K/V: the inherited fused path over per-layer norms and one bmm ------------------------------
+    def _project_context_kv(self, context_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (before its norm and RoPE) and V of every layer, [L, n, nkv, hd] each: one grouped per-layer norm of
+        the context, one bmm. The inherited `precompute_context_kv` then k-norms K and rotates it (partially)."""
         attn0 = self.layers[0].self_attn
         L, (n, hidden), nkv, hd = len(self.layers), context_states.shape, attn0.num_kv_heads, attn0.head_dim
         eps = self.layers[0].input_layernorm.variance_epsilon
         x = rms_norm(context_states.unsqueeze(0).expand(L, n, hidden), self._input_layernorm_weights.unsqueeze(1),
                      eps)
         kv = torch.bmm(x, self._kv_weights.transpose(1, 2)).view(L, n, 2, nkv, hd).permute(2, 0, 1, 3, 4)
-        k, v = kv[0], kv[1]  # [L, n, nkv, hd]
-        k = rms_norm(k, self._k_norm_weights.view(L, 1, 1, hd), attn0.k_norm.variance_epsilon)
-        k = apply_partial_rope(k, positions, self._rope_cos_sin_cache)
-        return k.contiguous(), v.contiguous()
+        return kv[0], kv[1]
 
     # ---- context K/V: reference path (per layer, no derived buffers) ----------------------------------------
     def precompute_context_kv_reference(self, context_states: torch.Tensor, positions: torch.Tensor
@@ -241,26 +171,13 @@ class DFlashLagunaDraft(DraftBackbone):
                        for layer in self.layers), strict=True)
         return torch.stack(ks), torch.stack(vs)
 
-    # ---- the draft step -----------------------------------------------------------------------------------
-    def _decode(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor
-                ) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            h = layer(h, positions, ctx_k[i], ctx_v[i])
-        return self.norm(h)
-
-    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, context_states: torch.Tensor,
-                context_positions: torch.Tensor) -> torch.Tensor:
-        ctx_k, ctx_v = self.precompute_context_kv(context_states, context_positions)
-        return self._decode(input_embeds, positions, ctx_k, ctx_v)
-
+    # ---- the draft step (`forward` and `draft_block` inherited) ------------------------------------------------
     def forward_reference(self, input_embeds: torch.Tensor, positions: torch.Tensor, context_states: torch.Tensor,
                           context_positions: torch.Tensor) -> torch.Tensor:
         ctx_k, ctx_v = self.precompute_context_kv_reference(context_states, context_positions)
-        return self._decode(input_embeds, positions, ctx_k, ctx_v)
+        return self.draft_block(input_embeds, positions, ctx_k, ctx_v)
 
 
 def random_weights(config: LagunaDFlashConfig, seed: int) -> dict[str, torch.Tensor]:
     """A full checkpoint of random weights (norm weights near 1), in vLLM's parameter names."""
-    from lifecycle.testing import random_checkpoint
-
     return random_checkpoint(DFlashLagunaDraft(config, device="meta"), seed)

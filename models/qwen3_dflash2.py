@@ -35,7 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lifecycle.testing import random_checkpoint
+
 from .qwen3_dflash import DFlashConfig, DFlashQwen3DecoderLayer, DFlashQwen3Draft
+
+__all__ = ["CandidateSelector", "DFlash2Config", "DFlash2Qwen3DecoderLayer", "DFlash2Qwen3Draft",
+           "DFlashGroupedConv", "grouped_conv", "random_weights", "score_edges"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,4 @@ class DFlash2Qwen3Draft(DFlashQwen3Draft):
 
 
 def random_weights(config: DFlash2Config, seed: int) -> dict[str, torch.Tensor]:
-    from lifecycle.testing import random_checkpoint
-
     return random_checkpoint(DFlash2Qwen3Draft(config, device="meta"), seed)

@@ -1,70 +1,102 @@
-"""Helpers shared by the per-family test files (`test_family_*.py`): cold loads, reloads, snapshots, bit equality.
+"""What the family tests share (`test_oracle.py`, `test_families.py`, `test_family_*.py`): a family under test with
+its tiny config and checkpoints A and B (`Fam`), cold loads and reloads, snapshots and bit equality.
 
 Every helper works on any `DraftBackbone` registered in `models.FAMILIES`; the family-specific checks stay in the
-test files.
+`test_family_*.py` files.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lifecycle import DraftBackbone, LifecycleState
-from lifecycle.derived import current_buffer
+from lifecycle.derived import DerivedSpec, current_buffer
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.storage import StorageIdentity
-from models.registry import DraftFamily
+from models import FAMILIES, DraftFamily
 
 S = LifecycleState
+L = 3  # layers in every tiny config
 
-# how a warm reload delivers the target; "partial-layer-1" reloads only layers.1 (B' = A with layers.1 from B)
-STRATEGIES: dict[str, dict[str, Any]] = {
-    "shuffled-buckets-of-3": {"bucket_by": 3, "shuffle": True, "seed": 1},
-    "one-at-a-time-shuffled-duplicates": {"bucket_by": 1, "shuffle": True, "seed": 2, "duplicates": 5},
-    "partial-layer-1": {"subset": lambda n: n.startswith("layers.1."), "bucket_by": 1, "shuffle": True, "seed": 3},
-}
+Snapshot = dict[str, tuple[torch.Tensor, torch.Tensor, StorageIdentity]]
 
 
-def cold_load(family: DraftFamily, cfg: Any, path: Path, name: str = "cold") -> DraftBackbone:
-    model = family.build(cfg, device="meta", name=name)
-    load_safetensors(model, path)
-    model.finalize_loading()
-    model.refresh_derived_buffers()
-    assert model.lifecycle.state is S.DERIVED_REFRESHED
-    return model
+@dataclass
+class Fam:
+    """One family under test: its tiny config (L layers), random checkpoints A and B, and a scratch folder."""
+
+    family: DraftFamily
+    cfg: Any
+    weights: dict[str, dict[str, torch.Tensor]]
+    ckpt: dict[str, Path]
+    tmp: Path
+
+    @classmethod
+    def make(cls, name: str, tmp: Path, **config: Any) -> Fam:
+        family = FAMILIES[name]
+        cfg = family.config(**({"num_hidden_layers": L} | config))
+        weights = {"a": family.random_weights(cfg, 0), "b": family.random_weights(cfg, 1)}
+        ckpt = {k: write_checkpoint(w, tmp / f"{k}.safetensors") for k, w in weights.items()}
+        return cls(family, cfg, weights, ckpt, tmp)
+
+    def build(self, cfg: Any = None) -> DraftBackbone:
+        return self.family.build(cfg if cfg is not None else self.cfg, device="meta")
+
+    def cold(self, which: str | Path) -> Any:
+        """A backbone cold-loaded from checkpoint `which` ("a", "b" or a path), finalized and refreshed."""
+        m = self.build()
+        load_safetensors(m, self.ckpt[which] if isinstance(which, str) else which)
+        m.finalize_loading()
+        m.refresh_derived_buffers()
+        assert m.lifecycle.state is S.DERIVED_REFRESHED
+        return m
+
+    def outputs(self, m: DraftBackbone, *, reference: bool = False, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        """The fused path's outputs (or the per-layer reference path's) on the family's example inputs."""
+        x = self.family.example_inputs(self.cfg, seed, "cpu")
+        with torch.no_grad():
+            return (self.family.reference if reference else self.family.fused)(m, x)
+
+    def mixed(self, take: str | Callable[[str], bool], label: str = "") -> Path:
+        """A with the tensors `take` selects (a name prefix, or a predicate) taken from B: B' = A with layers.1
+        from B, say. `label` names the file (default: the prefix)."""
+        pick = take if callable(take) else lambda n: n.startswith(take)
+        a, b = self.weights["a"], self.weights["b"]
+        path = self.tmp / f"mixed-{label or str(take).strip('.')}.safetensors"
+        return write_checkpoint({n: b[n] if pick(n) else t for n, t in a.items()}, path)
 
 
-def reload(model: DraftBackbone, path: Path, **kw: Any) -> None:
-    """begin_reload, load (any strategy), finalize; a `subset` reload keeps untouched layers."""
-    model.begin_reload()
-    load_safetensors(model, path, **kw)
-    model.finalize_loading(keep_untouched="subset" in kw)
+def reload(m: DraftBackbone, path: Path, **kw: Any) -> list[str]:
+    """begin_reload, load (any strategy), finalize; a `subset` reload keeps untouched layers. Returns the hooks
+    that ran."""
+    m.begin_reload()
+    load_safetensors(m, path, **kw)
+    return m.finalize_loading(keep_untouched="subset" in kw)
 
 
-def partial_checkpoint(family: DraftFamily, cfg: Any, path: Path, layer: int = 1) -> Path:
-    """B' = A with only layers.{layer} replaced by B's tensors."""
-    a, b = family.random_weights(cfg, 0), family.random_weights(cfg, 1)
-    prefix = f"layers.{layer}."
-    return write_checkpoint({n: (b[n] if n.startswith(prefix) else t) for n, t in a.items()}, path)
+def specs(m: DraftBackbone, *kinds: str) -> list[DerivedSpec]:
+    return [s for s in m.derived_buffers if not kinds or s.kind in kinds]
 
 
-def derived(model: DraftBackbone) -> dict[str, torch.Tensor]:
+def derived(m: DraftBackbone) -> dict[str, torch.Tensor]:
     out = {}
-    for name in model.derived_buffer_names():
-        t = current_buffer(model, name)
+    for name in m.derived_buffer_names():
+        t = current_buffer(m, name)
         assert t is not None, f"derived buffer {name} was never built"
         out[name] = t
     return out
 
 
-def everything(model: DraftBackbone) -> dict[str, torch.Tensor]:
+def everything(m: DraftBackbone) -> dict[str, torch.Tensor]:
     """Every parameter and buffer (non-persistent ones included) and every derived buffer, by name."""
-    out: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    out.update(model.named_buffers(remove_duplicate=False))
-    out.update(derived(model))
+    out: dict[str, torch.Tensor] = dict(m.named_parameters(remove_duplicate=False))
+    out.update(m.named_buffers(remove_duplicate=False))
+    out.update(derived(m))
     return out
 
 
@@ -74,37 +106,52 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def outputs(family: DraftFamily, model: DraftBackbone, x: dict[str, torch.Tensor],
-            path: Callable[[DraftBackbone, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]] | None = None
-            ) -> tuple[torch.Tensor, ...]:
-    with torch.no_grad():
-        return (path or family.fused)(model, x)
+def identities(m: DraftBackbone) -> dict[str, StorageIdentity]:
+    return {n: StorageIdentity.of(t) for n, t in derived(m).items()}
 
 
-def assert_same_model(family: DraftFamily, warm: DraftBackbone, cold: DraftBackbone, cfg: Any) -> None:
-    """Bit for bit: every tensor the model holds, and the fused path's outputs."""
+def snapshot(m: DraftBackbone) -> Snapshot:
+    """name -> (the buffer object, a clone of its values, its storage identity), every built derived buffer."""
+    return {n: (t, t.detach().clone(), StorageIdentity.of(t)) for n, t in derived(m).items()}
+
+
+def assert_unchanged(m: DraftBackbone, snap: Snapshot, *, sources_rewritten: bool = True) -> None:
+    """Same object, same storage identity, same bits. An alias IS its source: a loader writing the source in
+    place changes its values without any refresh, so with `sources_rewritten` aliases are compared by identity."""
+    kinds = {s.name: s.kind for s in m.derived_buffers}
+    for name, (obj, values, ident) in snap.items():
+        live = m._buffers[name]
+        assert live is obj, f"{name}: re-registered"
+        assert StorageIdentity.of(live) == ident, f"{name}: storage moved"
+        if not (sources_rewritten and kinds[name] == "alias"):
+            assert bit_equal(live, values), f"{name}: values written"
+
+
+def assert_same_model(fam: Fam, warm: DraftBackbone, cold: DraftBackbone) -> None:
+    """Bit for bit: every tensor the models hold, and the fused path's outputs."""
     w, c = everything(warm), everything(cold)
     assert w.keys() == c.keys()
     for name in c:
         assert bit_equal(w[name], c[name]), f"{name}: warm reload differs from a cold load"
-    x = family.example_inputs(cfg, 5, "cpu")
-    for i, (wo, co) in enumerate(zip(outputs(family, warm, x), outputs(family, cold, x), strict=True)):
-        assert bit_equal(wo, co), f"fused output {i}: warm reload differs from a cold load"
+    for i, (x, y) in enumerate(zip(fam.outputs(warm), fam.outputs(cold), strict=True)):
+        assert bit_equal(x, y), f"fused output {i}: warm reload differs from a cold load"
 
 
-def snapshot(model: DraftBackbone) -> dict[str, tuple[torch.Tensor, torch.Tensor, StorageIdentity]]:
-    """name -> (the buffer object, a clone of its values, its storage identity), every built derived buffer."""
-    return {name: (t, t.detach().clone(), StorageIdentity.of(t)) for name, t in derived(model).items()}
+def layer_slices(m: DraftBackbone, spec: DerivedSpec, buf: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's slice of a concat/stack buffer (views: writing one writes the buffer)."""
+    layers = m.get_submodule(spec.layers_attr)
+    if spec.kind == "stack":
+        return [buf[i] for i in range(len(layers))]
+    out, start = [], 0
+    for layer in layers:
+        n = spec.per_layer(layer).shape[spec.dim]  # type: ignore[misc]
+        out.append(buf.narrow(spec.dim, start, n))
+        start += n
+    return out
 
 
-def assert_unchanged(model: DraftBackbone, snap: dict[str, tuple[torch.Tensor, torch.Tensor, StorageIdentity]],
-                     *, skip_aliases: bool = True) -> None:
-    """Same object, same storage identity, same bits (an alias IS its source, which a loader may rewrite: with
-    `skip_aliases` its values are not compared)."""
-    kinds = {spec.name: spec.kind for spec in model.derived_buffers}
-    for name, (obj, values, ident) in snap.items():
-        live = model._buffers[name]
-        assert live is obj, f"{name}: re-registered"
-        assert StorageIdentity.of(live) == ident, f"{name}: storage moved"
-        if not (skip_aliases and kinds[name] == "alias"):
-            assert torch.equal(live, values), f"{name}: values written"
+def slice_bytes(m: DraftBackbone, spec: DerivedSpec) -> int:
+    """Bytes of one layer's slice of a concat/stack buffer (the whole buffer for any other kind)."""
+    t = getattr(m, spec.name)
+    whole = t.numel() * t.element_size()
+    return whole // len(m.get_submodule(spec.layers_attr)) if spec.kind in ("concat", "stack") else whole

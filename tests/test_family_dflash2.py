@@ -9,13 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_helpers import Fam
 
-from lifecycle.loading import load_safetensors, write_checkpoint
-from models.qwen3_dflash2 import DFlash2Config, DFlash2Qwen3Draft, grouped_conv, random_weights, score_edges
-from models.registry import get_family
-
-CFG = DFlash2Config(num_hidden_layers=3)
-FAMILY = get_family("dflash2")
+from lifecycle.loading import load_safetensors
+from models.qwen3_dflash2 import grouped_conv, score_edges
 
 
 def naive_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
@@ -75,35 +72,21 @@ def of_part(part: str) -> Callable[[str], bool]:
 
 
 @pytest.fixture
-def ckpt(tmp_path: Path) -> dict[str, Path]:
-    """A, and for each part: A with that part's tensors from B."""
-    a, b = random_weights(CFG, 0), random_weights(CFG, 1)
-    out = {"a": write_checkpoint(a, tmp_path / "a.safetensors")}
-    for part in PARTS:
-        new = of_part(part)
-        out[part] = write_checkpoint({n: (b[n] if new(n) else t) for n, t in a.items()}, tmp_path / f"{part}.st")
-    return out
-
-
-def cold(path: Path) -> DFlash2Qwen3Draft:
-    m = DFlash2Qwen3Draft(CFG)
-    load_safetensors(m, path)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
-    return m
+def fam(tmp_path: Path) -> Fam:
+    return Fam.make("dflash2", tmp_path)
 
 
 @pytest.mark.parametrize("part", PARTS)
-def test_conv_and_selector_weights_derive_nothing_but_are_read_live(ckpt: dict[str, Path], part: str) -> None:
-    m = cold(ckpt["a"])
+def test_conv_and_selector_weights_derive_nothing_but_are_read_live(fam: Fam, part: str) -> None:
+    m = fam.cold("a")
     m.capture_graphs()
-    x = FAMILY.example_inputs(CFG, 0, "cpu")
-    before = FAMILY.fused(m, x)
+    before = fam.outputs(m)
     lc = m.lifecycle
     names = [n for n in lc.specs if of_part(part)(n)]
     assert names
     m.begin_reload()
-    load_safetensors(m, ckpt[part], subset=names, bucket_by=1, shuffle=True)
+    target = fam.mixed(of_part(part), label=part)
+    load_safetensors(m, target, subset=names, bucket_by=1, shuffle=True)
     # a layer that got only its convolution weights: declare the rest of it unchanged
     touched = {lc.readiness.layer_of_name[n] for n in names}
     lc.weights_unchanged([n for n in lc.specs if lc.readiness.layer_of_name[n] in touched and n not in names])
@@ -111,11 +94,11 @@ def test_conv_and_selector_weights_derive_nothing_but_are_read_live(ckpt: dict[s
     report = m.refresh_derived_buffers()
     assert report.elements_written == 0
     assert {b.mode for b in report.buffers if b.kind != "alias"} == {"skipped"}
-    after = FAMILY.fused(m, x)
+    after = fam.outputs(m)
     k, v, hidden, scores = after
     assert torch.equal(k, before[0]) and torch.equal(v, before[1])  # the context path derives from none of it
     assert not torch.equal(scores, before[3])  # but the block pass and the selector read the new weights
     assert torch.equal(hidden, before[2]) is (part == "candidate_selector")
     # and the result is exactly a cold load of the same weights
-    for got, want in zip(after, FAMILY.fused(cold(ckpt[part]), x), strict=True):
+    for got, want in zip(after, fam.outputs(fam.cold(target)), strict=True):
         assert torch.equal(got, want)

@@ -1,6 +1,7 @@
 """What is specific to Gemma4 DSpark: the K = V context path over one fused K weight, the constant v-norm weights
 (a derived buffer with no sources: built once, never rewritten or reallocated), and the `normalizer` buffer made
-by a cold_load hook."""
+by a cold_load hook. (The oracle, the refusals of another layout, among them more KV heads, and the allocation
+checks run for every family in `test_oracle.py` and `test_families.py`.)"""
 
 from __future__ import annotations
 
@@ -9,46 +10,26 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from family_helpers import Fam, L, reload
 
-from lifecycle import (
-    LifecycleState,
-    StorageDriftError,
-    StorageIdentity,
-    StorageReallocationError,
-    TensorSpec,
-    WeightShapeError,
-)
-from lifecycle.loading import load_safetensors, write_checkpoint
-from lifecycle.storage import count_allocations
-from models.gemma_dspark import GemmaDSparkConfig, GemmaDSparkDraft, random_weights, rms_norm_unweighted
-from models.qwen3_dflash import rms_norm
+from lifecycle import LifecycleState, StorageDriftError, StorageIdentity
+from lifecycle.loading import load_safetensors
+from models.gemma_dspark import GemmaDSparkConfig, GemmaDSparkDraft
+from models.layers import rms_norm
 
 S = LifecycleState
-CFG = GemmaDSparkConfig(num_hidden_layers=3)
-L, HD = CFG.num_hidden_layers, CFG.head_dim
+CFG = GemmaDSparkConfig(num_hidden_layers=L)
+HD = CFG.head_dim
 
 
 @pytest.fixture
-def ckpt(tmp_path: Path) -> dict[str, Path]:
-    return {k: write_checkpoint(random_weights(CFG, seed), tmp_path / f"{k}.safetensors")
-            for k, seed in (("a", 0), ("b", 1))}
+def fam(tmp_path: Path) -> Fam:
+    return Fam.make("gemma-dspark", tmp_path)
 
 
 @pytest.fixture
-def model(ckpt: dict[str, Path]) -> GemmaDSparkDraft:
-    m = GemmaDSparkDraft(CFG)
-    load_safetensors(m, ckpt["a"])
-    m.finalize_loading()
-    m.refresh_derived_buffers()
-    return m
-
-
-def reload(m: GemmaDSparkDraft, path: Path, **kw: object) -> list[str]:
-    """begin, load, finalize; returns the hooks that ran."""
-    m.begin_reload()
-    load_safetensors(m, path, **kw)  # type: ignore[arg-type]
-    return m.finalize_loading(keep_untouched="subset" in kw)
+def model(fam: Fam) -> GemmaDSparkDraft:
+    return fam.cold("a")
 
 
 # ---- K = V over one fused K weight -------------------------------------------------------------------------------
@@ -73,14 +54,14 @@ def test_fused_k_weight_and_context_v_come_from_the_same_projection(model: Gemma
     x = rms_norm(ctx, model.hidden_norm.weight, CFG.rms_norm_eps)
     for i, w in enumerate(kw):
         raw = F.linear(x, w).view(5, CFG.num_key_value_heads, HD)
-        torch.testing.assert_close(v[i], rms_norm_unweighted(raw, CFG.rms_norm_eps), atol=1e-6, rtol=0)  # V = v_norm(K)
+        torch.testing.assert_close(v[i], rms_norm(raw, None, CFG.rms_norm_eps), atol=1e-6, rtol=0)  # V = v_norm(K)
     assert not torch.allclose(k, v)  # K is k-normed and rotated besides
 
 
 # ---- the constant v-norm weights ----------------------------------------------------------------------------
 
 
-def test_v_norm_weights_are_a_constant_built_once(model: GemmaDSparkDraft, ckpt: dict[str, Path]) -> None:
+def test_v_norm_weights_are_a_constant_built_once(fam: Fam, model: GemmaDSparkDraft) -> None:
     const = model._v_norm_weights
     assert torch.equal(const, torch.ones(L, HD)) and const.dtype == model._k_norm_weights.dtype
     ident = StorageIdentity.of(const)
@@ -94,7 +75,7 @@ def test_v_norm_weights_are_a_constant_built_once(model: GemmaDSparkDraft, ckpt:
     ]
     model.capture_graphs()
     for _, load_kw, refresh_kw in steps:
-        reload(model, ckpt["b"], bucket_by=1, shuffle=True, **load_kw)
+        reload(model, fam.ckpt["b"], bucket_by=1, shuffle=True, **load_kw)
         report = model.refresh_derived_buffers(**refresh_kw)
         rep = report["_v_norm_weights"]
         assert (rep.mode, rep.elements_written, rep.data_ptr) == ("skipped", 0, ident.data_ptr)
@@ -102,31 +83,19 @@ def test_v_norm_weights_are_a_constant_built_once(model: GemmaDSparkDraft, ckpt:
         assert bool((const == -3.0).all())
     assert model.lifecycle.state is S.GRAPH_CAPTURED
     model.release_graphs()
-    reload(model, ckpt["a"])
+    reload(model, fam.ckpt["a"])
     report = model.refresh_derived_buffers(rebuild=True)  # everything else gets new storage; same layout: kept
     assert report["_fused_k_weight"].mode == "cold" and report["_v_norm_weights"].mode == "skipped"
     assert model._v_norm_weights is const and bool((const == -3.0).all())
 
 
-def test_a_refresh_allocates_nothing_buffer_sized(model: GemmaDSparkDraft, ckpt: dict[str, Path]) -> None:
-    model.capture_graphs()
-    reload(model, ckpt["b"], bucket_by=3, shuffle=True)
-    smallest = min(t.numel() * t.element_size() for t in
-                   (model._fused_k_weight, model._k_norm_weights, model._v_norm_weights,
-                    model._markov_confidence_logits))
-    with count_allocations() as log:
-        report = model.refresh_derived_buffers()
-    assert report["_markov_confidence_logits"].mode == "in_place"
-    assert log.at_least(smallest) == [], log.records
-
-
 # ---- the normalizer -----------------------------------------------------------------------------------------
 
 
-def test_normalizer_is_made_once_by_a_cold_hook_and_read_by_the_embedding(ckpt: dict[str, Path]) -> None:
+def test_normalizer_is_made_once_by_a_cold_hook_and_read_by_the_embedding(fam: Fam) -> None:
     m = GemmaDSparkDraft(CFG)
     assert m.normalizer.is_meta
-    load_safetensors(m, ckpt["a"])
+    load_safetensors(m, fam.ckpt["a"])
     assert m.normalizer.is_meta  # not a checkpoint tensor: the loader never touches it
     assert m.finalize_loading() == ["init_rope_caches", "init_normalizer"]
     assert m.normalizer.item() == pytest.approx(CFG.hidden_size**0.5) and m.normalizer.dtype == CFG.dtype
@@ -138,53 +107,19 @@ def test_normalizer_is_made_once_by_a_cold_hook_and_read_by_the_embedding(ckpt: 
     m.capture_graphs()
     assert "normalizer" in m.lifecycle.pinned.identities  # captured graphs read it
     for which in ("b", "a"):
-        assert reload(m, ckpt[which]) == []  # neither cold hook replays
+        assert reload(m, fam.ckpt[which]) == []  # neither cold hook replays
         m.refresh_derived_buffers()
         assert m.normalizer is normalizer and normalizer.data_ptr() == ptr
     assert m.lifecycle.state is S.GRAPH_CAPTURED
 
 
-def test_replaying_the_normalizer_hook_under_captured_graphs_is_refused(model: GemmaDSparkDraft,
-                                                                       ckpt: dict[str, Path]) -> None:
+def test_replaying_the_normalizer_hook_under_captured_graphs_is_refused(fam: Fam, model: GemmaDSparkDraft) -> None:
     """Why init_normalizer is cold_load only: replayed, it gives the buffer new storage under captured graphs."""
     model.capture_graphs()
     old = model.normalizer.data_ptr()
-    reload(model, ckpt["b"])
+    reload(model, fam.ckpt["b"])
     model.init_normalizer()  # what a phase-less hook system would do on every load
     with pytest.raises(StorageDriftError, match="normalizer: data_ptr") as ei:
         model.refresh_derived_buffers()
     assert hex(old) in str(ei.value)
     assert model.lifecycle.state is S.FULLY_LOADED
-
-
-# ---- more KV heads --------------------------------------------------------------------------------------------
-
-
-def test_more_kv_heads_refused_at_load_and_at_the_fused_k_weight(model: GemmaDSparkDraft, tmp_path: Path) -> None:
-    wide_cfg = GemmaDSparkConfig(num_hidden_layers=L, num_key_value_heads=2)
-    wide = random_weights(wide_cfg, 7)
-    k_projs = {f"layers.{i}.self_attn.k_proj.weight" for i in range(L)}
-    assert {n for n, t in wide.items() if tuple(t.shape) != model.lifecycle.specs[n].shape} == k_projs
-    fused = model._fused_k_weight
-    kept = fused.clone()
-    model.begin_reload()
-    with pytest.raises(WeightShapeError) as shape_error:
-        load_safetensors(model, write_checkpoint(wide, tmp_path / "wide.safetensors"))
-    assert {p.split(":")[0] for p in shape_error.value.problems} == k_projs
-    # behind the loader, with the layout re-declared: the derived-buffer guard names the fused K weight only
-    for n in k_projs:
-        path, _, leaf = n.rpartition(".")
-        model.get_submodule(path)._parameters[leaf] = nn.Parameter(wide[n].clone(), requires_grad=False)
-        model.lifecycle.specs[n] = TensorSpec.of(wide[n])
-    load_safetensors(model, tmp_path / "wide.safetensors", subset=lambda n: n not in k_projs)
-    model.lifecycle.weights_loaded(sorted(k_projs))
-    model.finalize_loading()
-    with pytest.raises(StorageReallocationError) as ei:
-        model.refresh_derived_buffers()
-    (problem,) = ei.value.problems
-    assert problem.startswith("_fused_k_weight:")
-    assert f"({L * 2 * HD}, {CFG.hidden_size})" in problem and f"shape ({L * HD}, {CFG.hidden_size})" in problem
-    assert model._fused_k_weight is fused and torch.equal(fused, kept)
-    # no graphs are captured: an explicit rebuild may allocate the wider buffer
-    model.refresh_derived_buffers(rebuild=True)
-    assert model._fused_k_weight.shape == (L * 2 * HD, CFG.hidden_size)

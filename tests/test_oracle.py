@@ -1,7 +1,10 @@
-"""The differential oracle: a warm in-place reload A -> B must be indistinguishable from a cold load of B.
+"""The differential oracle, for every draft family in `models.FAMILIES`: a warm in-place reload A -> B must be
+indistinguishable from a cold load of B.
 
-Bit for bit: every derived buffer, every parameter and buffer, and the fused path's outputs. Also: the fused
-path agrees with the per-layer reference path, and a reload under captured graphs moves no storage.
+Bit for bit: every derived buffer, every parameter and buffer, and the fused path's outputs; for every way a
+reload delivers B (buckets in file order, shuffled, one tensor at a time with duplicates, a single layer), with
+graphs captured and without. The refresh writes in place: every slice it should and no other, allocating nothing
+of the size of a slice, and under captured graphs no parameter, buffer or derived buffer moves.
 """
 
 from __future__ import annotations
@@ -10,13 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import bit_equal, derived, everything
+from family_helpers import Fam, L, S, assert_same_model, bit_equal, everything, identities, reload, slice_bytes, specs
 
-from lifecycle import LifecycleState
-from lifecycle.loading import load_safetensors, write_checkpoint
-from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+from lifecycle.storage import count_allocations
+from models import FAMILIES
 
-S = LifecycleState
+
+@pytest.fixture(params=list(FAMILIES))
+def fam(request: pytest.FixtureRequest, tmp_path: Path) -> Fam:
+    return Fam.make(request.param, tmp_path)
+
 
 # how the warm reload delivers B; "partial-layer-1" reloads only layers.1 into B' = A with layers.1 from B
 STRATEGIES = {
@@ -27,158 +33,61 @@ STRATEGIES = {
 }
 
 
-# ---- helpers ----------------------------------------------------------------------------------------------------
-
-
-def cold_load(cfg: DFlashConfig, path: Path) -> DFlashQwen3Draft:
-    model = DFlashQwen3Draft(cfg)
-    load_safetensors(model, path)
-    model.finalize_loading()
-    model.refresh_derived_buffers()
-    assert model.lifecycle.state is S.DERIVED_REFRESHED
-    return model
-
-
-def inputs(cfg: DFlashConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    n_ctx, n_q = 7, 4
-    return {
-        "context_states": torch.randn(n_ctx, cfg.hidden_size, generator=g),
-        "context_positions": torch.arange(3, 3 + n_ctx),
-        "input_embeds": torch.randn(n_q, cfg.hidden_size, generator=g),
-        "positions": torch.arange(3 + n_ctx, 3 + n_ctx + n_q),
-    }
-
-
-def outputs(model: DFlashQwen3Draft, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        k, v = model.precompute_context_kv(x["context_states"], x["context_positions"])
-        h = model(x["input_embeds"], x["positions"], x["context_states"], x["context_positions"])
-    return {"k": k, "v": v, "forward": h}
-
-
-def assert_same_model(warm: DFlashQwen3Draft, cold: DFlashQwen3Draft, cfg: DFlashConfig) -> None:
-    w, c = everything(warm), everything(cold)
-    assert w.keys() == c.keys()
-    for name in c:
-        assert bit_equal(w[name], c[name]), f"{name}: warm reload differs from a cold load"
-    x = inputs(cfg)
-    wo, co = outputs(warm, x), outputs(cold, x)
-    for name in co:
-        assert bit_equal(wo[name], co[name]), f"output {name}: warm reload differs from a cold load"
-
-
-def partial_checkpoint(cfg: DFlashConfig, path: Path) -> Path:
-    """B' = A with only layers.1 replaced by B's tensors."""
-    a, b = random_weights(cfg, 0), random_weights(cfg, 1)
-    mixed = {n: (b[n] if n.startswith("layers.1.") else t) for n, t in a.items()}
-    return write_checkpoint(mixed, path)
-
-
-# ---- the oracle ------------------------------------------------------------------------------------------------
+def data_ptrs(m: torch.nn.Module) -> dict[str, int]:
+    return {n: t.data_ptr() for n, t in everything(m).items()}
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["no-graphs", "graphs-captured"])
-@pytest.mark.parametrize("strategy", list(STRATEGIES), ids=list(STRATEGIES))
-def test_warm_reload_equals_cold_load(tiny_cfg, loaded, ckpt_a, ckpt_b, tmp_path, strategy, graphs):
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_warm_reload_equals_cold_load(fam: Fam, strategy: str, graphs: bool) -> None:
     kw = dict(STRATEGIES[strategy])
     partial = "subset" in kw
-    target = partial_checkpoint(tiny_cfg, tmp_path / "b_prime.safetensors") if partial else ckpt_b
-    cold_a = cold_load(tiny_cfg, ckpt_a)
-    cold_target = cold_load(tiny_cfg, target)
-    # the comparison is not vacuous: A and the target differ in what the oracle looks at
-    x = inputs(tiny_cfg)
-    assert not bit_equal(outputs(cold_a, x)["forward"], outputs(cold_target, x)["forward"])
-    assert not bit_equal(cold_a._fused_kv_weight, cold_target._fused_kv_weight)
+    target = fam.mixed("layers.1.") if partial else fam.ckpt["b"]
+    warm, cold_a, cold_target = fam.cold("a"), fam.cold("a"), fam.cold(target)
+    # not vacuous: the fused outputs and every per-layer buffer differ between A and the target
+    assert not all(bit_equal(x, y) for x, y in zip(fam.outputs(cold_a), fam.outputs(cold_target), strict=True))
+    for spec in specs(warm, "concat", "stack"):
+        assert not bit_equal(getattr(cold_a, spec.name), getattr(cold_target, spec.name)), spec.name
 
     if graphs:
-        loaded.capture_graphs()
-    loaded.begin_reload()
-    load_safetensors(loaded, target, **kw)
-    loaded.finalize_loading(keep_untouched=partial)
-    report = loaded.refresh_derived_buffers()
-    assert loaded.lifecycle.state is (S.GRAPH_CAPTURED if graphs else S.DERIVED_REFRESHED)
-    L = tiny_cfg.num_hidden_layers
-    fused = report["_fused_kv_weight"]
-    assert fused.mode == "in_place"
-    assert (fused.slices_written, fused.slices_total) == ((1, L) if partial else (L, L))
-    assert_same_model(loaded, cold_target, tiny_cfg)
+        pinned = warm.capture_graphs()
+        assert set(warm.lifecycle.pinned.identities) >= set(identities(warm)) | set(dict(warm.named_parameters()))
+    before, ptrs = identities(warm), data_ptrs(warm)
+    reload(warm, target, **kw)
+    with count_allocations() as log:
+        report = warm.refresh_derived_buffers()
+
+    assert warm.lifecycle.state is (S.GRAPH_CAPTURED if graphs else S.DERIVED_REFRESHED)
+    if graphs:
+        assert warm.lifecycle.verify_pinned() == pinned
+        assert data_ptrs(warm) == ptrs, "a parameter, buffer or derived buffer moved under captured graphs"
+    assert identities(warm) == before, "a derived buffer moved"
+    assert report.bytes_allocated == 0
+    smallest = min(slice_bytes(warm, spec) for spec in specs(warm, "concat", "stack", "custom"))
+    assert log.at_least(smallest) == [], log.records  # nothing the size of even the smallest slice
+
+    written = (lambda n: n.startswith("layers.1.")) if partial else (lambda n: True)
+    for spec in specs(warm):
+        rep, buf = report[spec.name], getattr(warm, spec.name)
+        if spec.kind in ("concat", "stack"):
+            slices = 1 if partial else L
+            assert (rep.mode, rep.slices_written, rep.slices_total) == ("in_place", slices, L), spec.name
+            assert rep.elements_written == slices * buf.numel() // L, spec.name
+        elif spec.kind == "custom":  # rewritten in place when a dependency was written; a constant never
+            touched = any(written(n) for n in spec.source_names(warm))
+            assert (rep.mode, rep.elements_written) == (("in_place", buf.numel()) if touched else ("skipped", 0))
+        else:
+            assert rep.elements_written == 0, spec.name
+    assert_same_model(fam, warm, cold_target)
 
 
-def test_chained_reloads_track_cold_loads(tiny_cfg, loaded, ckpt_a, ckpt_b):
-    """A -> B -> A -> B, each step equal to a cold load of what was loaded last."""
-    cold = {"a": cold_load(tiny_cfg, ckpt_a), "b": cold_load(tiny_cfg, ckpt_b)}
-    loaded.capture_graphs()
-    for step, (key, path) in enumerate([("b", ckpt_b), ("a", ckpt_a), ("b", ckpt_b)]):
-        loaded.begin_reload()
-        load_safetensors(loaded, path, bucket_by=2, shuffle=True, seed=step)
-        loaded.finalize_loading()
-        loaded.refresh_derived_buffers()
-        assert_same_model(loaded, cold[key], tiny_cfg)
-
-
-# ---- fused path vs per-layer reference ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("which", ["cold", "warm"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_fused_path_matches_reference_path(tiny_cfg, loaded, ckpt_b, which, seed):
-    if which == "warm":
-        loaded.begin_reload()
-        load_safetensors(loaded, ckpt_b, bucket_by=3, shuffle=True)
-        loaded.finalize_loading()
-        loaded.refresh_derived_buffers()
-    x = inputs(tiny_cfg, seed)
-    with torch.no_grad():
-        k, v = loaded.precompute_context_kv(x["context_states"], x["context_positions"])
-        k_ref, v_ref = loaded.precompute_context_kv_reference(x["context_states"], x["context_positions"])
-    L, n = tiny_cfg.num_hidden_layers, x["context_states"].shape[0]
-    assert k.shape == k_ref.shape == (L, n, tiny_cfg.num_key_value_heads, tiny_cfg.head_dim)
-    assert v.shape == v_ref.shape
-    torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=0)
-
-
-def test_reference_path_sees_stale_fused_buffer(tiny_cfg, loaded):
-    """The fused-vs-reference comparison can fail: corrupt one layer's slice of the fused buffer and it does."""
-    x = inputs(tiny_cfg)
-    rows = 2 * tiny_cfg.num_key_value_heads * tiny_cfg.head_dim
-    with torch.no_grad():
-        loaded._fused_kv_weight[rows:2 * rows].mul_(1.5)  # layer 1's slice, in place
-        k, v = loaded.precompute_context_kv(x["context_states"], x["context_positions"])
-        k_ref, v_ref = loaded.precompute_context_kv_reference(x["context_states"], x["context_positions"])
-    assert torch.allclose(k[0], k_ref[0], atol=1e-5, rtol=0) and torch.allclose(v[2], v_ref[2], atol=1e-5, rtol=0)
-    assert not torch.allclose(v[1], v_ref[1], atol=1e-5, rtol=0)
-
-
-# ---- storage stays put under captured graphs ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("strategy", list(STRATEGIES), ids=list(STRATEGIES))
-def test_reload_under_captured_graphs_keeps_every_data_ptr(tiny_cfg, loaded, ckpt_b, tmp_path, strategy):
-    kw = dict(STRATEGIES[strategy])
-    partial = "subset" in kw
-    target = partial_checkpoint(tiny_cfg, tmp_path / "b_prime.safetensors") if partial else ckpt_b
-    pinned = loaded.capture_graphs()
-    assert loaded.lifecycle.state is S.GRAPH_CAPTURED
-    params = {n: p.data_ptr() for n, p in loaded.named_parameters(remove_duplicate=False)}
-    buffers = {n: t.data_ptr() for n, t in loaded.named_buffers(remove_duplicate=False)}
-    bufs = {n: t.data_ptr() for n, t in derived(loaded).items()}
-    pinned_names = set(loaded.lifecycle.pinned.identities)
-    assert len(pinned_names) == pinned
-    assert pinned_names >= set(bufs) | set(dict(loaded.named_parameters()))
-    before = {n: t.clone() for n, t in everything(loaded).items()}
-
-    loaded.begin_reload()
-    load_safetensors(loaded, target, **kw)
-    loaded.finalize_loading(keep_untouched=partial)
-    loaded.refresh_derived_buffers()
-
-    assert loaded.lifecycle.state is S.GRAPH_CAPTURED
-    assert loaded.lifecycle.verify_pinned() == pinned
-    assert {n: p.data_ptr() for n, p in loaded.named_parameters(remove_duplicate=False)} == params
-    assert {n: t.data_ptr() for n, t in loaded.named_buffers(remove_duplicate=False)} == buffers
-    assert {n: t.data_ptr() for n, t in derived(loaded).items()} == bufs
-    # and the values did change where B differs (the reload was not a no-op)
-    assert not torch.equal(loaded._fused_kv_weight, before["_fused_kv_weight"])
-    assert not torch.equal(loaded.layers[1].self_attn.qkv_proj.weight, before["layers.1.self_attn.qkv_proj.weight"])
+def test_chained_reloads_track_cold_loads(fam: Fam) -> None:
+    """A -> B -> A -> B under captured graphs, each step equal to a cold load of what was loaded last."""
+    cold = {"a": fam.cold("a"), "b": fam.cold("b")}
+    warm = fam.cold("a")
+    warm.capture_graphs()
+    for step, key in enumerate(["b", "a", "b"]):
+        reload(warm, fam.ckpt[key], bucket_by=2, shuffle=True, seed=step)
+        warm.refresh_derived_buffers()
+        assert warm.lifecycle.state is S.GRAPH_CAPTURED
+        assert_same_model(fam, warm, cold[key])

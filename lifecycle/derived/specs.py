@@ -14,6 +14,7 @@ __all__ = ["DerivedSpec", "Kind", "PerLayer", "alias", "concat", "current_buffer
 Kind = Literal["concat", "stack", "alias", "custom"]
 T = TypeVar("T")
 PerLayer = Callable[[nn.Module], torch.Tensor]
+Enabled = Callable[[nn.Module], bool]
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class DerivedSpec:
     event say so.
     `into`: custom only, an in-place writer `into(backbone, out) -> out` that a refresh uses instead of `build`
     (so no temporary the size of the buffer is created).
+    `enabled`: a predicate on the backbone, evaluated once by `init_lifecycle`; a buffer it rejects is not
+    registered, built or refreshed on that backbone (a head the config leaves out). None: always enabled.
     """
 
     name: str
@@ -43,6 +46,11 @@ class DerivedSpec:
         if self.computed and self.kind != "stack":
             raise ValueError(f"{self.name}: computed=True is only supported for stack specs (got {self.kind})")
     into: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    enabled: Enabled | None = None
+
+    def is_enabled(self, backbone: nn.Module) -> bool:
+        """Whether this backbone has the buffer (`enabled`, when given, decides from its config or modules)."""
+        return self.enabled is None or bool(self.enabled(backbone))
 
     def source_names(self, backbone: nn.Module) -> list[str]:
         """Absolute names of every tensor this buffer reads."""
@@ -53,14 +61,14 @@ class DerivedSpec:
 
 
 def concat(name: str, *, sources: Sequence[str], per_layer: PerLayer, dim: int = 0, layers_attr: str = "layers",
-           fallback: str | None = None) -> DerivedSpec:
+           fallback: str | None = None, enabled: Enabled | None = None) -> DerivedSpec:
     """One slice per layer, concatenated along `dim` (e.g. the fused KV weight)."""
     return DerivedSpec(name, "concat", tuple(sources), per_layer=per_layer, dim=dim, layers_attr=layers_attr,
-                       fallback=fallback)
+                       fallback=fallback, enabled=enabled)
 
 
 def stack(name: str, *, sources: Sequence[str], per_layer: PerLayer, layers_attr: str = "layers",
-          fallback: str | None = None, computed: bool = False) -> DerivedSpec:
+          fallback: str | None = None, computed: bool = False, enabled: Enabled | None = None) -> DerivedSpec:
     """One slice per layer, stacked along a new leading dim (e.g. the k-norm weights).
 
     `computed=True`: `per_layer` computes its slice (a new slice-sized tensor, e.g. MLA's absorbed `W_UK_T`
@@ -70,17 +78,18 @@ def stack(name: str, *, sources: Sequence[str], per_layer: PerLayer, layers_attr
     deterministic function of the layer's declared `sources`: a slice whose sources were not written is not
     re-evaluated (its layout is what the last refresh validated)."""
     return DerivedSpec(name, "stack", tuple(sources), per_layer=per_layer, layers_attr=layers_attr,
-                       fallback=fallback, computed=computed)
+                       fallback=fallback, computed=computed, enabled=enabled)
 
 
-def alias(name: str, *, source: str) -> DerivedSpec:
+def alias(name: str, *, source: str, enabled: Enabled | None = None) -> DerivedSpec:
     """The buffer IS the live source tensor (e.g. the RoPE cos/sin cache); re-validated at every refresh."""
-    return DerivedSpec(name, "alias", (source,))
+    return DerivedSpec(name, "alias", (source,), enabled=enabled)
 
 
 def custom(name: str, *, build: Callable[[nn.Module], torch.Tensor], depends_on: Sequence[str] = (),
            fallback: str | None = None,
-           into: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> DerivedSpec:
+           into: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+           enabled: Enabled | None = None) -> DerivedSpec:
     """Any computation from absolute tensor names `depends_on`. `build(backbone)` makes the cold value.
 
     A refresh (a dependency was written) copies a new `build` result into the buffer, or, when `into` is given,
@@ -91,7 +100,8 @@ def custom(name: str, *, build: Callable[[nn.Module], torch.Tensor], depends_on:
     With no dependencies the buffer is a constant: built once at the cold build and never rewritten afterwards,
     not even by `full=True`. `rebuild=True` (graphs released) reallocates it only if its layout changed.
     """
-    return DerivedSpec(name, "custom", tuple(depends_on), build=build, fallback=fallback, into=into)
+    return DerivedSpec(name, "custom", tuple(depends_on), build=build, fallback=fallback, into=into,
+                       enabled=enabled)
 
 
 def _layers(backbone: nn.Module, attr: str) -> Sequence[nn.Module]:
