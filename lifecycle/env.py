@@ -53,11 +53,9 @@ def flag(name: str, default: bool = False) -> bool:
 
 
 def path(name: str) -> Path | None:
-    """A filesystem path: unset or blank gives None; a value with a NUL byte or a newline raises
-    `EnvSettingError` naming the variable."""
+    """A filesystem path: unset or blank gives None. Whoever uses it names the variable when it cannot (raise
+    `EnvSettingError(name, value, problem)`)."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return None
-    if "\0" in raw or "\n" in raw:
-        raise EnvSettingError(name, raw, "is not a usable path (it holds a NUL byte or a newline)")
     return Path(raw)

@@ -36,6 +36,7 @@ field on the events each lifecycle keeps), reported once on stderr, and the even
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -177,7 +178,7 @@ def add_schema_version(_logger: Any, _name: str, event_dict: MutableMapping[str,
     return event_dict
 
 
-# ---- failures -------------------------------------------------------------------------------------------------------
+# ---- failures -----------------------------------------------------------------------------------------------------
 
 _failures_lock = threading.Lock()
 _failures = 0
@@ -189,20 +190,21 @@ def sink_failures() -> int:
 
 
 def _count_failure(what: str, error: BaseException, first: bool) -> None:
-    """Count one lost event; on the first failure of a sink, say so once on stderr (never raising)."""
+    """Count one lost event; on the first failure of a sink, say so once on stderr."""
     global _failures
     with _failures_lock:
         _failures += 1
     if first:
-        try:
-            print(f"reload-lifecycle: audit {what}: {type(error).__name__}: {error}; the lifecycle goes on, and this "
-                  "and later lost events are counted (lifecycle.events.sink_failures(), the `sink_failures` field "
-                  "of recent events)", file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001,S110 - stderr itself may be gone; the count stays
-            pass
+        _say(f"audit {what}: {type(error).__name__}: {error}; the lifecycle goes on, and this and later lost "
+             "events are counted (lifecycle.events.sink_failures(), the `sink_failures` field of recent events)")
 
 
-# ---- the JSON-lines sink ----------------------------------------------------------------------------------------------
+def _say(message: str) -> None:
+    with contextlib.suppress(Exception):  # stderr itself may be gone: the count stays
+        print(f"reload-lifecycle: {message}", file=sys.stderr, flush=True)
+
+
+# ---- the JSON-lines sink ------------------------------------------------------------------------------------------
 
 
 class JsonLinesSink:
@@ -219,7 +221,8 @@ class JsonLinesSink:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise AuditSinkError(e.errno, f"cannot open the audit log {self.path}: {e.strerror or e}") from e
+            shown = str(self.path) if len(str(self.path)) <= 200 else f"{str(self.path)[:200]}..."
+            raise AuditSinkError(e.errno, f"cannot open the audit log {shown}: {e.strerror or e}") from e
         self._lock = threading.Lock()
         self._torn = False
         self.closed = False
@@ -256,17 +259,15 @@ class JsonLinesSink:
             if self.closed:
                 return
             self.closed = True
-            try:
+            with contextlib.suppress(OSError):  # already closed behind our back: nothing left to release
                 os.close(self._fd)
-            except OSError:
-                pass  # already closed behind our back: nothing left to release
 
 
 def _drop(_logger: Any, _name: str, _event_dict: MutableMapping[str, Any]) -> str:
     raise structlog.DropEvent
 
 
-# ---- configuration ----------------------------------------------------------------------------------------------------
+# ---- configuration ------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -323,7 +324,11 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
                 structlog.PrintLogger(out), processors=processors, context={})
         old, _route = _route, _Route(logger, sink, number, [False])
     if old.sink is not None:
-        old.sink.close()
+        try:
+            old.sink.close()
+        except Exception as e:  # the new route is in force; a broken old file must not undo that
+            _say(f"closing the previous audit sink {old.sink.path} failed ({type(e).__name__}: {e}); "
+                 "the new route is in force")
     return sink
 
 
@@ -334,7 +339,7 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
-# ---- emitting -------------------------------------------------------------------------------------------------------
+# ---- emitting -----------------------------------------------------------------------------------------------------
 
 
 def _capture_chain() -> list[Any] | None:
@@ -373,7 +378,7 @@ def emit_record(record: Mapping[str, Any], level: str = "info") -> None:
             getattr(route.logger, level)(**record)
     except structlog.DropEvent:
         pass
-    except Exception as e:  # noqa: BLE001 - a renderer or stream failure must not reach the lifecycle
+    except Exception as e:  # a renderer or stream failure must not reach the lifecycle
         first = not route.failed_once[0]
         route.failed_once[0] = True
         _count_failure("output", e, first)

@@ -26,13 +26,16 @@ def capped(items: Iterable[T], cap: int) -> tuple[list[T], int]:
 
 
 def clipped(text: str, cap: int) -> str:
-    """`text`, or its first `cap` characters and how many were cut: every bounded string of a message or a kept
-    reason is cut by this one helper.
+    """`text`, or as much of it as fits in `cap` characters with how many were cut: every bounded string of a
+    message or a kept reason is cut by this one helper.
 
-    >>> clipped("abcdef", 4)
-    'abcd...(+2 characters)'
+    >>> clipped("abcdef", 6), clipped("a" * 50, 30)
+    ('abcdef', 'aaaaaaaaaaa...(+39 characters)')
     """
-    return text if len(text) <= cap else f"{text[:cap]}...(+{len(text) - cap} characters)"
+    if len(text) <= cap:
+        return text
+    keep = max(0, cap - len(f"...(+{len(text)} characters)"))
+    return f"{text[:keep]}...(+{len(text) - keep} characters)"
 
 
 @dataclass(frozen=True)

@@ -49,4 +49,5 @@ def _configure_audit_from_env() -> None:
     try:
         configure_audit(json_path=path, console=console)  # neither: events stay in each lifecycle's memory ring
     except AuditSinkError as e:
-        raise env.EnvSettingError(AUDIT_DIR_ENV, str(folder), f"cannot hold the audit log: {e.strerror}") from e
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise env.EnvSettingError(AUDIT_DIR_ENV, str(folder), f"cannot hold the audit log: {why}") from e
