@@ -35,7 +35,7 @@ from .replay import MAX_STREAMS, Auditor
 from .results import AuditResult, StreamReplay, Violation
 from .rules import VIOLATION_KINDS
 from .svg import state_diagram_svg
-from .text import clip
+from .text import abbreviate, clip
 from .timeline import timeline_svg
 from .traces import SHOWN_CAP, EpochTrace, ReportCollector, StreamTrace
 from .views import result_line
@@ -82,7 +82,7 @@ def _slug(*parts: object) -> str:
 
 
 def _name(value: str) -> str:
-    return clip(value, SHOWN_CAP)
+    return abbreviate(value, SHOWN_CAP)
 
 
 _FIGURE = ('<figure class="timeline-figure" id="fig-{uid}"><figcaption><b>rank {rank} · epoch {epoch}</b> '

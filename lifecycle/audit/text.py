@@ -7,15 +7,15 @@ length, saying how much was cut.
 
 >>> print(printable("draft\\nRESULT: CLEAN \\x1b[8m"))
 draft\\nRESULT: CLEAN \\x1b[8m
->>> clip("x" * 100, 10)
-'xxxxxxxxxx…(+90)'
+>>> clip("x" * 100, 10), abbreviate("layers." + "x" * 100 + ".17", 20)
+('xxxxxxxxxx…(+90)', 'layers.xxxxxx…xxx.17')
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["VALUE_CAP", "clip", "printable", "shown"]
+__all__ = ["VALUE_CAP", "abbreviate", "clip", "printable", "shown"]
 
 #: Characters of one log value quoted in a message, at most.
 VALUE_CAP = 120
@@ -38,6 +38,15 @@ def clip(value: object, cap: int = VALUE_CAP) -> str:
     """`value` as text, at most `cap` characters of it, then how many were cut."""
     text = value if isinstance(value, str) else str(value)
     return text if len(text) <= cap else f"{text[:cap]}…(+{len(text) - cap})"
+
+
+def abbreviate(name: str, cap: int) -> str:
+    """A name cut in the middle to at most `cap` characters: names of one log tend to differ at their end
+    (`...layers.17`), so the head and the tail are kept."""
+    if len(name) <= cap:
+        return name
+    tail = cap // 3
+    return f"{name[:cap - tail - 1]}…{name[len(name) - tail:]}"
 
 
 def shown(value: object, cap: int = VALUE_CAP) -> str:

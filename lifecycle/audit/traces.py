@@ -5,7 +5,8 @@ last refresh.
 All of it is bounded whatever the log: the first `MAX_TRACED` streams are traced (the others are still audited
 and listed), each keeps its latest `max_epochs` epochs (at most `MAX_EPOCHS`), each epoch at most `MAX_LAYERS`
 layers (the rest counted), `MAX_MARKS` steps, `MAX_STATES` states and `MAX_BUFFERS` derived buffers, and every
-name or text is kept cut at `SHOWN_CAP` characters. Nothing holds on to an event's own fields.
+name or text is kept cut at `SHOWN_CAP` characters (a layer or buffer name in the middle, where names of one
+log differ least). Nothing holds on to an event's own fields.
 
 >>> sorted(set(TRIGGERS) - MARKED_TRIGGERS)
 ['weights_loaded']
@@ -21,7 +22,7 @@ from ..states import TRANSITIONS, TRIGGERS
 from .logstream import LogEvent
 from .results import StreamReplay
 from .rules import BEGIN
-from .text import clip
+from .text import abbreviate, clip
 
 __all__ = ["MARKED_TRIGGERS", "MAX_BUFFERS", "MAX_EPOCHS", "MAX_LAYERS", "MAX_MARKS", "MAX_STATES", "MAX_TRACED",
            "SHOWN_CAP", "EpochTrace", "ReportCollector", "StreamTrace"]
@@ -122,7 +123,7 @@ class ReportCollector:
                                   f"{clip(f['src'], SHOWN_CAP)}", "mark-refused")
         elif name == "refresh" and "buffers" in f:
             buffers = f["buffers"]
-            tr.buffers = {clip(b["name"], SHOWN_CAP): {k: clip(b[k], SHOWN_CAP) if type(b[k]) is str else b[k]
+            tr.buffers = {abbreviate(b["name"], SHOWN_CAP): {k: clip(b[k], SHOWN_CAP) if type(b[k]) is str else b[k]
                                                        for k in BUFFER_SHOWN if k in b}
                           for b in buffers[:MAX_BUFFERS]}
             tr.buffers_more = max(0, len(buffers) - MAX_BUFFERS) + f.get("buffers_more", 0)
@@ -133,7 +134,7 @@ class ReportCollector:
     @staticmethod
     def _layers(tr: EpochTrace, layers: list[str] | tuple[str, ...], kind: str, t: float) -> None:
         for layer in layers:
-            shown = clip(layer, SHOWN_CAP)
+            shown = abbreviate(layer, SHOWN_CAP)
             if shown in tr.layers:
                 continue
             if len(tr.layers) < MAX_LAYERS:
