@@ -7,7 +7,8 @@ inputs are those of issue 13:
   distinct backbones   one valid `layer_ready` line per backbone, every backbone new (41 MB at 200,000)
   long layer names     `layer_ready` lines whose layer name is 0.9 MB (each refused by the schema)
   4096-char names      distinct layers of one backbone, each name at the schema's limit (accepted)
-  rank files           one small valid log (a cold load) per rank, merged under a 1,024 open-file limit
+  rank files           one small valid log (a cold load) per rank, merged under a 1,024 open-file limit (with
+                       --max-streams 8192: every rank is its own stream, all of them audited)
 
 Bounded means flat: peak RSS and the report's size must not grow with the input once its limits are reached
 (the stream, layer and figure caps; the pending-line and open-file caps of the merge). Prints a table and writes
@@ -23,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -95,23 +95,24 @@ def rank_files(out: Path, n: int) -> None:
         (out / f"rank{r:05d}.jsonl").write_text("".join(_cold_load(r)))
 
 
-CASES: dict[str, tuple[Callable[[Path, int], None], list[int], list[int]]] = {
-    # name: (writer, sizes, quick sizes)
-    "distinct backbones": (distinct_backbones, [2_000, 20_000, 200_000], [200, 2_000]),
-    "0.9 MB layer names": (long_layer_names, [30, 100, 300], [3, 10]),
-    "4096-char layer names": (names_at_the_limit, [1_000, 5_000, 20_000], [100, 1_000]),
-    "rank files": (rank_files, [500, 2_000, 5_000], [50, 300]),
+CASES: dict[str, tuple[Callable[[Path, int], None], list[int], list[int], list[str]]] = {
+    # name: (writer, sizes, quick sizes, options of both commands)
+    "distinct backbones": (distinct_backbones, [2_000, 20_000, 200_000], [200, 2_000], []),
+    "0.9 MB layer names": (long_layer_names, [30, 100, 300], [3, 10], []),
+    "4096-char layer names": (names_at_the_limit, [1_000, 5_000, 20_000], [100, 1_000], []),
+    "rank files": (rank_files, [500, 2_000, 5_000], [50, 300], ["--max-streams", "8192"]),
 }
 
 CHILD = r"""
 import json, resource, sys, time, types, contextlib, io
 root, command, logs, out = sys.argv[1:5]
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[5]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+options = sys.argv[6:]
 package = types.ModuleType("lifecycle")  # the audit tools without `import lifecycle` (and torch)
 package.__path__ = [root + "/lifecycle"]
 sys.modules["lifecycle"] = package
 from lifecycle.cli import main
-args = [command, logs] + (["-o", out] if command == "report" else ["--json"])
+args = [command, logs, *options] + (["-o", out] if command == "report" else ["--json"])
 t0 = time.perf_counter()
 with contextlib.redirect_stdout(io.StringIO()) as text:
     status = main(args)
@@ -122,8 +123,9 @@ print(json.dumps({"status": status, "seconds": time.perf_counter() - t0, "torch"
 """
 
 
-def measure(command: str, logs: Path, out: Path) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), command, str(logs), str(out), str(OPEN_FILES)],
+def measure(command: str, logs: Path, out: Path, options: list[str]) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), command, str(logs), str(out), str(OPEN_FILES),
+                           *options],
                           capture_output=True, text=True, check=False, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{command} {logs} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -134,13 +136,13 @@ def measure(command: str, logs: Path, out: Path) -> dict[str, Any]:
 
 
 def run_case(name: str, size: int, work: Path) -> dict[str, Any]:
-    writer = CASES[name][0]
+    writer, _, _, options = CASES[name]
     logs = work / "logs"
     logs.mkdir()
     writer(logs, size)
     log_bytes = sum(f.stat().st_size for f in logs.iterdir())
-    audit = measure("audit", logs, work / "unused.html")
-    report = measure("report", logs, work / "report.html")
+    audit = measure("audit", logs, work / "unused.html", options)
+    report = measure("report", logs, work / "report.html", options)
     html_bytes = (work / "report.html").stat().st_size
     for f in [*logs.iterdir(), work / "report.html"]:
         f.unlink()
@@ -162,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         (work / "empty").mkdir()
         (work / "empty" / "empty.jsonl").write_text("")
-        base = measure("audit", work / "empty", work / "unused.html")
-        for name, (_, sizes, quick) in CASES.items():
+        base = measure("audit", work / "empty", work / "unused.html", [])
+        for name, (_, sizes, quick, _) in CASES.items():
             for size in quick if args.quick else sizes:
                 rows.append(run_case(name, size, work))
                 print(f"  {name} x {size:,}: done", flush=True)

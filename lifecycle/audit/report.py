@@ -241,7 +241,7 @@ def _backbone_panel(backbone: str, replays: list[StreamReplay], traces: list[Str
         if not_drawn:
             figures.append(html('<p class="dropped">rank {rank}: {n} earlier epoch(s) not drawn ({why})</p>',
                                 rank=st.rank, n=not_drawn,
-                                why="--max-epochs" if len(drawn) == len(epochs) else "the report's figure limit"))
+                                why="--max-epochs" if len(drawn) == len(epochs) else "the figure limit of the report"))
         figures += [_timeline_figure(st, tr, per_epoch.get(tr.epoch, 0)) for tr in drawn]
         tables.append(html("<h4>rank {rank}</h4>{table}", rank=st.rank, table=_buffers_table(st, drift)))
     verdict = (html(' · <span class="bad">{n} violation(s)</span>', n=len(bad)) if bad else
