@@ -243,3 +243,37 @@ def test_report_into_a_directory_or_an_unwritable_place_is_a_usage_error(
     assert main(["report", str(real_logs), "-o", str(tmp_path / "file" / "r.html")]) == 2
     assert "cannot write the report" in capsys.readouterr().err
     shutil.rmtree(tmp_path / "file", ignore_errors=True)
+
+
+def test_what_held_before_still_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Garbage bytes, invalid UTF-8, a line over the length limit, 1e999 and NaN, duplicate keys, unknown states,
+    a FIFO and a symlink loop: each named by file (and line), the rest audited; stdin is read."""
+    import io
+    import os
+    import sys
+
+    from lifecycle.audit.logstream import MAX_LINE
+    from lifecycle.audit.replay import audit_logs
+
+    good = json.dumps({**GOOD, "event": "hook_run", "hook": "h"})
+    log = tmp_path / "held.jsonl"
+    log.write_bytes(b"\n".join([
+        good.encode(), bytes(range(11, 256)), b'{"event": "\xff\xfe"}', b'{"pad":"' + b"x" * (MAX_LINE + 10) + b'"}',
+        json.dumps({**GOOD, "event": "hook_run", "duration_ms": 1e999}).encode(),
+        b'{"event":"hook_run","backbone":"d","rank":0,"epoch":0,"ts":"2026-01-01T00:00:01Z","seq":2,"pad":NaN}',
+        b'{"event":"hook_run","event":"layer_ready","layer":"l","backbone":"d","rank":0,"epoch":0,"seq":3,'
+        b'"ts":"2026-01-01T00:00:02Z"}',
+        json.dumps({**GOOD, "seq": 4, "ts": "2026-01-01T00:00:03Z", "event": "transition", "trigger": "finish_loading",
+                    "src": "NOWHERE", "dst": "ELSEWHERE"}).encode(), b""]))
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")
+    result = audit_logs([log, tmp_path / "fifo.jsonl", tmp_path / "loop.jsonl"])
+    assert result.status == 2 and result.events == 4  # the good line, NaN in an unread field, the duplicate, states
+    assert [p.where for p in result.input_problems] == [
+        f"{tmp_path / 'fifo.jsonl'}", f"{tmp_path / 'loop.jsonl'}", f"{log}:2", f"{log}:3", f"{log}:4", f"{log}:5"]
+    messages = [p.message for p in result.input_problems]
+    assert "not a regular file" in messages[0] and "Too many levels of symbolic links" in messages[1]
+    assert "line longer than" in messages[4] and "expected a finite number, got inf" in messages[5]
+    assert {v.kind for v in result.violations} == {"illegal_transition"}, result.violations  # unknown src, dst
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(good.encode() + b"\n")))
+    assert audit_logs(["-"]).status == 0
