@@ -1,10 +1,9 @@
 """The event schema the auditor and the report read (schema 2), checked on every line before anything uses it.
 
 Every event has `event`, `backbone`, `rank`, `epoch` and `ts`; each kind the tools read declares the type of
-each of its fields (`FIELDS`), and any `<field>_more` or `<field>_truncated` count is a count. A field the
-schema does not know is not read by anything and is left alone (a newer writer may add fields); a known field
-of the wrong type, a name longer than `NAME_CAP`, a text longer than `TEXT_CAP`, a list longer than `LIST_CAP`,
-a count outside 0..2**63-1 or a number that is not finite makes the line an input problem, named by file:line.
+every field they read of it (`FIELDS`). A field nothing reads is left alone (a newer writer may add fields); a
+declared field of the wrong type, a name longer than `NAME_CAP`, a text longer than `TEXT_CAP`, a list longer
+than `LIST_CAP` or a count outside 0..2**63-1 makes the line an input problem, named by file:line.
 Nesting deeper than `MAX_DEPTH` is refused before the JSON parser sees the line (`depth_problem`), so no line
 can exhaust the parser's recursion.
 
@@ -16,8 +15,7 @@ can exhaust the parser's recursion.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import accumulate
 from typing import Any
 
@@ -50,17 +48,8 @@ def _count(v: Any) -> str | None:
     return None if type(v) is int and 0 <= v <= MAX_COUNT else "expected a count (an integer from 0 to 2**63-1)"
 
 
-def _number(v: Any) -> str | None:
-    ok = (type(v) is int and abs(v) <= MAX_COUNT) or (type(v) is float and math.isfinite(v))
-    return None if ok else "expected a finite number"
-
-
 def _flag(v: Any) -> str | None:
     return None if type(v) is bool else "expected true or false"
-
-
-def _flag_or_count(v: Any) -> str | None:
-    return None if type(v) is bool or _count(v) is None else "expected true, false or a count"
 
 
 def _list_of(item: Check, what: str) -> Check:
@@ -76,14 +65,16 @@ def _list_of(item: Check, what: str) -> Check:
     return check
 
 
-def _record(fields: Mapping[str, Check], required: tuple[str, ...]) -> Check:
+def _record(fields: Mapping[str, Field], required: tuple[str, ...]) -> Check:
+    checked = tuple(fields.items())
+
     def check(v: Any) -> str | None:
         if type(v) is not dict:
             return "expected an object"
         for key in required:
             if key not in v:
                 return f"field {key!r} missing"
-        return _fields_problem(v, fields)
+        return _fields_problem(v, checked)
 
     return check
 
@@ -95,45 +86,46 @@ TEXTS = _list_of(TEXT, "texts")
 TIMESTAMP = _text(64, "an ISO-8601 timestamp")
 POINTER = _text(64, "an address")
 
-#: The fields of one derived buffer in a `refresh` event.
-BUFFER_FIELDS: dict[str, Check] = {
-    "name": NAME, "kind": NAME, "mode": NAME, "nbytes": _count, "data_ptr": POINTER,
-    "elements_written": _count, "slices_written": _count, "slices_total": _count, "reason": TEXT,
-}
+# A field: (its check, and for the common case a type and a bound tested inline: a str of at most `bound`
+# characters, an int from 0 to `bound`, a bool). The inline test is only a fast path: `check` decides.
+Field = tuple[Check, type | None, int]
+NAME_F: Field = (NAME, str, NAME_CAP)
+TEXT_F: Field = (TEXT, str, TEXT_CAP)
+COUNT_F: Field = (_count, int, MAX_COUNT)
+FLAG_F: Field = (_flag, bool, 0)
 
-#: Fields every event has (`REQUIRED`) or may have.
-COMMON: dict[str, Check] = {
-    "event": NAME, "backbone": NAME, "rank": _count, "epoch": _count, "ts": TIMESTAMP, "seq": _count,
-    "schema": _count, "level": NAME, "layers_ready": _count, "layers_total": _count, "duration_ms": _number,
-}
+
+def _slow(check: Check) -> Field:
+    return (check, None, 0)
+
+
+#: The fields of one derived buffer in a `refresh` event that the report reads.
+BUFFER_FIELDS: dict[str, Field] = {"name": NAME_F, "kind": NAME_F, "mode": NAME_F, "nbytes": COUNT_F,
+                                   "data_ptr": _slow(POINTER)}
 REQUIRED = ("event", "backbone", "rank", "epoch", "ts")
-
-_READINESS: dict[str, Check] = {"missing": NAMES}
-#: Per event kind: its fields and their types, and the ones it must have.
-FIELDS: dict[str, tuple[dict[str, Check], tuple[str, ...]]] = {
-    "transition": ({
-        "trigger": NAME, "src": NAME, "dst": NAME, "pinned": _flag_or_count, "from_state": NAME, "tensors": _count,
-        "unchanged": _count, "keep_untouched": _flag, "reason": TEXT, "rolled_back": _flag, "restored": _count,
-        "recoverable": _flag, "recovery_blocker": TEXT, "rollback_error": TEXT, **_READINESS,
-    }, ("trigger", "src", "dst")),
-    "refused": ({"trigger": NAME, "src": NAME, "error": TEXT, "reason": TEXT, **_READINESS}, ("trigger", "src")),
-    "layer_ready": ({"layer": NAME}, ("layer",)),
-    "layers_unchanged": ({"layers": NAMES}, ("layers",)),
-    "refresh": ({
-        "buffers": _list_of(_record(BUFFER_FIELDS, ("name",)), "buffer records"), "elements_written": _count,
-        "bytes_allocated": _count, **_READINESS,
-    }, ()),
-    "storage_check": ({"action": NAME, "checked": _count, "ok": _flag, "problems": TEXTS}, ("ok",)),
-    "hook_run": ({"hook": NAME, "phase": NAME}, ()),
-    "hook_failed": ({"hook": NAME, "phase": NAME, "error": TEXT}, ()),
-    "session": ({
-        "phase": NAME, "rollback": _flag, "finite_check": _flag, "ok": _flag, "checked": _count, "error": TEXT,
-        "reason": TEXT, "touched": _count, "snapshot_bytes": _count, "elements_written": _count, "outcome": NAME,
-        "recoverable": _flag,
-    }, ("phase",)),
-    "loader_bucket": ({"bucket": _count, "buckets": _count, "tensors": _count, "nbytes": _count,
-                       "layers_completed": NAMES}, ()),
+#: Fields of every event: the required ones (checked first, in this order) and the ones the tools read.
+COMMON: dict[str, Field] = {
+    "event": NAME_F, "backbone": NAME_F, "rank": COUNT_F, "epoch": COUNT_F, "ts": _slow(TIMESTAMP), "seq": COUNT_F,
+    "layers_ready": COUNT_F, "layers_total": COUNT_F,
 }
+#: Per event kind the tools read: the fields they read, with their types, and the ones it must have. A field no
+#: tool reads is not checked (a newer writer may add fields; `MAX_LINE` and `MAX_DEPTH` bound it all the same).
+FIELDS: dict[str, tuple[dict[str, Field], tuple[str, ...]]] = {
+    "transition": ({"trigger": NAME_F, "src": NAME_F, "dst": NAME_F, "recoverable": FLAG_F},
+                   ("trigger", "src", "dst")),
+    "refused": ({"trigger": NAME_F, "src": NAME_F, "error": TEXT_F}, ("trigger", "src")),
+    "layer_ready": ({"layer": NAME_F}, ("layer",)),
+    "layers_unchanged": ({"layers": _slow(NAMES), "layers_more": COUNT_F}, ("layers",)),
+    "refresh": ({"buffers": _slow(_list_of(_record(BUFFER_FIELDS, ("name",)), "buffer records")),
+                 "buffers_more": COUNT_F, "missing": _slow(NAMES), "missing_more": COUNT_F}, ()),
+    "storage_check": ({"ok": FLAG_F, "action": NAME_F, "problems": _slow(TEXTS), "problems_more": COUNT_F}, ("ok",)),
+}
+_ABSENT = object()
+_REQUIRED_FIELDS = tuple((k, COMMON[k]) for k in REQUIRED)
+_COMMON_FIELDS = _REQUIRED_FIELDS + tuple((k, f) for k, f in COMMON.items() if k not in REQUIRED)
+#: Per kind: every (field, type) to check, the required ones first, as one tuple (the hot path of the auditor).
+_CHECKED: dict[str, tuple[tuple[str, Field], ...]] = {
+    kind: _COMMON_FIELDS + tuple(declared.items()) for kind, (declared, _) in FIELDS.items()}
 
 
 def describe(value: Any) -> str:
@@ -154,31 +146,32 @@ def describe(value: Any) -> str:
     return kind.__name__
 
 
-def _fields_problem(fields: Mapping[str, Any], declared: Mapping[str, Check]) -> str | None:
-    for key, value in fields.items():
-        check = declared.get(key) or COMMON.get(key)
-        if check is None and key.endswith(("_more", "_truncated")):
-            check = _count
-        if check is not None:
-            bad = check(value)
-            if bad is not None:
-                return f"field {key[:60]!r}: {bad}, got {describe(value)}"
+def _fields_problem(fields: Mapping[str, Any], checked: Iterable[tuple[str, Field]]) -> str | None:
+    for key, (check, fast, bound) in checked:
+        value = fields.get(key, _ABSENT)
+        if value is _ABSENT:
+            continue
+        kind = type(value)  # the common case inline (this loop runs for every field of every line)
+        if kind is fast and (kind is bool or (len(value) <= bound if kind is str else 0 <= value <= bound)):
+            continue
+        bad = check(value)
+        if bad is not None:
+            return f"field {key[:60]!r}: {bad}, got {describe(value)}"
     return None
 
 
 def problem(fields: dict[str, Any]) -> str | None:
     """What is wrong with a decoded line as an event, or None when it is one."""
-    for key in REQUIRED:  # in this order: a bad rank is named before a missing timestamp
+    for key in REQUIRED:
         if key not in fields:
-            return f"field {key!r} missing"
-        bad = COMMON[key](fields[key])
-        if bad is not None:
-            return f"field {key!r}: {bad}, got {describe(fields[key])}"
-    declared, required = FIELDS.get(fields["event"], ({}, ()))
+            bad = _fields_problem(fields, _REQUIRED_FIELDS)  # a bad rank is named before a missing timestamp
+            return bad if bad is not None else f"field {key!r} missing"
+    kind = fields["event"]
+    declared, required = FIELDS.get(kind, (None, ())) if type(kind) is str else (None, ())
     for key in required:
         if key not in fields:
-            return f"field {key!r} missing (a {fields['event']} event has it)"
-    return _fields_problem(fields, declared)
+            return _fields_problem(fields, _REQUIRED_FIELDS) or f"field {key!r} missing (a {kind} event has it)"
+    return _fields_problem(fields, _CHECKED[kind] if declared is not None else _COMMON_FIELDS)
 
 
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
