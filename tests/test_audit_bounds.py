@@ -198,3 +198,14 @@ def test_the_hostile_logs_benchmark_runs(tmp_path: Path, capsys: pytest.CaptureF
     assert all(r["audit_status"] == 0 and r["problems"] == 0 for (name, _), r in rows.items()
                if name in ("rank files", "4096-char layer names"))
     assert all(r["report_bytes"] < 2**20 for r in rows.values())
+
+
+def test_the_auditors_limits_are_checked(tmp_path: Path) -> None:
+    from lifecycle.audit.traces import ReportCollector
+
+    for bad in ({"max_details": -1}, {"max_streams": 0}, {"max_streams": True}):
+        with pytest.raises(ValueError, match="must be an int"):
+            Auditor(**bad)
+    for epochs in (0, -3, 51):
+        with pytest.raises(ValueError, match="max_epochs must be an int from 1 to 50"):
+            ReportCollector(epochs)

@@ -305,3 +305,45 @@ def test_events_module_never_configures_structlog(monkeypatch: pytest.MonkeyPatc
     configure_audit(json_path=tmp_path / "x.jsonl", console=True, stream=io.StringIO(), level="debug")
     configure_audit(console=False)
     assert calls == [] and events.LOGGER_NAME
+
+
+# ---- bounded strings and checked arguments --------------------------------------------------------------------------
+
+
+def test_a_megabyte_tensor_name_gives_a_bounded_error(tiny_cfg: DFlashConfig, tmp_path: Path) -> None:
+    import torch
+
+    from lifecycle.errors import MESSAGE_CAP, UnknownWeightError
+    from lifecycle.loading import write_checkpoint
+
+    ckpt = write_checkpoint({"w" * 1_000_000: torch.zeros(2)}, tmp_path / "hostile.safetensors")
+    m = DFlashQwen3Draft(tiny_cfg, name="bounded")
+    with pytest.raises(UnknownWeightError) as e:
+        load_safetensors(m, ckpt)
+    assert len(str(e.value)) < 4000 and "characters)" in str(e.value)  # the name is cut, saying by how much
+    assert len(e.value.reason) <= MESSAGE_CAP
+    assert len(m.lifecycle.recent_events[-1]["reason"]) <= STR_CAP
+
+
+def test_api_arguments_are_checked_with_a_clear_message(tiny_cfg: DFlashConfig, ckpt_a: Path) -> None:
+    from lifecycle.loading import plan_buckets
+    from lifecycle.vllm.worker import LifecycleWorkerExtension
+
+    m = DFlashQwen3Draft(tiny_cfg, name="args")
+    with pytest.raises(TypeError, match=r"checkpoint paths must be a str or os\.PathLike"):
+        load_safetensors(m, str(ckpt_a).encode())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="duplicates must be an int >= 0, got -1"):
+        plan_buckets(["a", "b"], lambda n: n, duplicates=-1)
+    with pytest.raises(ValueError, match="bucket_by must be 'layer' or a positive int, got True"):
+        load_safetensors(m, ckpt_a, bucket_by=True)  # type: ignore[arg-type]
+    assert m.lifecycle.unloaded  # nothing was loaded
+
+    load_safetensors(m, ckpt_a)
+    worker = LifecycleWorkerExtension()
+    worker._lifecycle_backbones = lambda: [("draft", m)]  # type: ignore[method-assign]
+    kept = len(m.lifecycle.recent_events)
+    assert worker.lifecycle_events(last=0) == []  # was: every event
+    assert len(worker.lifecycle_events(last=3)) == 3 and len(worker.lifecycle_events(last=10_000)) == kept
+    for bad in (-1, True, "5"):
+        with pytest.raises(ValueError, match="last must be an int >= 0"):
+            worker.lifecycle_events(last=bad)  # type: ignore[arg-type]

@@ -62,6 +62,10 @@ class Auditor:
     bounded) plus at most `max_details` violations and input problems (each bounded)."""
 
     def __init__(self, *, max_details: int = 1000, max_streams: int = MAX_STREAMS) -> None:
+        if type(max_details) is not int or max_details < 0:
+            raise ValueError(f"max_details must be an int >= 0, got {max_details!r:.40}")
+        if type(max_streams) is not int or max_streams < 1:
+            raise ValueError(f"max_streams must be an int >= 1, got {max_streams!r:.40}")
         self.max_details = max_details
         self.max_streams = max_streams
         self.streams: dict[tuple[int, str], StreamReplay] = {}
