@@ -54,20 +54,22 @@ def distinct_backbones(out: Path, n: int) -> None:
                            seq=1, layer="layers.0", layers_ready=1, layers_total=4, ts=_ts(i)))
 
 
+def _layer_ready_lines(path: Path, n: int, layer_name: Callable[[int], str]) -> None:
+    """`n` layer_ready events of one backbone, layer `i` named `layer_name(i)`, with a layer count of 10**9."""
+    with path.open("w") as fh:
+        for i in range(n):
+            fh.write(_line(event="layer_ready", backbone="draft", rank=0, epoch=0, seq=i + 1, layer=layer_name(i),
+                           layers_ready=i + 1, layers_total=10**9, ts=_ts(i)))
+
+
 def long_layer_names(out: Path, n: int) -> None:
     name = "L" * 900_000
-    with (out / "names.jsonl").open("w") as fh:
-        for i in range(n):
-            fh.write(_line(event="layer_ready", backbone="draft", rank=0, epoch=0, seq=i + 1, layer=f"{i}{name}",
-                           layers_ready=i + 1, layers_total=10**9, ts=_ts(i)))
+    _layer_ready_lines(out / "names.jsonl", n, lambda i: f"{i}{name}")
 
 
 def names_at_the_limit(out: Path, n: int) -> None:
     pad = "n" * 4000
-    with (out / "limit.jsonl").open("w") as fh:
-        for i in range(n):
-            fh.write(_line(event="layer_ready", backbone="draft", rank=0, epoch=0, seq=i + 1, layer=f"{pad}{i:096d}",
-                           layers_ready=i + 1, layers_total=10**9, ts=_ts(i)))
+    _layer_ready_lines(out / "limit.jsonl", n, lambda i: f"{pad}{i:096d}")
 
 
 def _cold_load(rank: int, layers: int = 4) -> Iterator[str]:
