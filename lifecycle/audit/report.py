@@ -61,7 +61,7 @@ def _sha256(text: str) -> str:
 def content_security_policy() -> str:
     """Nothing from anywhere, no plugin, no base or form target; the page's own style and script by hash."""
     return (f"default-src 'none'; script-src {_sha256(_asset('report.js'))}; style-src {_sha256(_asset('report.css'))}"
-            "; img-src data:; base-uri 'none'; form-action 'none'")
+            "; base-uri 'none'; form-action 'none'")
 
 
 def collect(paths: Sequence[str | Path], *, max_epochs: int = 12, max_streams: int = MAX_STREAMS
