@@ -4,21 +4,54 @@
     reload-lifecycle demo [--engine torch|vllm] [--model NAME] [--layers N] [--out DIR] [--seed S]
                           [--bucket-size K] [--device cpu|cuda] [-v]
     reload-lifecycle diagram [--format mermaid|dot|markdown] [--state STATE] [-o FILE]
-    reload-lifecycle audit LOG [LOG ...] [--json] [--max-details N]
-    reload-lifecycle report LOG [LOG ...] -o report.html [--title T] [--max-epochs N]
+    reload-lifecycle audit LOG [LOG ...] [--json] [--max-details N] [--max-streams N]
+    reload-lifecycle report LOG [LOG ...] -o report.html [--title T] [--max-epochs N] [--max-streams N]
+
+Every numeric option is checked against its range and a bad value is a usage error (exit status 2), as is an
+output path that cannot be written.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .audit.diagram import FORMATS
+from .audit.replay import MAX_STREAMS
+from .audit.traces import MAX_EPOCHS
 from .states import LifecycleState
 
-__all__ = ["build_parser", "main"]
+__all__ = ["MAX_EPOCHS_LIMIT", "TITLE_CAP", "build_parser", "main"]
+
+#: `report --max-epochs` at most: the report's size grows with it.
+MAX_EPOCHS_LIMIT = MAX_EPOCHS
+#: Characters of a report title at most.
+TITLE_CAP = 200
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer from `low` to `high` (no upper bound when None), else a usage error naming
+    the range."""
+    span = f"from {low} to {high}" if high is not None else f">= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be an integer {span}, got {text[:40]!r}")
+        return value
+
+    return parse
+
+
+def _title(text: str) -> str:
+    if len(text) > TITLE_CAP:
+        raise argparse.ArgumentTypeError(f"at most {TITLE_CAP} characters, got {len(text)}")
+    return text
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -58,7 +91,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from .audit.replay import audit_logs
     from .audit.views import render_json, render_text
 
-    result = audit_logs(args.logs, max_details=args.max_details)
+    result = audit_logs(args.logs, max_details=args.max_details, max_streams=args.max_streams)
     sys.stdout.write((render_json(result) if args.json else render_text(result, show=args.max_details)) + "\n")
     return result.status
 
@@ -67,10 +100,21 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from .audit.report import write_report
     from .audit.views import result_line
 
-    result = write_report(args.logs, args.output, title=args.title, max_epochs=args.max_epochs)
+    if args.output.is_dir():
+        return _usage_error("report", f"-o {args.output}: is a directory; give the HTML file to write")
+    try:
+        result = write_report(args.logs, args.output, title=args.title, max_epochs=args.max_epochs,
+                              max_streams=args.max_streams)
+    except OSError as e:
+        return _usage_error("report", f"-o {args.output}: cannot write the report: {e.strerror or e}")
     print(f"wrote {args.output}")
     print(result_line(result))
     return 0
+
+
+def _usage_error(command: str, message: str) -> int:
+    print(f"reload-lifecycle {command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,10 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="torch: the pure-PyTorch backbones (default); vllm: a real in-process vLLM engine "
                            "(needs the vllm extra) with a DFlash draft reloaded in buckets")
     demo.add_argument("--model", default="dflash", help="draft family (see `reload-lifecycle models`; default dflash)")
-    demo.add_argument("--layers", type=int, default=4, help="decoder layers of the draft (default 4)")
+    demo.add_argument("--layers", type=int_in(1, 256), default=4, help="decoder layers of the draft (default 4)")
     demo.add_argument("--out", type=Path, default=None, help="output folder (default: a new temporary folder)")
-    demo.add_argument("--seed", type=int, default=0, help="seed for weights and bucket order (default 0)")
-    demo.add_argument("--bucket-size", type=int, default=3, help="tensors per reload bucket (default 3)")
+    demo.add_argument("--seed", type=int_in(0), default=0, help="seed for weights and bucket order (default 0)")
+    demo.add_argument("--bucket-size", type=int_in(1), default=3, help="tensors per reload bucket (default 3)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("-v", "--verbose", action="store_true", help="also print every audit event to stderr")
     demo.set_defaults(func=_cmd_demo)
@@ -116,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     diagram.set_defaults(func=_cmd_diagram)
 
     logs_help = "JSON-lines audit logs: files, directories (their *.jsonl, *.jsonl.N, *.ndjson, *.log), - for stdin"
+    streams_help = (f"(rank, backbone) streams replayed, at most (default {MAX_STREAMS}); events of further streams "
+                    "are counted as not audited (exit status 2)")
     audit = sub.add_parser(
         "audit",
         help="replay audit logs (any number of ranks) through the transition table and report every violation",
@@ -129,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("logs", nargs="+", metavar="LOG", help=logs_help)
     audit.add_argument("--json", action="store_true", help="print the result as JSON (for machines)")
-    audit.add_argument("--max-details", type=int, default=200,
+    audit.add_argument("--max-details", type=int_in(0, 1_000_000), default=200,
                        help="violations and input problems listed one by one, at most (all are counted; default 200)")
+    audit.add_argument("--max-streams", type=int_in(1, 1_000_000), default=MAX_STREAMS, help=streams_help)
     audit.set_defaults(func=_cmd_audit)
 
     report = sub.add_parser(
@@ -145,9 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("logs", nargs="+", metavar="LOG", help=logs_help)
     report.add_argument("-o", "--output", type=Path, required=True, help="the HTML file to write")
-    report.add_argument("--title", default="reload-lifecycle report", help="page title")
-    report.add_argument("--max-epochs", type=int, default=12,
-                        help="reload epochs drawn per (rank, backbone), the latest ones (default 12)")
+    report.add_argument("--title", type=_title, default="reload-lifecycle report",
+                        help=f"page title (at most {TITLE_CAP} characters)")
+    report.add_argument("--max-epochs", type=int_in(1, MAX_EPOCHS_LIMIT), default=12,
+                        help=f"reload epochs drawn per (rank, backbone), the latest ones (1 to {MAX_EPOCHS_LIMIT}; "
+                             "default 12)")
+    report.add_argument("--max-streams", type=int_in(1, 1_000_000), default=MAX_STREAMS, help=streams_help)
     report.set_defaults(func=_cmd_report)
     return parser
 

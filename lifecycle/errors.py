@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .types import capped
+from .types import capped, clipped
 
 __all__ = [
+    "MESSAGE_CAP",
     "MESSAGE_ITEMS_CAP",
+    "MESSAGE_NAME_CAP",
     "CheckpointError",
     "DerivedBuildError",
     "IllegalTransitionError",
@@ -59,11 +61,18 @@ __all__ = [
 
 #: How many offending items an error message spells out before it says "... and N more".
 MESSAGE_ITEMS_CAP = 20
+#: At most this many characters of one listed item, and of the backbone's name (a tensor name from a checkpoint
+#: header can be a megabyte long).
+MESSAGE_NAME_CAP = 1024
+#: At most this many characters in a whole message (and its `reason`).
+MESSAGE_CAP = 16384
 
 
 def _listing(items: Sequence[str]) -> str:
-    """One item per line, at most `MESSAGE_ITEMS_CAP` of them, then how many were left out."""
+    """One item per line, at most `MESSAGE_ITEMS_CAP` of them (each cut at `MESSAGE_NAME_CAP` characters), then
+    how many were left out."""
     shown, more = capped(items, MESSAGE_ITEMS_CAP)
+    shown = [clipped(str(item), MESSAGE_NAME_CAP) for item in shown]
     return "\n  ".join([*shown, f"... and {more} more"] if more else shown)
 
 
@@ -74,7 +83,9 @@ class LifecycleError(RuntimeError):
     message without the `[backbone, state]` prefix."""
 
     def __init__(self, message: str, *, backbone: str | None = "?", state: str | None = "?") -> None:
-        super().__init__(message if backbone is None else f"[backbone {backbone!r}, state {state}] {message}")
+        message = clipped(message, MESSAGE_CAP)
+        prefix = "" if backbone is None else f"[backbone {clipped(backbone, MESSAGE_NAME_CAP)!r}, state {state}] "
+        super().__init__(prefix + message)
         self.backbone = backbone
         self.state = state
         self.reason = message

@@ -11,70 +11,93 @@ In production `configure_audit(json_path=...)` writes JSON lines (UTC ISO-8601 t
 and, optionally, readable lines to the terminal. Events carry names, counts, shapes and addresses, never
 tensor values; lists (missing tensors) are capped with a count of what was left out.
 
-Every event passes `bound_event` before it is written: at most `LIST_CAP` items in a list of names (the rest
+The audit logger is this module's own: a structlog bound logger with its own processor chain, built by
+`configure_audit`. Nothing here calls `structlog.configure`, so a host application's structlog configuration
+and its events are left alone, and its events never reach the audit files. While `structlog.testing.capture_logs()`
+is active (it swaps structlog's global chain for a capturing one), audit events go to that capture instead, as
+they would through the global chain. Until `configure_audit` is called, events are only kept in memory (each
+lifecycle's `recent_events`).
+
+Every event is bounded before it is written or kept: at most `LIST_CAP` items in a list of names (the rest
 counted in `<field>_more`), at most `STR_CAP` characters in a string (the cut counted in `<field>_truncated`),
-and a tensor that slipped into a field is written as its description, never its values:
+an integer of more than `INT_BITS_CAP` bits as its size, and a tensor that slipped into a field as its
+description, never its values:
 
 >>> import torch
 >>> ev = bound_event(None, "info", {"names": [f"t{i}" for i in range(20)], "reason": "x" * 5000,
-...                                 "oops": torch.ones(3)})
->>> len(ev["names"]), ev["names_more"], len(ev["reason"]), ev["reason_truncated"], ev["oops"]
-(16, 4, 4096, 904, '<tensor shape=(3,) dtype=torch.float32 device=cpu>')
+...                                 "oops": torch.ones(3), "huge": 10 ** 5000})
+>>> len(ev["names"]), ev["names_more"], len(ev["reason"]), ev["reason_truncated"], ev["oops"], ev["huge"]
+(16, 4, 4096, 904, '<tensor shape=(3,) dtype=torch.float32 device=cpu>', '<int of 16610 bits>')
+
+The sink never changes what the lifecycle does: a write that fails (a full disk, a closed or no longer
+writable descriptor, a console stream that went away) is counted (`sink_failures()`, and a `sink_failures`
+field on the events each lifecycle keeps), reported once on stderr, and the event goes on; `emit` never raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
+from structlog.testing import LogCapture
 
 __all__ = [
+    "INT_BITS_CAP",
+    "LEVELS",
     "LIST_CAP",
     "LOGGER_NAME",
     "RECORDS_CAP",
     "SCHEMA_VERSION",
     "STR_CAP",
     "TS_FORMAT",
+    "AuditSinkError",
     "JsonLinesSink",
     "add_schema_version",
     "bound_event",
+    "bound_fields",
     "configure_audit",
     "emit",
+    "emit_record",
     "read_events",
+    "sink_failures",
 ]
 
 #: Version of the event schema (the `schema` field). 2: `seq`, fixed-width timestamps, `_more`/`_truncated` counts.
 SCHEMA_VERSION = 2
+#: The audit logger's name (its events carry no logger name: the chain is its own, see the module doc).
 LOGGER_NAME = "reload_lifecycle"
 #: At most this many names in a list field; the rest are counted in `<field>_more`.
 LIST_CAP = 16
-#: At most this many records (dicts) in a list field, such as the per-buffer records of a `refresh` event.
+#: At most this many records (dicts) in a list field, such as the per-buffer records of a `refresh` event, and
+#: at most this many keys in a mapping field.
 RECORDS_CAP = 256
 #: At most this many characters in a string field; the number cut is `<field>_truncated`.
 STR_CAP = 4096
+#: An integer wider than this is written as `<int of N bits>` (Python refuses to print one of over 4,300 digits).
+INT_BITS_CAP = 64
+#: Nesting deeper than this (lists in dicts in lists ...) is written as a description.
+DEPTH_CAP = 4
 #: UTC, always with microseconds: fixed width, so timestamps of one log also sort as strings.
 TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
-
-_logger = structlog.get_logger(LOGGER_NAME)
-
-
-def emit(event: str, *, level: str = "info", **fields: Any) -> None:
-    """Send one audit event. Goes through structlog's global configuration, so `capture_logs()` sees it."""
-    getattr(_logger, level)(event, **fields)
+#: The levels `configure_audit` and `emit` accept, lowest first.
+LEVELS = ("debug", "info", "warning", "error", "critical")
+_LEVEL_NUMBERS = {name: logging.getLevelNamesMapping()[name.upper()] for name in LEVELS}
 
 
-# ---- processors (plain functions / small callables, structlog style) -----------------------------------------
+class AuditSinkError(OSError):
+    """The audit log could not be opened (`configure_audit`); the previous configuration stays in force."""
 
 
-def add_schema_version(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    event_dict.setdefault("schema", SCHEMA_VERSION)
-    return event_dict
+# ---- bounding -----------------------------------------------------------------------------------------------------
 
 
 def _describe_tensor(value: Any) -> str | None:
@@ -86,18 +109,27 @@ def _describe_tensor(value: Any) -> str | None:
     return f"<tensor shape={tuple(value.shape)} dtype={value.dtype} device={device}>"
 
 
-def _bound_value(key: str, value: Any, out: MutableMapping[str, Any]) -> Any:
-    if isinstance(value, (bool, int, float)) or value is None:
+def _bound_value(key: str, value: Any, out: MutableMapping[str, Any], depth: int = 0) -> Any:
+    kind = type(value)
+    if kind is int:
+        return value if value.bit_length() <= INT_BITS_CAP else f"<int of {value.bit_length()} bits>"
+    if kind is bool or kind is float or value is None:
         return value
-    if isinstance(value, str):
+    if kind is str:
         if len(value) > STR_CAP:
             out[f"{key}_truncated"] = len(value) - STR_CAP
             return value[:STR_CAP]
         return value
+    if isinstance(value, (dict, list, tuple)) and depth >= DEPTH_CAP:
+        return f"<{kind.__name__} nested deeper than {DEPTH_CAP}>"
     if isinstance(value, dict):
         inner: dict[str, Any] = {}
-        for k, v in value.items():
-            inner[k] = _bound_value(k, v, inner)
+        items = list(value.items())
+        if len(items) > RECORDS_CAP:
+            out[f"{key}_more"] = out.get(f"{key}_more", 0) + len(items) - RECORDS_CAP
+            items = items[:RECORDS_CAP]
+        for k, v in items:
+            inner[k] = _bound_value(str(k), v, inner, depth + 1)
         return inner
     if isinstance(value, (list, tuple)):
         records = any(isinstance(v, dict) for v in value)
@@ -108,12 +140,22 @@ def _bound_value(key: str, value: Any, out: MutableMapping[str, Any]) -> Any:
         items: list[Any] = []
         for v in value:
             holder: dict[str, Any] = {}
-            items.append(_bound_value(key, v, holder))
+            items.append(_bound_value(key, v, holder, depth + 1))
         return items
+    if isinstance(value, (bool, int, float, str)):  # a subclass (an enum, a numpy scalar): its plain value
+        plain = next(t for t in (bool, int, float, str) if isinstance(value, t))
+        return _bound_value(key, plain.__str__(value) if plain is str else plain(value), out, depth)
     described = _describe_tensor(value)
     if described is not None:
         return described
-    return _bound_value(key, str(value), out)
+    return _bound_value(key, str(value), out, depth)
+
+
+def bound_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A bounded copy of an event's fields (see the module doc); what is written and what lifecycles keep."""
+    out = dict(fields)
+    bound_event(None, "", out)
+    return out
 
 
 def bound_event(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -121,66 +163,225 @@ def bound_event(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) 
     extra: dict[str, Any] = {}
     for key in list(event_dict):
         value = event_dict[key]
-        if type(value) in (int, bool, float) or value is None:
+        kind = type(value)
+        if kind is bool or kind is float or value is None or (kind is int and value.bit_length() <= INT_BITS_CAP):
             continue
         event_dict[key] = _bound_value(key, value, extra)
     for key, value in extra.items():  # a count the caller already gave is added to, not replaced
-        event_dict[key] = value + event_dict.get(key, 0) if key.endswith("_more") else value
+        given = event_dict.get(key, 0)
+        event_dict[key] = value + given if key.endswith("_more") and type(given) is int else value
     return event_dict
 
 
-class JsonLinesSink:
-    """Processor that appends the event as one JSON line to a file and passes it on unchanged."""
+def add_schema_version(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    event_dict.setdefault("schema", SCHEMA_VERSION)
+    return event_dict
 
-    def __init__(self, path: str | Path) -> None:
+
+# ---- failures -----------------------------------------------------------------------------------------------------
+
+_failures_lock = threading.Lock()
+_failures = 0
+
+
+def sink_failures() -> int:
+    """How many audit events could not be written in this process (by any sink, since it started)."""
+    return _failures
+
+
+def _count_failure(what: str, error: BaseException, first: bool) -> None:
+    """Count one lost event; on the first failure of a sink, say so once on stderr."""
+    global _failures
+    with _failures_lock:
+        _failures += 1
+    if first:
+        _say(f"audit {what}: {type(error).__name__}: {error}; the lifecycle goes on, and this and later lost "
+             "events are counted (lifecycle.events.sink_failures(), the `sink_failures` field of recent events)")
+
+
+def _say(message: str) -> None:
+    with contextlib.suppress(Exception):  # stderr itself may be gone: the count stays
+        print(f"reload-lifecycle: {message}", file=sys.stderr, flush=True)
+
+
+# ---- the JSON-lines sink ------------------------------------------------------------------------------------------
+
+
+class JsonLinesSink:
+    """Processor that appends the event as one JSON line to a file and passes it on unchanged.
+
+    One `write(2)` per line on a descriptor opened with O_APPEND: nothing is buffered, so a failed write loses
+    that line only (and a line torn by a partial write is ended before the next one, so the auditor names it
+    and reads on). A failure is counted (`failures`, and the process-wide `sink_failures()`), reported once on
+    stderr, and never raised."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh: TextIO = self.path.open("a", encoding="utf-8", buffering=1)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            shown = str(self.path) if len(str(self.path)) <= 200 else f"{str(self.path)[:200]}..."
+            raise AuditSinkError(e.errno, f"cannot open the audit log {shown}: {e.strerror or e}") from e
         self._lock = threading.Lock()
+        self._torn = False
+        self.closed = False
+        self.failures = 0
 
     def __call__(self, _logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-        line = json.dumps(event_dict, default=str, separators=(",", ":"))
+        try:
+            data = (json.dumps(event_dict, default=str, separators=(",", ":")) + "\n").encode()
+        except (TypeError, ValueError) as e:
+            self._failed(e)
+            return event_dict
         with self._lock:
-            self._fh.write(line + "\n")
+            if self.closed:
+                self._failed(ValueError("the sink was closed"))
+                return event_dict
+            if self._torn:
+                data = b"\n" + data
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[os.write(self._fd, view):]
+                self._torn = False
+            except OSError as e:
+                self._torn = self._torn or len(view) < len(data)
+                self._failed(e)
         return event_dict
 
+    def _failed(self, error: BaseException) -> None:
+        self.failures += 1
+        _count_failure(f"sink {self.path}", error, first=self.failures == 1)
+
     def close(self) -> None:
-        self._fh.close()
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            with contextlib.suppress(OSError):  # already closed behind our back: nothing left to release
+                os.close(self._fd)
 
 
 def _drop(_logger: Any, _name: str, _event_dict: MutableMapping[str, Any]) -> str:
     raise structlog.DropEvent
 
 
-_active_sink: JsonLinesSink | None = None
+# ---- configuration ------------------------------------------------------------------------------------------------
 
 
-def configure_audit(json_path: str | Path | None = None, *, console: bool = True, level: str = "info",
+@dataclass(frozen=True)
+class _Route:
+    """Where events go now: replaced whole by `configure_audit`, read once per event (no lock on the hot path)."""
+
+    logger: Any | None  # None: nothing to write (events are bounded and kept by each lifecycle only)
+    sink: JsonLinesSink | None
+    level: int
+    failed_once: list[bool]  # a failure outside the sink (the console) was reported already
+
+
+_route = _Route(None, None, _LEVEL_NUMBERS["info"], [False])
+_configure_lock = threading.Lock()
+
+
+def _level_number(level: Any, who: str) -> int:
+    if not isinstance(level, str) or level.lower() not in _LEVEL_NUMBERS:
+        raise ValueError(f"{who}: level must be one of {', '.join(LEVELS)}, got {level!r:.80}")
+    return _LEVEL_NUMBERS[level.lower()]
+
+
+def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console: bool = True, level: str = "info",
                     stream: TextIO | None = None) -> JsonLinesSink | None:
-    """Configure structlog for audit output: JSON lines to `json_path` (if given) and readable lines to
-    `stream` (stderr by default) if `console`. Returns the file sink (close it, or call again, to flush)."""
-    global _active_sink
-    if _active_sink is not None:
-        _active_sink.close()
-        _active_sink = None
-    processors: list[Any] = [
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt=TS_FORMAT, utc=True, key="ts"),
-        add_schema_version,
-        bound_event,
-    ]
-    if json_path is not None:
-        _active_sink = JsonLinesSink(json_path)
-        processors.append(_active_sink)
-    out = stream or sys.stderr
-    processors.append(structlog.dev.ConsoleRenderer(colors=out.isatty()) if console else _drop)
-    structlog.configure(
-        processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(out),
-        cache_logger_on_first_use=False,
-    )
-    return _active_sink
+    """Route audit events: JSON lines to `json_path` (if given) and readable lines to `stream` (stderr by
+    default) if `console`; events below `level` are not written. Returns the file sink (close it, or call again,
+    to release the file). Configures only the audit logger, never structlog's process-wide defaults.
+
+    The new route is built whole before it replaces the old one: a `json_path` that cannot be opened raises
+    `AuditSinkError` (naming the path) and leaves the previous route in force; the previous sink is closed
+    afterwards, and a failure to close it (a broken file) does not stop the switch."""
+    global _route
+    number = _level_number(level, "configure_audit")
+    if json_path is not None and not isinstance(json_path, (str, os.PathLike)):
+        raise TypeError(f"configure_audit: json_path must be a str or a path, got {type(json_path).__name__}")
+    if not isinstance(console, bool):
+        raise TypeError(f"configure_audit: console must be True or False, got {console!r:.80}")
+    if stream is not None and not callable(getattr(stream, "write", None)):
+        raise TypeError(f"configure_audit: stream must be a text stream with write(), got {type(stream).__name__}")
+    with _configure_lock:
+        sink = JsonLinesSink(json_path) if json_path is not None else None  # may raise: nothing changed yet
+        logger = None
+        if sink is not None or console:
+            out = stream if stream is not None else sys.stderr
+            processors: list[Any] = [
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt=TS_FORMAT, utc=True, key="ts"),
+                add_schema_version,
+            ]
+            if sink is not None:
+                processors.append(sink)
+            processors.append(structlog.dev.ConsoleRenderer(colors=_isatty(out)) if console else _drop)
+            logger = structlog.make_filtering_bound_logger(number)(
+                structlog.PrintLogger(out), processors=processors, context={})
+        old, _route = _route, _Route(logger, sink, number, [False])
+    if old.sink is not None:
+        try:
+            old.sink.close()
+        except Exception as e:  # the new route is in force; a broken old file must not undo that
+            _say(f"closing the previous audit sink {old.sink.path} failed ({type(e).__name__}: {e}); "
+                 "the new route is in force")
+    return sink
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+# ---- emitting -----------------------------------------------------------------------------------------------------
+
+
+def _capture_chain() -> list[Any] | None:
+    """structlog's global processors while `structlog.testing.capture_logs()` is active (it ends them with a
+    `LogCapture`), else None."""
+    processors = structlog.get_config()["processors"]
+    return processors if processors and type(processors[-1]) is LogCapture else None
+
+
+def emit(event: str, *, level: str = "info", **fields: Any) -> None:
+    """Send one audit event (bounded first). Never raises for a failed write (see the module doc)."""
+    number = _LEVEL_NUMBERS.get(level)
+    if number is None:
+        raise ValueError(f"emit: level must be one of {', '.join(LEVELS)}, got {level!r:.80}")
+    if number < _route.level or (_route.logger is None and _capture_chain() is None):
+        return
+    emit_record(bound_fields({"event": event, **fields}), level)
+
+
+def emit_record(record: Mapping[str, Any], level: str = "info") -> None:
+    """Send an event whose fields are bounded already (`bound_fields`; `record["event"]` names it): what a
+    lifecycle does after keeping the same record in its `recent_events`. Never raises for a failed write."""
+    route = _route
+    number = _LEVEL_NUMBERS[level]
+    if number < route.level:
+        return
+    capture = _capture_chain()
+    if capture is None and route.logger is None:
+        return
+    try:
+        if capture is not None:
+            event_dict: Any = dict(record)
+            for processor in capture:
+                event_dict = processor(None, level, event_dict)
+        else:
+            getattr(route.logger, level)(**record)
+    except structlog.DropEvent:
+        pass
+    except Exception as e:  # a renderer or stream failure must not reach the lifecycle
+        first = not route.failed_once[0]
+        route.failed_once[0] = True
+        _count_failure("output", e, first)
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:

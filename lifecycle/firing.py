@@ -46,7 +46,9 @@ class _Model:
 class TableMachine:
     """The table's state machine for one backbone, and its audit trail. Every info-level event is numbered
     (`seq`: 1, 2, ... per lifecycle, so the auditor sees a deleted, duplicated or reordered line as a gap or a
-    step back, and a restart as a new lifecycle) and kept in `recent_events` (the worker RPCs read it)."""
+    step back, and a restart as a new lifecycle) and kept, bounded as written, in `recent_events` (the worker
+    RPCs read it); once an audit write failed in this process, each kept event also says how many have
+    (`sink_failures`). Auditing never changes what a trigger does: a failed write is counted, not raised."""
 
     def __init__(self, name: str, rank: int, readiness: LayerReadiness, *, locked: bool, recent_events: int
                  ) -> None:
@@ -141,10 +143,14 @@ class TableMachine:
             events.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
             return
         self._seq += 1
-        self.recent_events.append({"event": event, "backbone": self.name, "rank": self.rank, "epoch": self.epoch,
-                                   "seq": self._seq, **fields})
-        events.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, seq=self._seq,
-                   **fields)
+        # bounded once: the same record is written and kept (a 5 MB reason is cut in memory too)
+        record = events.bound_fields({"event": event, "backbone": self.name, "rank": self.rank, "epoch": self.epoch,
+                                      "seq": self._seq, **fields})
+        events.emit_record(record, level)  # never raises: a failed write is counted, not the lifecycle's problem
+        failures = events.sink_failures()
+        if failures:
+            record["sink_failures"] = failures
+        self.recent_events.append(record)
 
     def record_refusal(self, trigger: str, error: Exception, **fields: Any) -> None:
         """Audit a refusal: the machine's own, and those decided outside it (the loader's checks of names,

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -106,6 +107,23 @@ class LoadProgress:
     layers_total: int
 
 
+def _check_paths(paths: object) -> None:
+    """A checkpoint path, or a sequence of them (str or os.PathLike); anything else is a TypeError naming it."""
+    ok = (str, PathLike)
+    if isinstance(paths, ok) or (isinstance(paths, Sequence) and not isinstance(paths, (bytes, bytearray))
+                                  and paths and all(isinstance(p, ok) for p in paths)):
+        return
+    raise TypeError(f"checkpoint paths must be a str or os.PathLike, or a non-empty sequence of them; got "
+                    f"{type(paths).__name__} {paths!r:.80}")
+
+
+def _check_plan(bucket_by: object, duplicates: object) -> None:
+    if bucket_by != "layer" and (type(bucket_by) is not int or bucket_by < 1):
+        raise ValueError(f"bucket_by must be 'layer' or a positive int, got {bucket_by!r:.80}")
+    if type(duplicates) is not int or duplicates < 0:
+        raise ValueError(f"duplicates must be an int >= 0, got {duplicates!r:.80}")
+
+
 def write_checkpoint(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
                      ) -> Path:
     """Save `tensors` as one safetensors file (contiguous CPU copies). Returns the path."""
@@ -117,6 +135,7 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], path: str | Path, metadat
 
 def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> dict[str, IndexEntry]:
     """Name -> (file, shape, dtype) from the headers alone; no tensor data is read."""
+    _check_paths(paths)
     files = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     index: dict[str, IndexEntry] = {}
     for p in files:
@@ -163,6 +182,7 @@ def plan_buckets(names: Sequence[str], layer_key: Callable[[str], str], *, bucke
                  shuffle: bool = False, seed: int = 0, duplicates: int = 0) -> list[list[str]]:
     """Group tensor names into buckets: one per layer, or `bucket_by` tensors each; optionally shuffled;
     `duplicates` tensors are sent a second time in a later bucket (as trainers sometimes do)."""
+    _check_plan(bucket_by, duplicates)
     rng = random.Random(seed)
     names = list(names)
     if bucket_by == "layer":
@@ -175,8 +195,6 @@ def plan_buckets(names: Sequence[str], layer_key: Callable[[str], str], *, bucke
             for b in buckets:
                 rng.shuffle(b)
     else:
-        if not isinstance(bucket_by, int) or bucket_by < 1:
-            raise ValueError(f"bucket_by must be 'layer' or a positive int, got {bucket_by!r}")
         if shuffle:
             rng.shuffle(names)
         buckets = [names[i:i + bucket_by] for i in range(0, len(names), bucket_by)]
@@ -318,6 +336,8 @@ def load_safetensors(
     failed write) in a later bucket stops the load after the earlier buckets were written: use a reload session
     (`backbone.reload_session(rollback=True)`) to undo them. `writer`, `before_write`: see `apply_bucket`.
     """
+    _check_paths(paths)
+    _check_plan(bucket_by, duplicates)
     t0 = time.perf_counter()
     try:
         index = checkpoint_index(paths)

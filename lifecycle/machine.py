@@ -35,7 +35,7 @@ from .leases import WriteLeases
 from .readiness import LayerReadiness, layer_of
 from .states import INITIAL_STATE, QUARANTINE_STATE, USABLE_STATES, LifecycleState, possible_destinations
 from .storage import PinnedStorage
-from .types import TensorSpec, capped
+from .types import TensorSpec, capped, clipped
 
 __all__ = ["BackboneLifecycle"]
 
@@ -274,7 +274,9 @@ class BackboneLifecycle(TableMachine):
         `recover()`. Waits until no other thread is writing. `rollback`: restores every tensor written since
         `begin_reload` to its value then and returns their names; run here, after the writers finished and
         before the state changes. An exact rollback of a reload that started with current derived buffers makes
-        the backbone recoverable (`recover`); a rollback that raises still quarantines (not recoverable)."""
+        the backbone recoverable (`recover`); a rollback that raises still quarantines (not recoverable).
+        `reason` is kept (and audited, and named by `QuarantinedError`) cut at `events.STR_CAP` characters."""
+        reason = clipped(str(reason), events.STR_CAP)
         with self._lock:
             self._leases.wait_until_idle()
             self._require_allowed_audited("abort_reload")
@@ -284,7 +286,7 @@ class BackboneLifecycle(TableMachine):
                 try:
                     restored = frozenset(rollback())
                 except Exception as e:  # the abort itself must not fail: quarantine, not recoverable
-                    rollback_error = f"{type(e).__name__}: {e}"
+                    rollback_error = clipped(f"{type(e).__name__}: {e}", events.STR_CAP)
             blocker = recovery_verdict(self._origin, self.readiness.dirty_tensors(), restored, rollback_error,
                                        self.torn_buffers)
 

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["BufferReport", "RefreshReport", "TensorSpec", "capped", "dtype_name"]
+__all__ = ["BufferReport", "RefreshReport", "TensorSpec", "capped", "clipped", "dtype_name"]
 
 T = TypeVar("T")
 
@@ -23,6 +23,19 @@ def capped(items: Iterable[T], cap: int) -> tuple[list[T], int]:
     `events.LIST_CAP`, error messages at `errors.MESSAGE_ITEMS_CAP`) is cut by this one helper."""
     items = list(items)
     return items[:cap], max(0, len(items) - cap)
+
+
+def clipped(text: str, cap: int) -> str:
+    """`text`, or as much of it as fits in `cap` characters with how many were cut: every bounded string of a
+    message or a kept reason is cut by this one helper.
+
+    >>> clipped("abcdef", 6), clipped("a" * 50, 30)
+    ('abcdef', 'aaaaaaaaaaa...(+39 characters)')
+    """
+    if len(text) <= cap:
+        return text
+    keep = max(0, cap - len(f"...(+{len(text)} characters)"))
+    return f"{text[:keep]}...(+{len(text) - keep} characters)"
 
 
 @dataclass(frozen=True)

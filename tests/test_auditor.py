@@ -382,7 +382,8 @@ def test_corrupt_lines_are_reported_with_line_numbers_and_the_rest_is_audited(
     assert result.status == 2
     assert [p.where for p in result.input_problems] == [f"{path}:6", f"{path}:10", f"{path}:13",
                                                         f"{path}:{len(text) + 1}"]
-    assert "field 'rank' missing or not int" in result.input_problems[2].message
+    assert "field 'rank': expected a count (an integer from 0 to 2**63-1), got 'one'" in \
+        result.input_problems[2].message
     assert "storage_drift" in kinds(result)
     assert main(["audit", str(logs)]) == 2
     out = capsys.readouterr().out

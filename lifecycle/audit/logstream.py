@@ -1,9 +1,11 @@
 """Reading audit logs as one stream of events: files, directories of files, or `-` (stdin), one line at a time.
 
 Nothing reads a whole file: each input is read line by line (a line longer than `MAX_LINE` bytes is skipped and
-reported, not buffered), and several inputs are merged by timestamp with `heapq.merge`, which holds one pending
-line per input. A line that is not a JSON object with the fields every event has is an `InputProblem` naming
-the file and line number; the stream goes on with the next line.
+reported, not buffered). Several inputs are merged by timestamp, holding one pending line per input and at most
+`OPEN_FILES` files open at once (an input whose turn comes while it is closed is reopened where it stopped), so
+thousands of rank files merge under a low open-file limit. A line is checked before it is decoded (`schema.
+depth_problem`) and after (`schema.problem`: the fields every event has, and the types of each kind's fields);
+a line that is not a valid event is an `InputProblem` naming the file and line number, and the stream goes on.
 
 >>> import io
 >>> lines = io.BytesIO(b'{"event":"hook_run","backbone":"d","rank":0,"epoch":0,"ts":"2026-01-01T00:00:00.000001Z"}\\n'
@@ -17,21 +19,28 @@ from __future__ import annotations
 import heapq
 import json
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["LOG_PATTERNS", "MAX_LINE", "STDIN", "InputProblem", "Item", "LogEvent", "expand_inputs", "iter_events",
-           "parse_line", "parse_ts", "read_input", "read_stream"]
+from .schema import depth_problem, problem
+
+__all__ = ["HELD_LINE", "LOG_PATTERNS", "MAX_LINE", "OPEN_FILES", "STDIN", "InputProblem", "Item", "LogEvent",
+           "expand_inputs", "iter_events", "parse_line", "parse_ts", "read_input", "read_stream"]
 
 #: A line longer than this (bytes) is reported as unreadable and skipped without being held in memory.
 MAX_LINE = 1 << 20
+#: Input files open at once, at most, while several are merged (fewer under a low open-file limit).
+OPEN_FILES = 64
+#: While inputs are merged, a pending line longer than this is not held parsed: only its timestamp and where it
+#: starts, and it is read again when its turn comes (memory: inputs x HELD_LINE, whatever the lines).
+HELD_LINE = 4096
 #: In a directory, files whose names look like audit logs (rotated logs `audit.jsonl.1` included).
 LOG_PATTERNS = ("*.jsonl", "*.jsonl.*", "*.ndjson", "*.log")
 STDIN = "-"
-REQUIRED: tuple[tuple[str, type], ...] = (("event", str), ("backbone", str), ("rank", int), ("epoch", int))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,47 +116,55 @@ _decode = json.JSONDecoder().decode
 
 def parse_line(raw: bytes | str, source: str, line: int) -> Item:
     """One JSON line as a `LogEvent`, or the reason it is not one."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    deep = depth_problem(data)
+    if deep is not None:
+        return InputProblem(source, line, f"not an event: {deep}")
     try:
-        fields = _decode(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+        fields = _decode(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         return InputProblem(source, line, f"not JSON ({e.__class__.__name__}: {str(e)[:80]})")
     if type(fields) is not dict:
         return InputProblem(source, line, f"not a JSON object but {type(fields).__name__}")
-    for key, kind in REQUIRED:
-        value = fields.get(key)
-        if type(value) is not kind:  # exact: a bool is not a rank
-            return InputProblem(source, line, f"field {key!r} missing or not {kind.__name__}: {value!r:.60}")
-    ts = parse_ts(fields.get("ts"))
+    bad = problem(fields)
+    if bad is not None:
+        return InputProblem(source, line, f"not a valid event: {bad}")
+    ts = parse_ts(fields["ts"])
     if ts is None:
-        return InputProblem(source, line, f"field 'ts' missing or not ISO-8601: {fields.get('ts')!r:.60}")
+        return InputProblem(source, line, f"not a valid event: field 'ts' is not ISO-8601: {fields['ts']!r:.60}")
     return LogEvent(source, line, fields, ts)
 
 
-def _raw_lines(fh: BinaryIO, max_line: int) -> Iterator[tuple[int, bytes | None]]:
-    """(line number, bytes) for each line; None for a line longer than `max_line`, which is skipped unread."""
-    number = 0
-    while True:
-        raw = fh.readline(max_line)
-        if not raw:
-            return
-        number += 1
-        if len(raw) == max_line and not raw.endswith(b"\n"):
-            while True:  # skip the rest of the overlong line, one chunk at a time
-                more = fh.readline(max_line)
-                if not more or more.endswith(b"\n"):
-                    break
-            yield number, None
-            continue
-        yield number, raw
+def _next_line(fh: BinaryIO, max_line: int) -> tuple[int, bytes | None] | None:
+    """(bytes consumed, the line) of the next line; the line is None when it is longer than `max_line` (skipped
+    unread, one chunk at a time); None at the end of the input."""
+    raw = fh.readline(max_line)
+    if not raw:
+        return None
+    if len(raw) == max_line and not raw.endswith(b"\n"):
+        consumed = len(raw)
+        while True:
+            more = fh.readline(max_line)
+            consumed += len(more)
+            if not more or more.endswith(b"\n"):
+                return consumed, None
+    return len(raw), raw
+
+
+def _item(raw: bytes | None, source: str, number: int, max_line: int) -> Item | None:
+    if raw is None:
+        return InputProblem(source, number, f"line longer than {max_line} bytes: skipped")
+    return parse_line(raw, source, number) if raw.strip() else None  # blank lines are skipped
 
 
 def read_stream(fh: BinaryIO, source: str, *, max_line: int = MAX_LINE) -> Iterator[Item]:
     """Every line of one binary stream, parsed. Blank lines are skipped."""
-    for number, raw in _raw_lines(fh, max_line):
-        if raw is None:
-            yield InputProblem(source, number, f"line longer than {max_line} bytes: skipped")
-        elif raw.strip():
-            yield parse_line(raw, source, number)
+    number = 0
+    while (got := _next_line(fh, max_line)) is not None:
+        number += 1
+        item = _item(got[1], source, number, max_line)
+        if item is not None:
+            yield item
 
 
 def read_input(name: str, *, max_line: int = MAX_LINE) -> Iterator[Item]:
@@ -190,25 +207,145 @@ def expand_inputs(paths: Sequence[str | Path]) -> tuple[list[str], list[InputPro
     return files, problems
 
 
-def _keyed(items: Iterable[Item]) -> Iterator[tuple[float, Item]]:
-    """Merge keys: an event's timestamp; an unreadable line takes the previous good timestamp of its input."""
-    last = float("-inf")
-    for item in items:
-        if isinstance(item, LogEvent):
-            last = item.ts
-        yield last, item
-
-
 def iter_events(paths: Sequence[str | Path], *, max_line: int = MAX_LINE) -> Iterator[Item]:
     """Every event of every input, merged by timestamp across inputs (each input's own order is kept, so an
     input whose timestamps go backwards stays as written, for the auditor to see), with every input problem
-    in its place."""
+    in its place (an unreadable line takes the previous good timestamp of its input)."""
     files, problems = expand_inputs(paths)
     yield from problems
-    streams = [_keyed(read_input(f, max_line=max_line)) for f in files]
-    if len(streams) == 1:
-        for _, item in streams[0]:
-            yield item
-        return
-    for _, item in heapq.merge(*streams, key=lambda pair: pair[0]):
-        yield item
+    if len(files) == 1:
+        yield from read_input(files[0], max_line=max_line)
+    elif files:
+        yield from _Merge(files, max_line).items()
+
+
+def _open_files_limit() -> int:
+    """`OPEN_FILES`, or fewer when the process may open few files (leaving most of its allowance to the rest)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return OPEN_FILES
+    if soft == resource.RLIM_INFINITY:
+        return OPEN_FILES
+    return max(1, min(OPEN_FILES, (soft - 16) // 4))
+
+
+@dataclass(slots=True)
+class _Source:
+    """One input being merged: where its next line starts, its line count, its last good timestamp."""
+
+    name: str
+    index: int
+    offset: int = 0
+    number: int = 0
+    last_ts: float = float("-inf")
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    """A pending line too long to hold parsed: read again when its turn comes."""
+
+    start: int
+    number: int
+
+
+class _Merge:
+    """The k-way merge by timestamp over inputs, with at most `_open_files_limit()` files open (least recently
+    read closed first) and one pending item per input."""
+
+    def __init__(self, files: Sequence[str], max_line: int) -> None:
+        self.sources = [_Source(name, i) for i, name in enumerate(files)]
+        self.max_line = max_line
+        self.limit = _open_files_limit()
+        self.handles: OrderedDict[int, BinaryIO] = OrderedDict()
+
+    def items(self) -> Iterator[Item]:
+        heap: list[tuple[float, int, Item | _Deferred]] = []
+        try:
+            for src in self.sources:
+                self._push(heap, src)
+            while heap:
+                _, index, pending = heap[0]
+                src = self.sources[index]
+                item = self._reread(src, pending) if isinstance(pending, _Deferred) else pending
+                heapq.heappop(heap)
+                yield item
+                self._push(heap, src)
+        finally:
+            for fh in self.handles.values():
+                if fh is not sys.stdin.buffer:
+                    fh.close()
+
+    def _push(self, heap: list[tuple[float, int, Item | _Deferred]], src: _Source) -> None:
+        nxt = self._advance(src)
+        if nxt is not None:
+            heapq.heappush(heap, (nxt[0], src.index, nxt[1]))
+
+    def _handle(self, src: _Source) -> BinaryIO:
+        fh = self.handles.get(src.index)
+        if fh is not None:
+            self.handles.move_to_end(src.index)
+            return fh
+        if src.name == STDIN:  # cannot be reopened: stays open, outside the limit
+            fh = self.handles[src.index] = sys.stdin.buffer
+            return fh
+        open_files = [i for i, h in self.handles.items() if h is not sys.stdin.buffer]
+        for i in open_files[:max(0, len(open_files) - self.limit + 1)]:
+            self.handles.pop(i).close()
+        fh = open(src.name, "rb")  # noqa: SIM115 - kept in self.handles, closed on eviction or at the end
+        if src.offset:
+            fh.seek(src.offset)
+        self.handles[src.index] = fh
+        return fh
+
+    def _end(self, src: _Source) -> None:
+        src.done = True
+        fh = self.handles.pop(src.index, None)
+        if fh is not None and fh is not sys.stdin.buffer:
+            fh.close()
+
+    def _advance(self, src: _Source) -> tuple[float, Item | _Deferred] | None:
+        """The input's next item with its merge key (its timestamp, or the last good one), or None at its end."""
+        shown = "<stdin>" if src.name == STDIN else src.name
+        while not src.done:
+            start = src.offset
+            try:
+                got = _next_line(self._handle(src), self.max_line)
+            except OSError as e:
+                what = "cannot open" if start == 0 else ("cannot reopen" if src.index not in self.handles
+                                                         else "read failed")
+                self._end(src)
+                return src.last_ts, InputProblem(shown, None, f"{what}: {e.strerror or e}")
+            if got is None:
+                self._end(src)
+                return None
+            consumed, raw = got
+            src.offset += consumed
+            src.number += 1
+            item = _item(raw, shown, src.number, self.max_line)
+            if item is None:
+                continue
+            if isinstance(item, LogEvent):
+                src.last_ts = item.ts
+                if consumed > HELD_LINE and src.name != STDIN:
+                    return item.ts, _Deferred(start, src.number)
+            return src.last_ts, item
+        return None
+
+    def _reread(self, src: _Source, pending: _Deferred) -> Item:
+        shown = src.name
+        try:
+            fh = self._handle(src)
+            fh.seek(pending.start)
+            got = _next_line(fh, self.max_line)
+        except OSError as e:
+            self._end(src)
+            return InputProblem(shown, None, f"read failed: {e.strerror or e}")
+        if got is None or got[1] is None or pending.start + got[0] != src.offset:
+            self._end(src)
+            return InputProblem(shown, pending.number, "the file changed while it was read")
+        item = _item(got[1], shown, pending.number, self.max_line)
+        return item if item is not None else InputProblem(shown, pending.number, "the file changed while it was read")

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..states import TRIGGERS, allowed_sources, possible_destinations
 from .logstream import InputProblem, Item, LogEvent, iter_events
-from .results import MAX_BUFFERS, AuditResult, StreamReplay, Violation
+from .results import DETAIL_CAP, MAX_BUFFERS, MAX_EDGES, MAX_LAYERS, AuditResult, StreamReplay, Violation, buffer_key
 from .rules import (
     ABORT,
     BEGIN,
@@ -46,18 +46,31 @@ from .rules import (
     Check,
     unknown_table_names,
 )
+from .text import clip, shown
 
-__all__ = ["VIOLATION_KINDS", "AuditResult", "Auditor", "StreamReplay", "Violation", "audit_logs",
+__all__ = ["MAX_STREAMS", "VIOLATION_KINDS", "AuditResult", "Auditor", "StreamReplay", "Violation", "audit_logs",
            "unknown_table_names"]
 
 
-class Auditor:
-    """Feed it events in log order (`feed`), then `finish()`. Memory: one `StreamReplay` per (rank, backbone)
-    plus at most `max_details` violations and input problems kept verbatim."""
+#: (rank, backbone) streams replayed, at most: the events of further streams are counted, not audited (an input
+#: problem: the audit is incomplete).
+MAX_STREAMS = 1024
 
-    def __init__(self, *, max_details: int = 1000) -> None:
+
+class Auditor:
+    """Feed it events in log order (`feed`), then `finish()`. Memory: at most `max_streams` `StreamReplay`s (each
+    bounded) plus at most `max_details` violations and input problems (each bounded)."""
+
+    def __init__(self, *, max_details: int = 1000, max_streams: int = MAX_STREAMS) -> None:
+        if type(max_details) is not int or max_details < 0:
+            raise ValueError(f"max_details must be an int >= 0, got {max_details!r:.40}")
+        if type(max_streams) is not int or max_streams < 1:
+            raise ValueError(f"max_streams must be an int >= 1, got {max_streams!r:.40}")
         self.max_details = max_details
+        self.max_streams = max_streams
         self.streams: dict[tuple[int, str], StreamReplay] = {}
+        self.untracked_events = 0  # events of streams beyond `max_streams`
+        self._first_untracked: LogEvent | None = None
         self.violations: list[Violation] = []
         self.counts: Counter[str] = Counter()
         self.input_problems: list[InputProblem] = []
@@ -71,7 +84,7 @@ class Auditor:
         r.violations[kind] += 1
         if len(self.violations) < self.max_details:
             self.violations.append(Violation(kind, r.rank, r.backbone, r.epoch if epoch is None else epoch,
-                                             where, detail))
+                                             where, clip(detail, DETAIL_CAP)))
 
     def problem(self, p: InputProblem) -> None:
         self.input_problem_count += 1
@@ -91,6 +104,11 @@ class Auditor:
         key = (f["rank"], f["backbone"])
         r = self.streams.get(key)
         if r is None:
+            if len(self.streams) >= self.max_streams:
+                self.untracked_events += 1
+                if self._first_untracked is None:
+                    self._first_untracked = ev
+                return None
             r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], first_ts=ev.ts)
         self.events += 1
         r.events += 1
@@ -100,18 +118,16 @@ class Auditor:
         if name == "transition":
             self._transition(r, ev)
         elif name == "refused":
-            self._src_matches(r, ev, f"refused {f.get('trigger')}")
+            self._src_matches(r, ev, f"refused {clip(f['trigger'])}")
         elif name == "layer_ready":
             self._note_total(r, f)
             if self._in_state(r, ev, WEIGHTS_STATES, WEIGHTS):
-                self._mark_ready(r, (f.get("layer"),))
+                self._mark_ready(r, (f["layer"],))
         elif name == "layers_unchanged":
             self._note_total(r, f)
             if self._in_state(r, ev, WEIGHTS_STATES, WEIGHTS):
-                layers = f.get("layers")
-                self._mark_ready(r, layers if isinstance(layers, list) else ())
-                more = f.get("layers_more")
-                r.ready_extra += more if isinstance(more, int) else 0
+                self._mark_ready(r, f["layers"])
+                r.ready_extra += f.get("layers_more", 0)
         elif name == "refresh":
             self._refresh(r, ev)
         elif name == "storage_check":
@@ -120,11 +136,11 @@ class Auditor:
         return r
 
     @staticmethod
-    def _mark_ready(r: StreamReplay, layers: Iterable[Any]) -> None:
-        limit = r.layers_total if r.layers_total is not None else MAX_BUFFERS
+    def _mark_ready(r: StreamReplay, layers: Iterable[str]) -> None:
+        limit = min(r.layers_total, MAX_LAYERS) if r.layers_total is not None else MAX_LAYERS
         for layer in layers:
-            if isinstance(layer, str) and len(r.ready) < limit:
-                r.ready.add(layer)
+            if len(r.ready) < limit:
+                r.ready.add(hash(layer))
 
     def _note_total(self, r: StreamReplay, f: dict[str, Any]) -> None:
         total = f.get("layers_total")
@@ -161,7 +177,7 @@ class Auditor:
             back.append(f"epoch went back from {r.epoch} to {epoch}")
         elif epoch > r.epoch:
             self._violate(r, "epoch_jump", ev.where,
-                          f"epoch {r.epoch} -> {epoch} without begin_reload ({f['event']} {f.get('trigger', '')})"
+                          f"epoch {r.epoch} -> {epoch} without begin_reload ({f['event']} {clip(f.get('trigger', ''))})"
                           .rstrip(), epoch)
             self._new_epoch(r, ev, epoch)
         if back:
@@ -183,7 +199,7 @@ class Auditor:
     def _src_matches(self, r: StreamReplay, ev: LogEvent, what: str) -> str | None:
         src = ev.fields.get("src")
         if src not in STATE_NAMES:
-            self._violate(r, "illegal_transition", ev.where, f"{what}: unknown src state {src!r}")
+            self._violate(r, "illegal_transition", ev.where, f"{what}: unknown src state {shown(src)}")
             return None
         if src != r.state_name:
             self._violate(r, "state_mismatch", ev.where,
@@ -203,11 +219,11 @@ class Auditor:
         trigger, dst = f.get("trigger"), f.get("dst")
         if trigger not in TRIGGERS:
             self._violate(r, "illegal_transition", ev.where,
-                          f"unknown trigger {trigger!r}; the table knows: {', '.join(TRIGGERS)}")
+                          f"unknown trigger {shown(trigger)}; the table knows: {', '.join(TRIGGERS)}")
             return
         src = self._src_matches(r, ev, trigger)
         if dst not in STATE_NAMES:
-            self._violate(r, "illegal_transition", ev.where, f"{trigger}: unknown dst state {dst!r}")
+            self._violate(r, "illegal_transition", ev.where, f"{trigger}: unknown dst state {shown(dst)}")
             return
         if src is None:
             return
@@ -215,7 +231,8 @@ class Auditor:
         edge = (trigger, src, dst)
         checks = ROW_CHECKS.get(edge)
         if checks is None:
-            r.illegal_edges[edge] += 1
+            if edge in r.illegal_edges or len(r.illegal_edges) < MAX_EDGES:
+                r.illegal_edges[edge] += 1
             dests = possible_destinations(trigger, STATE_NAMES[src])
             why = (f"{trigger} from {src} leads to {' or '.join(d.value for d in dests)}, not {dst}" if dests else
                    f"{trigger} is not allowed from {src} (allowed from: "
@@ -253,20 +270,18 @@ class Auditor:
         f = ev.fields
         if f.get("ok") is not False:
             return
-        problems = f.get("problems")
-        problems = problems if isinstance(problems, list) else []
-        more = max(0, len(problems) - 4) + (f.get("problems_more") or 0)
+        problems = f.get("problems", [])
+        more = max(0, len(problems) - 4) + f.get("problems_more", 0)
         self._violate(r, "storage_drift", ev.where,
-                      f"storage_check ({f.get('action')}) failed: {'; '.join(str(p) for p in problems[:4])}"
+                      f"storage_check ({clip(f.get('action'))}) failed: {'; '.join(clip(p) for p in problems[:4])}"
                       + (f" (+{more} more)" if more else ""))
 
     def _check_ready(self, r: StreamReplay, ev: LogEvent, what: str) -> None:
         total = r.layers_total
-        if total is None:
+        if total is None or total > MAX_LAYERS:  # more layers than the replay tracks: not checked
             return
         replayed = r.layers_ready
-        claimed = ev.fields.get("layers_ready")
-        claimed = claimed if isinstance(claimed, int) else replayed
+        claimed = ev.fields.get("layers_ready", replayed)
         if min(replayed, claimed) < total:
             self._violate(r, "not_ready", ev.where,
                           f"{what} with layers missing: {replayed}/{total} ready by the replayed layer_ready events,"
@@ -278,28 +293,24 @@ class Auditor:
         missing = f.get("missing")
         if missing:
             self._violate(r, "not_ready", ev.where,
-                          f"refresh with {len(missing) + (f.get('missing_more') or 0)} tensor(s) missing: "
-                          + ", ".join(str(m) for m in missing[:4]))
-        buffers = f.get("buffers")
-        if not isinstance(buffers, list):
-            return
-        for b in buffers:
-            if not isinstance(b, dict):
+                          f"refresh with {len(missing) + f.get('missing_more', 0)} tensor(s) missing: "
+                          + ", ".join(clip(m) for m in missing[:4]))
+        for b in f.get("buffers", ()):  # the schema made each a record with a name
+            name, ptr = b["name"], b.get("data_ptr")
+            if ptr is None or ptr in ("0x0", "0"):
                 continue
-            name, ptr = b.get("name"), b.get("data_ptr")
-            if not isinstance(name, str) or not isinstance(ptr, str) or ptr in ("0x0", "0"):
-                continue
+            key = buffer_key(name)
             if r.pinned:
-                pinned = r.pinned_ptrs.get(name)
+                pinned = r.pinned_ptrs.get(key)
                 if pinned is None:
                     if len(r.pinned_ptrs) < MAX_BUFFERS:
-                        r.pinned_ptrs[name] = ptr  # first seen after capture: recorded now
+                        r.pinned_ptrs[key] = ptr  # first seen after capture: recorded now
                 elif pinned != ptr:
                     self._violate(r, "storage_drift", ev.where,
-                                  f"derived buffer {name} moved under captured graphs: data_ptr {pinned} -> {ptr} "
-                                  f"(mode {b.get('mode')})")
-            if name in r.last_ptrs or len(r.last_ptrs) < MAX_BUFFERS:
-                r.last_ptrs[name] = ptr
+                                  f"derived buffer {clip(name)} moved under captured graphs: data_ptr {pinned} -> "
+                                  f"{ptr} (mode {clip(b.get('mode'))})")
+            if key in r.last_ptrs or len(r.last_ptrs) < MAX_BUFFERS:
+                r.last_ptrs[key] = ptr
 
     # ---- end ----------------------------------------------------------------------------------------------
     def _end_of_incarnation(self, r: StreamReplay, how: str) -> None:
@@ -310,6 +321,12 @@ class Auditor:
 
     def finish(self) -> AuditResult:
         """End-of-log checks (mid-reload endings, cross-rank epochs) and the result."""
+        first = self._first_untracked
+        if first is not None:  # the audit is incomplete: say so as an input problem (exit status 2)
+            self.problem(InputProblem(first.source, first.line, (
+                f"{self.untracked_events} event(s) of (rank, backbone) streams beyond the first {self.max_streams} "
+                "were not audited (the stream limit, --max-streams); this is the first")))
+            self._first_untracked = None
         by_backbone: dict[str, list[StreamReplay]] = {}
         for r in self.streams.values():
             self._end_of_incarnation(r, "log ends")
@@ -322,8 +339,8 @@ class Auditor:
                 for r in sorted(group, key=lambda x: x.rank):
                     if r.epoch < top:
                         self._violate(r, "epoch_disagreement", r.last_where,
-                                      f"backbone {backbone}: rank {r.rank} ends at epoch {r.epoch}, rank(s) {ahead} "
-                                      f"at epoch {top}")
+                                      f"backbone {clip(backbone)}: rank {r.rank} ends at epoch {r.epoch}, rank(s) "
+                                      f"{clip(ahead)} at epoch {top}")
         return AuditResult(
             inputs=list(self._sources), events=self.events,
             streams=sorted(self.streams.values(), key=lambda r: (r.backbone, r.rank)),
@@ -332,9 +349,10 @@ class Auditor:
         )
 
 
-def audit_logs(paths: Sequence[str | Path], *, max_details: int = 1000) -> AuditResult:
+def audit_logs(paths: Sequence[str | Path], *, max_details: int = 1000, max_streams: int = MAX_STREAMS
+               ) -> AuditResult:
     """Audit JSON-lines logs (files, directories, `-` for stdin), streaming."""
-    auditor = Auditor(max_details=max_details)
+    auditor = Auditor(max_details=max_details, max_streams=max_streams)
     for item in iter_events(paths):
         auditor.feed(item)
     return auditor.finish()

@@ -6,6 +6,12 @@ became ready, the lifecycle's steps and refusals, and the derived buffers' addre
 bounded). The page has no external reference at all: the stylesheet and the small script (`assets/`) and every
 picture (SVG, drawn by `svg.py` and `timeline.py`) are inline.
 
+Every value read from a log reaches the page through `markup.html`, which escapes it (one escaping path, no
+f-string HTML), and the page's Content-Security-Policy allows no script or style but its own (by their sha256):
+an injected `<script>` or event handler would not run even if a value slipped through. The page is bounded
+whatever the log: at most `STREAM_ROWS` streams listed, the auditor's `max_details` violations and input
+problems, panels for the streams the collector traced, `FIGURES_CAP` timelines in all.
+
 Sections: a summary with the verdict; the streams; the violations (filterable by kind); then one panel per
 backbone with the state diagram (the path its ranks took highlighted), a layers × time readiness timeline per
 rank and epoch, and a table of derived-buffer addresses per epoch.
@@ -13,7 +19,8 @@ rank and epoch, and a table of derived-buffer addresses per epoch.
 
 from __future__ import annotations
 
-import html
+import base64
+import hashlib
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -23,25 +30,43 @@ from importlib import resources
 from pathlib import Path
 
 from .logstream import LogEvent, iter_events
-from .replay import Auditor
+from .markup import Markup, html, join, number, trusted
+from .replay import MAX_STREAMS, Auditor
 from .results import AuditResult, StreamReplay, Violation
 from .rules import VIOLATION_KINDS
 from .svg import state_diagram_svg
+from .text import abbreviate, clip
 from .timeline import timeline_svg
-from .traces import EpochTrace, ReportCollector, StreamTrace
+from .traces import SHOWN_CAP, EpochTrace, ReportCollector, StreamTrace
 from .views import result_line
 
-__all__ = ["collect", "render_html", "write_report"]
+__all__ = ["FIGURES_CAP", "STREAM_ROWS", "collect", "content_security_policy", "render_html", "write_report"]
+
+#: Streams listed in the streams table, at most; timelines drawn in the whole report, at most.
+STREAM_ROWS, FIGURES_CAP = 1000, 200
+#: Inputs listed, at most.
+INPUT_ROWS = 50
 
 
 @cache
-def _asset(name: str) -> str:
-    """The text of one file of `assets/` (the page's stylesheet or script, inlined into it)."""
-    return (resources.files("lifecycle.audit") / "assets" / name).read_text(encoding="utf-8")
+def _asset(name: str) -> Markup:
+    """One file of `assets/` (the page's stylesheet or script), as it is inlined: after a newline."""
+    return trusted("\n" + (resources.files("lifecycle.audit") / "assets" / name).read_text(encoding="utf-8"))
 
 
-def collect(paths: Sequence[str | Path], *, max_epochs: int = 12) -> tuple[AuditResult, ReportCollector]:
-    auditor, collector = Auditor(), ReportCollector(max_epochs)
+def _sha256(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def content_security_policy() -> str:
+    """Nothing from anywhere, no plugin, no base or form target; the page's own style and script by hash."""
+    return (f"default-src 'none'; script-src {_sha256(_asset('report.js'))}; style-src {_sha256(_asset('report.css'))}"
+            "; base-uri 'none'; form-action 'none'")
+
+
+def collect(paths: Sequence[str | Path], *, max_epochs: int = 12, max_streams: int = MAX_STREAMS
+            ) -> tuple[AuditResult, ReportCollector]:
+    auditor, collector = Auditor(max_streams=max_streams), ReportCollector(max_epochs)
     for item in iter_events(paths):
         r = auditor.feed(item)
         if r is not None and isinstance(item, LogEvent):
@@ -51,39 +76,54 @@ def collect(paths: Sequence[str | Path], *, max_epochs: int = 12) -> tuple[Audit
 
 # ---- drawing ----------------------------------------------------------------------------------------------------
 
-esc = html.escape
-
 
 def _slug(*parts: object) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]+", "-", "-".join(str(p) for p in parts)).strip("-")
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", "-".join(clip(p, SHOWN_CAP) for p in parts)).strip("-")
 
 
-def _timeline_figure(st: StreamTrace, tr: EpochTrace, violations: int) -> str:
+def _name(value: str) -> str:
+    return abbreviate(value, SHOWN_CAP)
+
+
+_FIGURE = ('<figure class="timeline-figure" id="fig-{uid}"><figcaption><b>rank {rank} · epoch {epoch}</b> '
+           '({what}{lifecycle}) · {facts}<div class="path">{path}</div></figcaption><div class="scroll">{svg}</div>'
+           '<ol class="marks">{marks}</ol></figure>')
+_MARK_ITEM = '<li class="{cls}"><span class="t">+{ms:.3f} ms</span> {text}</li>'
+
+
+def _timeline_figure(st: StreamTrace, tr: EpochTrace, violations: int) -> Markup:
     uid = _slug("timeline", "r", st.rank, st.backbone, "i", tr.incarnation, "e", tr.epoch)
-    ready = len(tr.layers) + tr.unchanged_more
-    total = tr.layers_total if tr.layers_total is not None else "?"
-    what = "cold load" if tr.epoch == 0 else "reload"
     modes = sorted({str(b.get("mode")) for b in tr.buffers.values()})
-    facts = [f"{ready}/{total} layers ready", f"{(tr.end - tr.start) * 1e3:.2f} ms",
-             "refresh: " + ("/".join(modes) if modes else "none")]
+    facts: list[Markup] = [
+        html("{ready}/{total} layers ready", ready=len(tr.layers) + tr.layers_more + tr.unchanged_more,
+             total=tr.layers_total if tr.layers_total is not None else "?"),
+        html("{ms:.2f} ms", ms=(tr.end - tr.start) * 1e3),
+        html("refresh: {modes}", modes="/".join(modes) if modes else "none"),
+    ]
     if tr.refused:
-        facts.append(f"{tr.refused} refused")
+        facts.append(html("{n} refused", n=tr.refused))
     if violations:
-        facts.append(f'<span class="bad">{violations} violation(s)</span>')
-    marks = "".join(f'<li class="{cls}"><span class="t">+{(t - tr.start) * 1e3:.3f} ms</span> {esc(text)}</li>'
-                    for t, text, cls in tr.marks)
-    return (f'<figure class="timeline-figure" id="fig-{uid}"><figcaption><b>rank {st.rank} · epoch {tr.epoch}</b> '
-            f'({what}{", lifecycle " + str(tr.incarnation) if tr.incarnation > 1 else ""}) · {" · ".join(facts)}'
-            f'<div class="path">{esc(" → ".join(tr.states))}</div></figcaption>'
-            f'<div class="scroll">{timeline_svg(tr, uid)}</div><ol class="marks">{marks}</ol></figure>')
+        facts.append(html('<span class="bad">{n} violation(s)</span>', n=violations))
+    marks = join(html(_MARK_ITEM, cls=cls, ms=(t - tr.start) * 1e3, text=text) for t, text, cls in tr.marks)
+    return html(_FIGURE, uid=uid, rank=st.rank, epoch=tr.epoch, what="cold load" if tr.epoch == 0 else "reload",
+                lifecycle=f", lifecycle {tr.incarnation}" if tr.incarnation > 1 else "", facts=join(facts, " · "),
+                path=" → ".join(tr.states), svg=timeline_svg(tr, uid), marks=marks)
 
 
-def _buffers_table(st: StreamTrace, drift_epochs: set[int]) -> str:
+_BUFFER_CELL = '<td class="{cls}"><code>{ptr}</code><small>{mode}</small></td>'
+_BUFFER_ROW = ('<tr data-buffer="{name}"><th><code>{name}</code></th><td>{kind}</td><td class="num">{nbytes}</td>'
+               '{cells}</tr>')
+_BUFFERS = ('<table class="buffers" id="{id}"><thead><tr><th>buffer</th><th>kind</th><th>bytes</th>{head}</tr>'
+            '</thead><tbody>{rows}</tbody></table>{more}')
+
+
+def _buffers_table(st: StreamTrace, drift_epochs: set[int]) -> Markup:
     epochs = list(st.epochs)
     names = list(dict.fromkeys(n for tr in epochs for n in tr.buffers))
     if not names:
-        return '<p class="none">no refresh in the epochs shown</p>'
-    head = "".join(f"<th>epoch {tr.epoch}{'*' if tr.incarnation > 1 else ''}</th>" for tr in epochs)
+        return Markup('<p class="none">no refresh in the epochs shown</p>')
+    head = join(html("<th>epoch {epoch}{star}</th>", epoch=tr.epoch, star="*" if tr.incarnation > 1 else "")
+                for tr in epochs)
     rows = []
     for name in names:
         info = next(tr.buffers[name] for tr in epochs if name in tr.buffers)
@@ -91,7 +131,7 @@ def _buffers_table(st: StreamTrace, drift_epochs: set[int]) -> str:
         for tr in epochs:
             b = tr.buffers.get(name)
             if b is None:
-                cells.append('<td class="no-refresh">—</td>')
+                cells.append(Markup('<td class="no-refresh">—</td>'))
                 continue
             ptr = str(b.get("data_ptr"))
             if prev is None:
@@ -101,53 +141,83 @@ def _buffers_table(st: StreamTrace, drift_epochs: set[int]) -> str:
             else:
                 cls = "ptr-drift" if tr.refreshed_pinned or tr.epoch in drift_epochs else "ptr-moved"
             prev = ptr
-            cells.append(f'<td class="{cls}"><code>{esc(ptr)}</code><small>{esc(str(b.get("mode")))}</small></td>')
-        rows.append(f'<tr data-buffer="{esc(name)}"><th><code>{esc(name)}</code></th><td>{esc(str(info.get("kind")))}'
-                    f'</td><td class="num">{info.get("nbytes", "")}</td>{"".join(cells)}</tr>')
-    return (f'<table class="buffers" id="{_slug("buffers", "r", st.rank, st.backbone)}"><thead><tr><th>buffer</th>'
-            f'<th>kind</th><th>bytes</th>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
+            cells.append(html(_BUFFER_CELL, cls=cls, ptr=ptr, mode=str(b.get("mode"))))
+        nbytes = number(info["nbytes"]) if "nbytes" in info else ""
+        rows.append(html(_BUFFER_ROW, name=name, kind=str(info.get("kind")), nbytes=nbytes, cells=join(cells)))
+    more = max(tr.buffers_more for tr in epochs)
+    return html(_BUFFERS, id=_slug("buffers", "r", st.rank, st.backbone), head=head, rows=join(rows),
+                more=html('<p class="none">{n} more buffer(s) not listed</p>', n=more) if more else "")
 
 
-def _violations_section(result: AuditResult) -> str:
+_VIOLATION = ('<tr class="violation kind-{kind}" data-kind="{kind}"><td><code>{where}</code></td><td>{rank}</td>'
+              '<td>{backbone}</td><td>{epoch}</td><td class="kind">{kind}</td><td>{detail}</td></tr>')
+_VIOLATION_TABLE = ('<div id="violation-filter">{buttons}</div><table id="violation-table"><thead><tr><th>where</th>'
+                    '<th>rank</th><th>backbone</th><th>epoch</th><th>kind</th><th>detail</th></tr></thead><tbody>'
+                    '{rows}</tbody></table>{more}')
+_NO_VIOLATIONS = Markup(
+    '<p class="clean" id="no-violations">No violations: every transition is a row of the table, every refresh had '
+    "every layer ready, no pinned address moved, every reload finished, every rank agrees.</p>")
+
+
+def _violations_section(result: AuditResult) -> Markup:
     counts = result.violation_counts
-    buttons = [f'<button type="button" data-kind="all" class="active">all ({result.total_violations})</button>']
-    buttons += [f'<button type="button" data-kind="{k}">{k} ({n})</button>' for k, n in sorted(counts.items())]
-    rows = "".join(
-        f'<tr class="violation kind-{v.kind}" data-kind="{v.kind}"><td><code>{esc(v.where)}</code></td>'
-        f'<td>{v.rank}</td><td>{esc(v.backbone)}</td><td>{v.epoch}</td><td class="kind">{v.kind}</td>'
-        f'<td>{esc(v.detail)}</td></tr>' for v in result.violations)
-    shown = len(result.violations)
-    more = f"<p>first {shown} of {result.total_violations} listed</p>" if result.total_violations > shown else ""
-    table = (f'<div id="violation-filter">{"".join(buttons)}</div><table id="violation-table"><thead><tr>'
-             f'<th>where</th><th>rank</th><th>backbone</th><th>epoch</th><th>kind</th><th>detail</th></tr></thead>'
-             f"<tbody>{rows}</tbody></table>{more}") if result.total_violations else \
-        '<p class="clean" id="no-violations">No violations: every transition is a row of the table, every refresh ' \
-        "had every layer ready, no pinned address moved, every reload finished, every rank agrees.</p>"
-    kinds = "".join(f'<dt class="{"seen" if counts.get(k) else ""}">{k}</dt><dd>{esc(meaning)}</dd>'
-                    for k, meaning in VIOLATION_KINDS.items())
-    problems = ""
+    table = _NO_VIOLATIONS
+    if result.total_violations:
+        buttons = [html('<button type="button" data-kind="all" class="active">all ({n})</button>',
+                        n=result.total_violations)]
+        buttons += [html('<button type="button" data-kind="{k}">{k} ({n})</button>', k=k, n=n)
+                    for k, n in sorted(counts.items())]
+        rows = join(html(_VIOLATION, kind=v.kind, where=v.where, rank=v.rank, backbone=_name(v.backbone),
+                         epoch=v.epoch, detail=v.detail) for v in result.violations)
+        shown = len(result.violations)
+        more = (html("<p>first {shown} of {n} listed</p>", shown=shown, n=result.total_violations)
+                if result.total_violations > shown else "")
+        table = html(_VIOLATION_TABLE, buttons=join(buttons), rows=rows, more=more)
+    kinds = join(html('<dt class="{cls}">{k}</dt><dd>{meaning}</dd>', cls="seen" if counts.get(k) else "", k=k,
+                      meaning=meaning) for k, meaning in VIOLATION_KINDS.items())
+    problems: Markup | str = ""
     if result.input_problem_count:
-        items = "".join(f"<li><code>{esc(p.where)}</code> {esc(p.message)}</li>" for p in result.input_problems)
-        problems = (f'<h3>Unreadable input ({result.input_problem_count})</h3><ul id="input-problems">{items}</ul>'
-                    "<p>The rest of the input was audited.</p>")
-    return (f'<section id="violations"><h2>Violations</h2>{table}{problems}'
-            f'<details><summary>What the auditor checks</summary><dl id="kinds">{kinds}</dl></details></section>')
+        items = join(html("<li><code>{where}</code> {message}</li>", where=p.where, message=p.message)
+                     for p in result.input_problems)
+        listed = len(result.input_problems)
+        problems = html('<h3>Unreadable input ({n})</h3><ul id="input-problems">{items}</ul>{more}'
+                        "<p>The rest of the input was audited.</p>", n=result.input_problem_count, items=items,
+                        more=html("<p>first {k} listed</p>", k=listed) if result.input_problem_count > listed else "")
+    return html('<section id="violations"><h2>Violations</h2>{table}{problems}<details><summary>What the auditor '
+                'checks</summary><dl id="kinds">{kinds}</dl></details></section>', table=table, problems=problems,
+                kinds=kinds)
 
 
-def _streams_table(result: AuditResult) -> str:
-    rows = "".join(
-        f'<tr class="{"bad" if sum(r.violations.values()) else "ok"}"><td>{r.rank}</td><td><a href="#'
-        f'{_slug("backbone", r.backbone)}">{esc(r.backbone)}</a></td><td class="num">{r.events}</td>'
-        f'<td class="num">{r.epochs_begun}</td><td class="num">{r.epoch}</td><td>{r.state.value}</td>'
-        f'<td>{"yes" if r.pinned else "no"}</td><td class="num">{sum(r.violations.values())}</td></tr>'
-        for r in result.streams)
-    return (f'<section id="streams"><h2>Streams</h2><table id="stream-table"><thead><tr><th>rank</th><th>backbone</th>'
-            f"<th>events</th><th>reloads</th><th>final epoch</th><th>final state</th><th>pinned</th>"
-            f"<th>violations</th></tr></thead><tbody>{rows}</tbody></table></section>")
+_STREAM_ROW = ('<tr class="{cls}"><td>{rank}</td><td><a href="#{slug}">{backbone}</a></td><td class="num">{events}'
+               '</td><td class="num">{reloads}</td><td class="num">{epoch}</td><td>{state}</td><td>{pinned}</td>'
+               '<td class="num">{violations}</td></tr>')
+
+
+def _streams_table(result: AuditResult) -> Markup:
+    rows = join(html(_STREAM_ROW, cls="bad" if sum(r.violations.values()) else "ok", rank=r.rank,
+                     slug=_slug("backbone", r.backbone), backbone=_name(r.backbone), events=r.events,
+                     reloads=r.epochs_begun, epoch=r.epoch, state=r.state.value, pinned="yes" if r.pinned else "no",
+                     violations=sum(r.violations.values())) for r in result.streams[:STREAM_ROWS])
+    more = len(result.streams) - STREAM_ROWS
+    return html('<section id="streams"><h2>Streams</h2><table id="stream-table"><thead><tr><th>rank</th>'
+                "<th>backbone</th><th>events</th><th>reloads</th><th>final epoch</th><th>final state</th>"
+                "<th>pinned</th><th>violations</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>",
+                rows=rows, more=html("<p>{n} more stream(s) not listed</p>", n=more) if more > 0 else "")
+
+
+_PANEL = ('<details class="backbone-panel" id="{slug}"{open}><summary>{summary}</summary><h3>State diagram</h3>'
+          '<p class="hint">Drawn from the transition table; thick blue: transitions these ranks took (×count); '
+          "dashed red: transitions the table does not allow; orange: final state.</p>"
+          '<div class="scroll diagram-box">{diagram}</div><h3>Per-layer readiness</h3><p class="hint">Each row a '
+          "layer: grey while it waits, green once every tensor arrived, blue-grey when declared unchanged, red if it "
+          "never became ready. Numbered marks: the lifecycle's steps and refusals (listed under each picture).</p>"
+          '{figures}<h3>Derived buffers</h3><p class="hint">data_ptr after each refresh; red: moved while graphs '
+          "were captured (storage drift), yellow: moved while unpinned (allowed), — no refresh in that epoch.</p>"
+          "{tables}</details>")
 
 
 def _backbone_panel(backbone: str, replays: list[StreamReplay], traces: list[StreamTrace],
-                    violations: list[Violation], open_: bool) -> str:
+                    violations: list[Violation], open_: bool, figure_budget: list[int]) -> Markup:
     taken: Counter[tuple[str, str, str]] = Counter()
     illegal: Counter[tuple[str, str, str]] = Counter()
     visited: set[str] = set()
@@ -156,33 +226,62 @@ def _backbone_panel(backbone: str, replays: list[StreamReplay], traces: list[Str
         illegal.update(r.illegal_edges)
         visited |= r.visited
     current = {r.state.value for r in replays}
-    ranks = ", ".join(str(r.rank) for r in replays)
-    slug = _slug("backbone", backbone)
-    diagram = state_diagram_svg(taken, illegal=illegal, visited=visited, current=current, uid=_slug("diagram",
-                                                                                                   backbone))
+    diagram = state_diagram_svg(taken, illegal=illegal, visited=visited, current=current,
+                                uid=_slug("diagram", backbone))
     bad = [v for v in violations if v.backbone == backbone]
-    figures, tables = [], []
+    figures: list[Markup] = []
+    tables: list[Markup] = []
     for st in traces:
         per_epoch = Counter(v.epoch for v in bad if v.rank == st.rank)
         drift = {v.epoch for v in bad if v.rank == st.rank and v.kind == "storage_drift"}
-        if st.dropped:
-            figures.append(f'<p class="dropped">rank {st.rank}: {st.dropped} earlier epoch(s) not drawn '
-                           f"(--max-epochs)</p>")
-        figures += [_timeline_figure(st, tr, per_epoch.get(tr.epoch, 0)) for tr in st.epochs]
-        tables.append(f"<h4>rank {st.rank}</h4>{_buffers_table(st, drift)}")
-    summary = (f'<span class="name">{esc(backbone)}</span> · rank(s) {ranks} · final state(s) '
-               f'{", ".join(sorted(current))}' + (f' · <span class="bad">{len(bad)} violation(s)</span>' if bad else
-                                                   ' · <span class="good">clean</span>'))
-    return (f'<details class="backbone-panel" id="{slug}"{" open" if open_ else ""}><summary>{summary}</summary>'
-            f'<h3>State diagram</h3><p class="hint">Drawn from the transition table; thick blue: transitions these '
-            f"ranks took (×count); dashed red: transitions the table does not allow; orange: final state.</p>"
-            f'<div class="scroll diagram-box">{diagram}</div>'
-            f'<h3>Per-layer readiness</h3><p class="hint">Each row a layer: grey while it waits, green once every '
-            f"tensor arrived, blue-grey when declared unchanged, red if it never became ready. Numbered marks: the "
-            f"lifecycle's steps and refusals (listed under each picture).</p>{''.join(figures)}"
-            f'<h3>Derived buffers</h3><p class="hint">data_ptr after each refresh; red: moved while graphs were '
-            f"captured (storage drift), yellow: moved while unpinned (allowed), — no refresh in that epoch.</p>"
-            f'{"".join(tables)}</details>')
+        epochs = list(st.epochs)
+        drawn = epochs[max(0, len(epochs) - figure_budget[0]):]
+        figure_budget[0] -= len(drawn)
+        not_drawn = st.dropped + len(epochs) - len(drawn)
+        if not_drawn:
+            figures.append(html('<p class="dropped">rank {rank}: {n} earlier epoch(s) not drawn ({why})</p>',
+                                rank=st.rank, n=not_drawn,
+                                why="--max-epochs" if len(drawn) == len(epochs) else "the figure limit of the report"))
+        figures += [_timeline_figure(st, tr, per_epoch.get(tr.epoch, 0)) for tr in drawn]
+        tables.append(html("<h4>rank {rank}</h4>{table}", rank=st.rank, table=_buffers_table(st, drift)))
+    verdict = (html(' · <span class="bad">{n} violation(s)</span>', n=len(bad)) if bad else
+               Markup(' · <span class="good">clean</span>'))
+    summary = html('<span class="name">{name}</span> · rank(s) {ranks} · final state(s) {states}{verdict}',
+                   name=_name(backbone), ranks=", ".join(str(r.rank) for r in replays),
+                   states=", ".join(sorted(current)), verdict=verdict)
+    return html(_PANEL, slug=_slug("backbone", backbone), open=Markup(" open") if open_ else "", summary=summary,
+                diagram=diagram, figures=join(figures), tables=join(tables))
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en" data-rendered="no">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{csp}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>{css}</style>
+</head>
+<body>
+<main id="report">
+<header id="summary">
+<div><h1>{title}</h1><div class="facts"><b>{events}</b> events · <b>{streams}</b> stream(s)
+(rank, backbone) · <b>{backbones}</b> backbone(s) · <b>{inputs}</b> input(s) ·
+<b>{violations}</b> violation(s) · <b>{problems}</b> unreadable line(s)</div></div>
+<div class="status {status_cls}" id="status">{status}</div>
+<details><summary>inputs</summary><ul id="inputs">{input_items}</ul></details>
+</header>
+{streams_table}
+{violations_section}
+<h2 id="backbones">Backbones</h2>
+{panels}{untraced}
+<footer>{result} · generated by <code>reload-lifecycle report</code> at {generated}; self-contained,
+no network.</footer>
+</main>
+<script>{js}</script>
+</body>
+</html>
+"""
 
 
 def render_html(result: AuditResult, collector: ReportCollector, *, title: str = "reload-lifecycle report") -> str:
@@ -197,52 +296,35 @@ def render_html(result: AuditResult, collector: ReportCollector, *, title: str =
     for r in result.streams:
         by_backbone.setdefault(r.backbone, []).append(r)
     bad_per_backbone = Counter({b: sum(sum(r.violations.values()) for r in rs) for b, rs in by_backbone.items()})
-    order = sorted(by_backbone, key=lambda b: (-bad_per_backbone[b], b))
+    drawn = [b for b in by_backbone if any(r.key in collector.streams for r in by_backbone[b])]
+    order = sorted(drawn, key=lambda b: (-bad_per_backbone[b], b))
+    budget = [FIGURES_CAP]
     panels = []
     for i, backbone in enumerate(order):
         replays = sorted(by_backbone[backbone], key=lambda r: r.rank)
         traces = [collector.streams[r.key] for r in replays if r.key in collector.streams]
         panels.append(_backbone_panel(backbone, replays, traces, result.violations,
-                                      open_=i == 0 or bad_per_backbone[backbone] > 0))
-    inputs = "".join(f"<li><code>{esc(i)}</code></li>" for i in result.inputs[:50])
-    more_inputs = f"<li>… {len(result.inputs) - 50} more</li>" if len(result.inputs) > 50 else ""
-    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return f"""<!DOCTYPE html>
-<html lang="en" data-rendered="no">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{esc(title)}</title>
-<style>
-{_asset('report.css')}</style>
-</head>
-<body>
-<main id="report">
-<header id="summary">
-<div><h1>{esc(title)}</h1><div class="facts"><b>{result.events}</b> events · <b>{len(result.streams)}</b> stream(s)
-(rank, backbone) · <b>{len(by_backbone)}</b> backbone(s) · <b>{len(result.inputs)}</b> input(s) ·
-<b>{result.total_violations}</b> violation(s) · <b>{result.input_problem_count}</b> unreadable line(s)</div></div>
-<div class="status {status_cls}" id="status">{status}</div>
-<details><summary>inputs</summary><ul id="inputs">{inputs}{more_inputs}</ul></details>
-</header>
-{_streams_table(result)}
-{_violations_section(result)}
-<h2 id="backbones">Backbones</h2>
-{"".join(panels)}
-<footer>{esc(result_line(result))} · generated by <code>reload-lifecycle report</code> at {generated}; self-contained,
-no network.</footer>
-</main>
-<script>
-{_asset('report.js')}</script>
-</body>
-</html>
-"""
+                                      open_=i == 0 or bad_per_backbone[backbone] > 0, figure_budget=budget))
+    untraced = (html('<p class="dropped">{n} stream(s) of {b} backbone(s) audited but not drawn (the report draws '
+                     "the first {k})</p>", n=len(collector.untraced), k=collector.max_traced,
+                     b=len(by_backbone) - len(drawn)) if collector.untraced else "")
+    input_items = [html("<li><code>{name}</code></li>", name=i) for i in result.inputs[:INPUT_ROWS]]
+    if len(result.inputs) > INPUT_ROWS:
+        input_items.append(html("<li>… {n} more</li>", n=len(result.inputs) - INPUT_ROWS))
+    return html(
+        _PAGE, csp=content_security_policy(), title=clip(title, 200), css=_asset("report.css"), events=result.events,
+        streams=len(result.streams), backbones=len(by_backbone), inputs=len(result.inputs),
+        violations=result.total_violations, problems=result.input_problem_count, status_cls=status_cls,
+        status=status, input_items=join(input_items), streams_table=_streams_table(result),
+        violations_section=_violations_section(result), panels=join(panels), untraced=untraced,
+        result=result_line(result), generated=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        js=_asset("report.js"))
 
 
 def write_report(paths: Sequence[str | Path], output: str | Path, *, title: str = "reload-lifecycle report",
-                 max_epochs: int = 12) -> AuditResult:
+                 max_epochs: int = 12, max_streams: int = MAX_STREAMS) -> AuditResult:
     """Audit `paths` and write the HTML report to `output`. Returns the audit result."""
-    result, collector = collect(paths, max_epochs=max_epochs)
+    result, collector = collect(paths, max_epochs=max_epochs, max_streams=max_streams)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_html(result, collector, title=title), encoding="utf-8")

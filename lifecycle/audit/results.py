@@ -1,8 +1,10 @@
 """What the replay keeps and what it returns: the replayed lifecycle of one (rank, backbone), each violation found,
 and the audit's result.
 
-Everything a `StreamReplay` holds is bounded: the layers ready in this epoch (at most the backbone's layer
-count), the derived buffers' addresses (at most `MAX_BUFFERS` names), a counter of the transitions taken.
+Everything a `StreamReplay` holds is bounded: the layers ready in this epoch (at most `MAX_LAYERS`, kept as
+hashes of their names), the derived buffers' addresses (at most `MAX_BUFFERS`, keyed by `buffer_key`), a counter
+of the transitions taken (rows of the table, and at most `MAX_EDGES` illegal ones). A violation's detail is at
+most `DETAIL_CAP` characters.
 """
 
 from __future__ import annotations
@@ -15,10 +17,23 @@ from ..states import LifecycleState
 from .logstream import InputProblem
 from .rules import INITIAL, STATE_NAMES
 
-__all__ = ["MAX_BUFFERS", "AuditResult", "StreamReplay", "Violation"]
+__all__ = ["DETAIL_CAP", "MAX_BUFFERS", "MAX_EDGES", "MAX_LAYERS", "AuditResult", "StreamReplay", "Violation",
+           "buffer_key"]
 
 #: Derived-buffer addresses remembered per stream, at most.
-MAX_BUFFERS = 1024
+MAX_BUFFERS = 256
+#: Layers whose readiness is tracked per stream and epoch, at most: a backbone declaring more layers is not checked
+#: for readiness (a log's own `layers_total` cannot lift this).
+MAX_LAYERS = 1024
+#: Distinct illegal transitions counted per stream, at most (the rest are counted as violations all the same).
+MAX_EDGES = 64
+#: Characters of a violation's detail, at most.
+DETAIL_CAP = 1000
+
+
+def buffer_key(name: str) -> str:
+    """A derived buffer's name as a bounded key (a long name as its head and a hash of the whole)."""
+    return name if len(name) <= 128 else f"{name[:64]}…#{hash(name) & 0xFFFFFFFFFFFF:012x}"
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,7 @@ class StreamReplay:
     last_ts: float | None = None
     last_where: str = ""
     layers_total: int | None = None
-    ready: set[str] = field(default_factory=set)
+    ready: set[int] = field(default_factory=set)  # hashes of the names of the layers ready in this epoch
     ready_extra: int = 0
     pinned: bool = False
     recoverable: bool = False

@@ -1,5 +1,5 @@
 """The state diagram as inline SVG, laid out and drawn here from the transition table (no JS, no fonts, no network),
-with the transitions a log actually took highlighted.
+with the transitions a log actually took highlighted. Written through `markup.html` (every value escaped).
 
 Layout: a state's column is the longest path to it from the initial state over edges that lead to a state
 declared later in `LifecycleState` (the forward direction of the lifecycle); states sharing a column stack in
@@ -14,12 +14,12 @@ rows. Edges of the table are grouped per (src, dst) and labelled with their trig
 
 from __future__ import annotations
 
-import html
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 
 from ..states import INITIAL_STATE, TRANSITIONS, LifecycleState
+from .markup import Markup, html, join
 
 __all__ = ["Edge", "layout", "state_diagram_svg"]
 
@@ -107,17 +107,28 @@ def _geometry(src: str, dst: str) -> tuple[str, float, float, str]:
             (x1 + x2) / 2, lowest + 58, "below")
 
 
-def _label(x: float, y: float, side: str, lines: list[str], classes: list[str]) -> str:
+def _label(x: float, y: float, side: str, lines: list[str], classes: list[str]) -> Markup:
     n = len(lines)
     first = y - (n - 1) * LINE_H if side == "above" else y + LINE_H
-    spans = "".join(
-        f'<tspan x="{x:.1f}" y="{first + i * LINE_H:.1f}" class="{classes[i]}">{html.escape(line)}</tspan>'
-        for i, line in enumerate(lines))
-    return f'<text class="edge-label" text-anchor="middle">{spans}</text>'
+    spans = join(html('<tspan x="{x:.1f}" y="{y:.1f}" class="{cls}">{line}</tspan>', x=x, y=first + i * LINE_H,
+                      cls=classes[i], line=line) for i, line in enumerate(lines))
+    return html('<text class="edge-label" text-anchor="middle">{spans}</text>', spans=spans)
+
+
+_MARKER = ('<marker id="{uid}-{kind}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="11" markerHeight="11" '
+           'orient="auto-start-reverse" markerUnits="userSpaceOnUse"><path d="M0,0 L10,5 L0,10 z" '
+           'class="arrow-{kind}"/></marker>')
+_ARC = ('<path class="{cls}" d="{d}" data-src="{src}" data-dst="{dst}" marker-end="url(#{uid}-{marker})"><title>'
+        '{src} → {dst}: {labels}</title></path>')
+_ILLEGAL = ('<path class="edge illegal" d="M{x1},{y1} Q{cx},{cy} {x2},{y2}" marker-end="url(#{uid}-illegal)"><title>'
+            'illegal: {trigger} {src} → {dst}</title></path><text class="edge-label illegal" x="{lx:.1f}" '
+            'y="{ly:.1f}" text-anchor="middle">illegal: {trigger} ×{k}</text>')
+_STATE = ('<g class="{cls}" data-state="{state}"><rect x="{x}" y="{y}" width="{w}" height="{h}" rx="10"/><text '
+          'x="{cx}" y="{ty}" text-anchor="middle">{state}</text></g>')
 
 
 def state_diagram_svg(taken: Mapping[Edge, int], *, illegal: Mapping[Edge, int] | None = None,
-                      visited: Collection[str] = (), current: Collection[str] = (), uid: str = "d") -> str:
+                      visited: Collection[str] = (), current: Collection[str] = (), uid: str = "d") -> Markup:
     """The table as an SVG state diagram. `taken`: (trigger, src, dst) -> how often the log took it (drawn
     thick, with the count); `illegal`: transitions the log took that the table does not have (red, dashed);
     `visited` and `current` states are filled and outlined."""
@@ -127,27 +138,23 @@ def state_diagram_svg(taken: Mapping[Edge, int], *, illegal: Mapping[Edge, int] 
     width = LEFT * 2 + (cols - 1) * COL_W
     height = TOP + (rows - 1) * ROW_H + NODE_H / 2 + 120
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="state-diagram" id="{uid}" viewBox="0 0 {width} '
-        f'{height:.0f}" width="{width}" height="{height:.0f}" role="img" aria-label="reload lifecycle state diagram">',
-        "<defs>",
-        *(f'<marker id="{uid}-{kind}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="11" markerHeight="11" '
-          f'orient="auto-start-reverse" markerUnits="userSpaceOnUse">'
-          f'<path d="M0,0 L10,5 L0,10 z" class="arrow-{kind}"/></marker>'
-          for kind in ("plain", "taken", "illegal")),
-        "</defs>",
+        html('<svg xmlns="http://www.w3.org/2000/svg" class="state-diagram" id="{uid}" viewBox="0 0 {w} {h:.0f}" '
+             'width="{w}" height="{h:.0f}" role="img" aria-label="reload lifecycle state diagram"><defs>',
+             uid=uid, w=width, h=height),
+        *(html(_MARKER, uid=uid, kind=kind) for kind in ("plain", "taken", "illegal")),
+        Markup("</defs>"),
     ]
     ix, iy = _centre(INITIAL_STATE.value)
-    parts.append(f'<circle class="initial" cx="{ix - NODE_W / 2 - 40}" cy="{iy}" r="7"/>'
-                 f'<path class="edge" d="M{ix - NODE_W / 2 - 33},{iy} L{ix - NODE_W / 2},{iy}" '
-                 f'marker-end="url(#{uid}-plain)"/>')
+    parts.append(html('<circle class="initial" cx="{cx}" cy="{iy}" r="7"/><path class="edge" d="M{x1},{iy} '
+                      'L{x2},{iy}" marker-end="url(#{uid}-plain)"/>', cx=ix - NODE_W / 2 - 40, iy=iy,
+                      x1=ix - NODE_W / 2 - 33, x2=ix - NODE_W / 2, uid=uid))
     for arc in _arcs():
         d, lx, ly, side = _geometry(arc.src, arc.dst)
         counts = [taken.get((t, arc.src, arc.dst), 0) for t in arc.triggers]
         n = sum(dict(zip(arc.triggers, counts, strict=True)).values())  # a trigger on two rows counts once
         cls = "edge taken" if n else "edge"
-        parts.append(f'<path class="{cls}" d="{d}" data-src="{arc.src}" data-dst="{arc.dst}" '
-                     f'marker-end="url(#{uid}-{"taken" if n else "plain"})"><title>{html.escape(arc.src)} → '
-                     f'{html.escape(arc.dst)}: {html.escape(", ".join(arc.labels))}</title></path>')
+        parts.append(html(_ARC, cls=cls, d=d, src=arc.src, dst=arc.dst, uid=uid, marker="taken" if n else "plain",
+                          labels=", ".join(arc.labels)))
         seen: set[str] = set()
         lines, classes = [], []
         for label, trig, k in zip(arc.labels, arc.triggers, counts, strict=True):
@@ -164,17 +171,14 @@ def state_diagram_svg(taken: Mapping[Edge, int], *, illegal: Mapping[Edge, int] 
         (x1, y1), (x2, y2) = _centre(src), _centre(dst)
         y1, y2 = y1 + NODE_H / 2, y2 + NODE_H / 2
         depth = 70 + 25 * abs(x2 - x1) / COL_W
-        parts.append(f'<path class="edge illegal" d="M{x1 + 10},{y1} Q{(x1 + x2) / 2},{max(y1, y2) + 2 * depth} '
-                     f'{x2 - 10},{y2}" marker-end="url(#{uid}-illegal)"><title>illegal: {html.escape(trigger)} '
-                     f'{src} → {dst}</title></path>')
-        parts.append(f'<text class="edge-label illegal" x="{(x1 + x2) / 2:.1f}" y="{max(y1, y2) + depth + 16:.1f}" '
-                     f'text-anchor="middle">illegal: {html.escape(trigger)} ×{k}</text>')
+        parts.append(html(_ILLEGAL, x1=x1 + 10, y1=y1, cx=(x1 + x2) / 2, cy=max(y1, y2) + 2 * depth, x2=x2 - 10,
+                          y2=y2, uid=uid, trigger=trigger, src=src, dst=dst, lx=(x1 + x2) / 2,
+                          ly=max(y1, y2) + depth + 16, k=k))
     for state in LifecycleState:
         x, y = _centre(state.value)
         cls = ["state"] + (["visited"] if state.value in visited else []) + (
             ["current"] if state.value in current else [])
-        parts.append(f'<g class="{" ".join(cls)}" data-state="{state.value}">'
-                     f'<rect x="{x - NODE_W / 2}" y="{y - NODE_H / 2}" width="{NODE_W}" height="{NODE_H}" rx="10"/>'
-                     f'<text x="{x}" y="{y + 4.5}" text-anchor="middle">{state.value}</text></g>')
-    parts.append("</svg>")
-    return "".join(parts)
+        parts.append(html(_STATE, cls=" ".join(cls), state=state.value, x=x - NODE_W / 2, y=y - NODE_H / 2, w=NODE_W,
+                          h=NODE_H, cx=x, ty=y + 4.5))
+    parts.append(Markup("</svg>"))
+    return join(parts)

@@ -1,6 +1,12 @@
 """What the report draws, collected while the auditor replays: per (rank, backbone), the latest epochs, each with
 when every layer became ready, the lifecycle's steps and refusals, and the derived buffers' addresses after its
-last refresh (all bounded: `MAX_LAYERS` layers and `MAX_MARKS` steps per epoch, `max_epochs` epochs per stream).
+last refresh.
+
+All of it is bounded whatever the log: the first `MAX_TRACED` streams are traced (the others are still audited
+and listed), each keeps its latest `max_epochs` epochs (at most `MAX_EPOCHS`), each epoch at most `MAX_LAYERS`
+layers (the rest counted), `MAX_MARKS` steps, `MAX_STATES` states and `MAX_BUFFERS` derived buffers, and every
+name or text is kept cut at `SHOWN_CAP` characters (a layer or buffer name in the middle, where names of one
+log differ least). Nothing holds on to an event's own fields.
 
 >>> sorted(set(TRIGGERS) - MARKED_TRIGGERS)
 ['weights_loaded']
@@ -16,14 +22,22 @@ from ..states import TRANSITIONS, TRIGGERS
 from .logstream import LogEvent
 from .results import StreamReplay
 from .rules import BEGIN
+from .text import abbreviate, clip
 
-__all__ = ["MARKED_TRIGGERS", "MAX_LAYERS", "MAX_MARKS", "EpochTrace", "ReportCollector", "StreamTrace"]
+__all__ = ["MARKED_TRIGGERS", "MAX_BUFFERS", "MAX_EPOCHS", "MAX_LAYERS", "MAX_MARKS", "MAX_STATES", "MAX_TRACED",
+           "SHOWN_CAP", "EpochTrace", "ReportCollector", "StreamTrace"]
 
-#: Layers remembered per epoch, and steps (transitions, refusals) per epoch, at most.
-MAX_LAYERS, MAX_MARKS = 512, 64
+#: Per epoch: layers drawn, steps (transitions, refusals) marked, states on the path, derived buffers, at most.
+MAX_LAYERS, MAX_MARKS, MAX_STATES, MAX_BUFFERS = 256, 64, 64, 64
+#: Streams traced (drawn), and epochs kept per stream, at most.
+MAX_TRACED, MAX_EPOCHS = 32, 50
+#: Characters of a name or text kept for the pictures, at most.
+SHOWN_CAP = 160
 #: Lifecycle steps drawn as marks on the timeline: every trigger of the table but the per-bucket bookkeeping
 #: (`Transition.per_bucket`: weights_loaded, which the layer_ready rows already show).
 MARKED_TRIGGERS: frozenset[str] = frozenset(TRIGGERS) - {t.trigger for t in TRANSITIONS if t.per_bucket}
+#: The fields of a derived buffer's record the report shows.
+BUFFER_SHOWN = ("kind", "mode", "nbytes", "data_ptr")
 
 
 @dataclass
@@ -36,10 +50,12 @@ class EpochTrace:
     end: float
     layers_total: int | None = None
     layers: dict[str, tuple[float, str]] = field(default_factory=dict)  # layer -> (time, "ready" | "unchanged")
+    layers_more: int = 0  # layers that became ready beyond MAX_LAYERS (not drawn one by one)
     unchanged_more: int = 0
     marks: list[tuple[float, str, str]] = field(default_factory=list)  # (time, text, css class)
     states: list[str] = field(default_factory=list)
     buffers: dict[str, dict[str, Any]] = field(default_factory=dict)  # after the last refresh in this epoch
+    buffers_more: int = 0
     refreshed_pinned: bool = False
     refused: int = 0
 
@@ -55,59 +71,76 @@ class StreamTrace:
 class ReportCollector:
     """Collects the pictures' data from the events the auditor replays (call `observe` after `Auditor.feed`)."""
 
-    def __init__(self, max_epochs: int = 12) -> None:
+    def __init__(self, max_epochs: int = 12, *, max_traced: int = MAX_TRACED) -> None:
+        if type(max_epochs) is not int or not 1 <= max_epochs <= MAX_EPOCHS:
+            raise ValueError(f"max_epochs must be an int from 1 to {MAX_EPOCHS}, got {max_epochs!r:.40}")
         self.max_epochs = max_epochs
+        self.max_traced = max_traced
         self.streams: dict[tuple[int, str], StreamTrace] = {}
+        self.untraced: set[tuple[int, str]] = set()  # streams beyond max_traced (at most the auditor's streams)
 
-    def _trace(self, r: StreamReplay, ev: LogEvent) -> EpochTrace:
+    def _trace(self, r: StreamReplay, ev: LogEvent) -> EpochTrace | None:
         st = self.streams.get(r.key)
         if st is None:
+            if len(self.streams) >= self.max_traced:
+                self.untraced.add(r.key)
+                return None
             st = self.streams[r.key] = StreamTrace(r.rank, r.backbone, deque(maxlen=self.max_epochs))
         cur = st.epochs[-1] if st.epochs else None
         if cur is None or cur.epoch != r.epoch or cur.incarnation != r.incarnations:
             if len(st.epochs) == st.epochs.maxlen:
                 st.dropped += 1
             cur = EpochTrace(r.incarnations, r.epoch, ev.ts, ev.ts, states=[] if ev.fields["event"] == "transition"
-                             and ev.fields.get("trigger") == BEGIN else [r.state.value])
+                             and ev.fields["trigger"] == BEGIN else [r.state.value])
             st.epochs.append(cur)
         return cur
 
     def observe(self, ev: LogEvent, r: StreamReplay) -> None:
-        f = ev.fields
         tr = self._trace(r, ev)
+        if tr is None:
+            return
+        f = ev.fields
         tr.end = max(tr.end, ev.ts)
-        total = f.get("layers_total")
-        if isinstance(total, int):
-            tr.layers_total = total
+        if "layers_total" in f:
+            tr.layers_total = f["layers_total"]
         name = f["event"]
         if name == "layer_ready":
-            layer = f.get("layer")
-            if isinstance(layer, str) and layer not in tr.layers and len(tr.layers) < MAX_LAYERS:
-                tr.layers[layer] = (ev.ts, "ready")
+            self._layers(tr, (f["layer"],), "ready", ev.ts)
         elif name == "layers_unchanged":
-            for layer in f.get("layers") or []:
-                if isinstance(layer, str) and layer not in tr.layers and len(tr.layers) < MAX_LAYERS:
-                    tr.layers[layer] = (ev.ts, "unchanged")
-            more = f.get("layers_more")
-            tr.unchanged_more += more if isinstance(more, int) else 0
+            self._layers(tr, f["layers"], "unchanged", ev.ts)
+            tr.unchanged_more += f.get("layers_more", 0)
         elif name == "transition":
-            trigger = str(f.get("trigger"))
+            trigger, src, dst = (clip(f[k], SHOWN_CAP) for k in ("trigger", "src", "dst"))
             if trigger == BEGIN and not tr.states:
-                tr.states.append(str(f.get("src")))
-            dst = str(f.get("dst"))
-            if (not tr.states or tr.states[-1] != dst) and len(tr.states) < MAX_MARKS:
+                tr.states.append(src)
+            if (not tr.states or tr.states[-1] != dst) and len(tr.states) < MAX_STATES:
                 tr.states.append(dst)
             if trigger in MARKED_TRIGGERS:
-                self._mark(tr, ev.ts, f"{trigger} {f.get('src')} → {dst}", f"mark-{trigger}")
+                self._mark(tr, ev.ts, f"{trigger} {src} → {dst}", f"mark-{trigger}")
         elif name == "refused":
             tr.refused += 1
-            self._mark(tr, ev.ts, f"refused {f.get('trigger')} ({f.get('error')}) in {f.get('src')}", "mark-refused")
-        elif name == "refresh" and isinstance(f.get("buffers"), list):
-            tr.buffers = {b["name"]: b for b in f["buffers"][:MAX_LAYERS]
-                          if isinstance(b, dict) and isinstance(b.get("name"), str)}
+            self._mark(tr, ev.ts, f"refused {clip(f['trigger'], SHOWN_CAP)} ({clip(f.get('error'), SHOWN_CAP)}) in "
+                                  f"{clip(f['src'], SHOWN_CAP)}", "mark-refused")
+        elif name == "refresh" and "buffers" in f:
+            buffers = f["buffers"]
+            tr.buffers = {abbreviate(b["name"], SHOWN_CAP): {k: clip(b[k], SHOWN_CAP) if type(b[k]) is str else b[k]
+                                                       for k in BUFFER_SHOWN if k in b}
+                          for b in buffers[:MAX_BUFFERS]}
+            tr.buffers_more = max(0, len(buffers) - MAX_BUFFERS) + f.get("buffers_more", 0)
             tr.refreshed_pinned = r.pinned
-        elif name == "storage_check" and f.get("ok") is False:
-            self._mark(tr, ev.ts, f"storage check failed ({f.get('action')})", "mark-drift")
+        elif name == "storage_check" and f["ok"] is False:
+            self._mark(tr, ev.ts, f"storage check failed ({clip(f.get('action'), SHOWN_CAP)})", "mark-drift")
+
+    @staticmethod
+    def _layers(tr: EpochTrace, layers: list[str] | tuple[str, ...], kind: str, t: float) -> None:
+        for layer in layers:
+            shown = abbreviate(layer, SHOWN_CAP)
+            if shown in tr.layers:
+                continue
+            if len(tr.layers) < MAX_LAYERS:
+                tr.layers[shown] = (t, kind)
+            else:
+                tr.layers_more += 1
 
     @staticmethod
     def _mark(tr: EpochTrace, t: float, text: str, cls: str) -> None:

@@ -1,5 +1,9 @@
 """Views of an `AuditResult`: a readable summary for people, JSON for machines.
 
+The text view prints values read from logs (names, file names, details): each goes through `text.printable`,
+so a control character in a log can neither fake a line nor restyle the terminal, and each cell is cut at
+`CELL_CAP` characters.
+
 >>> from lifecycle.audit.replay import Auditor
 >>> print(render_text(Auditor().finish()).splitlines()[-1])
 RESULT: CLEAN (0 events audited; exit status 0)
@@ -13,16 +17,24 @@ from typing import Any
 
 from .results import AuditResult
 from .rules import VIOLATION_KINDS
+from .text import clip, printable
 
-__all__ = ["JSON_FORMAT", "as_json", "render_json", "render_text", "result_line", "table"]
+__all__ = ["CELL_CAP", "JSON_FORMAT", "as_json", "cell_text", "render_json", "render_text", "result_line", "table"]
 
 #: The JSON view's own format version.
 JSON_FORMAT = 1
+#: Characters of one table cell at most (a detail, a name from a log).
+CELL_CAP = 400
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, cell: Callable[[Any], str] = str) -> str:
+def cell_text(value: Any) -> str:
+    """One value of the text view: cut at `CELL_CAP` characters, control characters escaped."""
+    return printable(clip(value, CELL_CAP))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, cell: Callable[[Any], str] = cell_text) -> str:
     """A plain-text table: the headers, a rule, a line per row, each column as wide as its widest cell, no
-    trailing blanks. `cell` writes one value (default `str`). The project's one text-table helper.
+    trailing blanks. `cell` writes one value (default `cell_text`). The project's one text-table helper.
 
     >>> print(table(["kind", "count"], [["not_ready", 2], ["epoch_jump", 10]]))
     kind       | count
@@ -59,7 +71,7 @@ def render_text(result: AuditResult, *, show: int = 100) -> str:
                            "pinned", "violations"], rows)]
     if result.input_problem_count:
         out += ["", f"unreadable input ({result.input_problem_count}; exit status 2, the rest was audited):"]
-        out += [f"  {p.where}: {p.message}" for p in result.input_problems[:show]]
+        out += [f"  {cell_text(p.where)}: {cell_text(p.message)}" for p in result.input_problems[:show]]
         if result.input_problem_count > min(show, len(result.input_problems)):
             out.append(f"  ... {result.input_problem_count - min(show, len(result.input_problems))} more")
     if result.total_violations:

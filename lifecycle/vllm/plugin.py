@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from ..events import configure_audit
+from .. import env
+from ..events import AuditSinkError, configure_audit
 from .version import check_vllm_version
 
 __all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "activate"]
 
 #: A folder: each process writes its audit events to `audit-<pid>.jsonl` there (events carry their rank).
 AUDIT_DIR_ENV = "RELOAD_LIFECYCLE_AUDIT_DIR"
-#: "1": also print readable events to stderr.
+#: A switch (1/true/yes/on): also print readable events to stderr.
 AUDIT_CONSOLE_ENV = "RELOAD_LIFECYCLE_AUDIT_CONSOLE"
 
 _active = False
@@ -40,10 +40,14 @@ def activate() -> None:
 
 
 def _configure_audit_from_env() -> None:
-    folder = os.environ.get(AUDIT_DIR_ENV)
-    console = os.environ.get(AUDIT_CONSOLE_ENV) == "1"
-    if folder or console:
-        path = Path(folder) / f"audit-{os.getpid()}.jsonl" if folder else None
-        configure_audit(json_path=path, console=console)
-    else:
-        configure_audit(console=False)  # events stay in each lifecycle's in-memory ring (see the worker RPCs)
+    """Route the audit logger (only it: the host's structlog configuration is not touched) from the environment.
+    A value the switches do not accept, or a folder where the audit file cannot be written, raises
+    `env.EnvSettingError` naming the variable."""
+    folder = env.path(AUDIT_DIR_ENV)
+    console = env.flag(AUDIT_CONSOLE_ENV)
+    path = folder / f"audit-{os.getpid()}.jsonl" if folder is not None else None
+    try:
+        configure_audit(json_path=path, console=console)  # neither: events stay in each lifecycle's memory ring
+    except AuditSinkError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise env.EnvSettingError(AUDIT_DIR_ENV, str(folder), f"cannot hold the audit log: {why}") from e

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from .. import env
 from ..errors import UnsupportedVLLMError
 
 __all__ = ["FORCE_ENV", "SUPPORTED_SERIES", "UnsupportedVLLMError", "check_vllm_version"]
@@ -20,7 +19,7 @@ def check_vllm_version(version: str | None = None) -> str:
 
         version = vllm.__version__
     series = ".".join(version.split("+")[0].split(".")[:2])
-    if series in SUPPORTED_SERIES or os.environ.get(FORCE_ENV) == "1":
+    if series in SUPPORTED_SERIES or env.flag(FORCE_ENV):
         return version
     raise UnsupportedVLLMError(
         f"reload-lifecycle's vLLM plugin supports vLLM {', '.join(s + '.x' for s in SUPPORTED_SERIES)}; this is "

@@ -52,10 +52,14 @@ class LifecycleWorkerExtension:
         return out
 
     def lifecycle_events(self, last: int = 100) -> list[dict[str, Any]]:
-        """The last audit events of every backbone here (each carries backbone, rank and epoch)."""
+        """The last `last` audit events of every backbone here (each carries backbone, rank and epoch, bounded as
+        written; once an audit write failed in this process, `sink_failures` says how many have)."""
+        if type(last) is not int or last < 0:
+            raise ValueError(f"lifecycle_events: last must be an int >= 0, got {last!r:.80}")
         events: list[dict[str, Any]] = []
         for _, b in self._lifecycle_backbones():
-            events.extend(list(b.lifecycle.recent_events)[-last:])
+            kept = b.lifecycle.recent_events
+            events.extend(list(kept)[len(kept) - min(last, len(kept)):])
         return events
 
     def lifecycle_pin(self) -> dict[str, int]:

@@ -1,0 +1,61 @@
+"""Environment switches (`RELOAD_LIFECYCLE_*`): one parser, so every switch takes the same spellings and every
+error names the variable.
+
+>>> import os
+>>> os.environ["RELOAD_LIFECYCLE_EXAMPLE"] = " Yes "
+>>> flag("RELOAD_LIFECYCLE_EXAMPLE")
+True
+>>> os.environ["RELOAD_LIFECYCLE_EXAMPLE"] = "maybe"
+>>> try:
+...     flag("RELOAD_LIFECYCLE_EXAMPLE")
+... except EnvSettingError as e:
+...     print(e)
+RELOAD_LIFECYCLE_EXAMPLE='maybe' is not a switch value: use one of 1, true, yes, on (or 0, false, no, off, empty)
+>>> del os.environ["RELOAD_LIFECYCLE_EXAMPLE"]
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["FALSE_SPELLINGS", "TRUE_SPELLINGS", "EnvSettingError", "flag", "path"]
+
+#: Case-insensitive, surrounding blanks ignored.
+TRUE_SPELLINGS = ("1", "true", "yes", "on")
+FALSE_SPELLINGS = ("0", "false", "no", "off", "")
+#: A value longer than this is cut in error messages.
+_SHOWN = 80
+
+
+class EnvSettingError(ValueError):
+    """An environment variable holds a value its switch does not accept. `variable` names it."""
+
+    def __init__(self, variable: str, value: str, problem: str) -> None:
+        shown = value if len(value) <= _SHOWN else value[:_SHOWN] + f"...(+{len(value) - _SHOWN} characters)"
+        super().__init__(f"{variable}={shown!r} {problem}")
+        self.variable = variable
+
+
+def flag(name: str, default: bool = False) -> bool:
+    """An on/off switch: unset gives `default`; 1/true/yes/on and 0/false/no/off/empty in any case; anything else
+    raises `EnvSettingError` naming the variable (a typo must not silently mean "off")."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in TRUE_SPELLINGS:
+        return True
+    if value in FALSE_SPELLINGS:
+        return False
+    raise EnvSettingError(name, raw, f"is not a switch value: use one of {', '.join(TRUE_SPELLINGS)} "
+                                     f"(or {', '.join(s or 'empty' for s in FALSE_SPELLINGS)})")
+
+
+def path(name: str) -> Path | None:
+    """A filesystem path: unset or blank gives None. Whoever uses it names the variable when it cannot (raise
+    `EnvSettingError(name, value, problem)`)."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    return Path(raw)
