@@ -121,7 +121,7 @@ def test_into_writer_that_would_not_fit_is_refused_before_any_write(writer: str)
     if writer == "resizes":
         assert "(1, 512)" in problems and "shape (1, 256)" in problems
         assert "_copied: new value" in problems  # the build-and-copy path is refused for the same reason
-    assert m.lifecycle.state is S.FULLY_LOADED
+    assert m.lifecycle.state is S.FINALIZED
     for n, (obj, values) in before.items():
         assert getattr(m, n) is obj and torch.equal(obj, values), f"{n} was written by a refused refresh"
 
@@ -155,3 +155,38 @@ def test_constant_is_built_once_and_never_rewritten_or_reallocated() -> None:
     report = m.refresh_derived_buffers(rebuild=True)
     assert report["_const"].mode == "cold" and report["_const"].elements_written == 2 * N
     assert m._const is not const and torch.equal(m._const, torch.full((2 * N,), 7.0))
+
+
+def _raising_into(m: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("scale table missing")
+
+
+def _data_dependent_into(m: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    scale = m.head.weight.abs().max().item()  # fine on real tensors, no value in a dry run on fake ones
+    return torch.mul(m.head.weight, 2.0 / scale, out=out)
+
+
+@pytest.mark.parametrize(("writer", "says"), [(_raising_into, "RuntimeError: scale table missing"),
+                                              (_data_dependent_into, "data-dependent")],
+                         ids=["raises", "item"])
+def test_a_failing_into_writer_is_a_derived_build_error_naming_the_buffer(writer, says: str) -> None:
+    """Issue 14, defect 4. The old code let the dry run's exception escape: a bare `RuntimeError` from a writer
+    that raises, a `DataDependentOutputException` from one that calls `.item()`; neither a `LifecycleError` nor
+    naming the buffer. Both are now a `DerivedBuildError` naming the buffer and the dry run (the second saying
+    that a dry run has no data), before any buffer is written."""
+    from lifecycle.errors import DerivedBuildError
+
+    m = loaded()
+    m.derived_buffers = (CustomDraft.derived_buffers[0],
+                         custom("_written", build=lambda m: m.head.weight * 2.0, into=writer,
+                                depends_on=("head.weight",)),
+                         CustomDraft.derived_buffers[2])
+    before = {n: (getattr(m, n), getattr(m, n).clone()) for n in ("_copied", "_written", "_const")}
+    reload(m, {"head.weight": 3.0})
+    with pytest.raises(DerivedBuildError) as ei:
+        m.refresh_derived_buffers()
+    assert ei.value.buffer == "_written" and "dry run" in ei.value.step
+    assert says in str(ei.value)
+    assert m.lifecycle.can("refresh_derived") and not m.lifecycle.usable
+    for n, (obj, values) in before.items():
+        assert getattr(m, n) is obj and torch.equal(obj, values), f"{n} was written by a refused refresh"

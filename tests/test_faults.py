@@ -20,6 +20,7 @@ from torch import nn
 from lifecycle.errors import (
     CheckpointError,
     DerivedBuildError,
+    LayersNotReadyError,
     NonFiniteWeightError,
     QuarantinedError,
     RecoveryError,
@@ -142,7 +143,7 @@ def test_builder_raising_outside_a_session_refuses_the_refresh_and_writes_nothin
     draft.layers[2].builder_fault = True
     with capture_logs() as logs, pytest.raises(DerivedBuildError, match=r"layers\.2"):
         draft.refresh_derived_buffers()
-    assert draft.lifecycle.state is S.FULLY_LOADED  # refused: the state did not change
+    assert draft.lifecycle.state is S.FINALIZED  # refused: the state did not change
     assert_same(draft, after_load)
     assert [(e["event"], e["error"]) for e in logs if e["event"] == "refused"] == [("refused", "DerivedBuildError")]
     draft.layers[2].builder_fault = False
@@ -223,9 +224,18 @@ def test_write_failing_mid_bucket(draft: FaultyDraft, ckpt_b: Path, rollback: bo
     assert len(lc.readiness.dirty_tensors()) == 8  # 7 written + the one that failed part way
     with pytest.raises(RecoveryError):
         draft.recover()
-    with draft.reload_session(keep_untouched=True) as s:
+    # the failing tensor's layer holds part of B: no selective reload may keep it (issue 14, defect 2) ...
+    partly = lc.readiness.layer_of_name[writer.failed]
+    assert lc.readiness.partly_written == {partly}
+    with pytest.raises(LayersNotReadyError, match="partly written"), \
+            draft.reload_session(keep_untouched=True) as s:
         s.load(ckpt_b, subset=lambda n: n.startswith("layers.2."))
         s.commit()
+    # ... until a reload writes all of it
+    with draft.reload_session(keep_untouched=True) as s:
+        s.load(ckpt_b, subset=lambda n: n.startswith(("layers.2.", f"{partly}.")))
+        s.commit()
+    assert not lc.readiness.partly_written
     assert_derived_current(draft)  # includes what the failed bucket wrote
 
 

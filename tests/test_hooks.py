@@ -205,7 +205,7 @@ def test_replaying_rope_init_under_captured_graphs_would_be_refused(loaded: DFla
     with pytest.raises(StorageDriftError, match="cos_sin_cache: data_ptr") as ei:
         loaded.refresh_derived_buffers()
     assert hex(old_ptr) in str(ei.value)
-    assert lc.state is S.FULLY_LOADED
+    assert lc.state is S.FINALIZED
     assert loaded._rope_cos_sin_cache.data_ptr() == old_ptr
 
 
@@ -227,3 +227,45 @@ def test_cold_hooks_run_when_an_aborted_cold_load_is_retried(tiny_cfg: DFlashCon
     m.begin_reload()
     load_safetensors(m, ckpt_b)
     assert m.finalize_loading() == []  # and never again
+
+
+def test_a_second_finalize_runs_no_hook_twice_in_one_epoch(tiny_cfg: DFlashConfig, ckpt_a: Path,
+                                                          ckpt_b: Path) -> None:
+    """Issue 14, defect 1. The old code picked the phase by "cold hooks done yet?": a second `finalize_loading()`
+    in epoch 0 ran the hooks that opted into `reload` (`['reload_only', 'both']`), and every repeated finalize
+    of a reload ran its hooks again. Hooks are now chosen by the epoch's phase and run once per epoch."""
+    m = HookedDraft(tiny_cfg)
+    load_safetensors(m, ckpt_a)
+    assert m.finalize_loading() == ["init_rope_caches", "cold_only", "both"]
+    with capture_logs() as logs:
+        assert m.finalize_loading() == []
+    assert not [e for e in logs if e["event"] == "hook_run"]
+    assert [name for name, *_ in m.calls] == ["cold_only", "both"]
+    m.refresh_derived_buffers()
+
+    m.begin_reload()
+    load_safetensors(m, ckpt_b)
+    assert m.finalize_loading() == ["reload_only", "both"]
+    assert m.finalize_loading(keep_untouched=True) == []
+    assert [name for name, epoch, *_ in m.calls if epoch == 1] == ["reload_only", "both"]
+
+
+def test_a_failing_hook_refuses_the_finish_and_the_retry_runs_only_what_did_not_complete(
+        tiny_cfg: DFlashConfig, ckpt_a: Path) -> None:
+    """A hook that raises refuses `finish_loading` (the state stays, no refresh is possible); the retry runs the
+    hooks that have not completed, never one that did (a one-time conversion is not applied twice)."""
+    m = HookedDraft(tiny_cfg)
+    failures = [RuntimeError("scale table missing")]
+
+    def flaky(_: DFlashQwen3Draft) -> None:
+        if failures:
+            raise failures.pop()
+
+    m.register_post_load_hook(flaky, Phase.COLD_LOAD)
+    load_safetensors(m, ckpt_a)
+    with pytest.raises(RuntimeError, match="scale table missing"):
+        m.finalize_loading()
+    assert m.lifecycle.state is S.FULLY_LOADED and not m.lifecycle.can("refresh_derived")
+    assert m.finalize_loading() == ["flaky"]
+    assert [name for name, *_ in m.calls] == ["cold_only", "both"]
+    assert m.lifecycle.can("refresh_derived")

@@ -216,3 +216,34 @@ def test_partly_written_layer_is_not_silently_kept(model, ckpt):
     assert set(ei.value.missing) == {"layers.2"}
     assert "layers.2.self_attn.qkv_proj.weight" in ei.value.missing["layers.2"]
     assert model.lifecycle.state is S.PARTIALLY_LOADED
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["refreshed", "captured"])
+def test_a_layer_half_written_by_an_aborted_reload_is_never_kept(model, ckpt, weights, graphs):
+    """Issue 14, defect 2. A session without rollback writes one tensor of layer 0 and aborts; the next reload
+    sends only layer 1 and finishes with `keep_untouched=True`. The old code declared layer 0 unchanged and
+    reached a usable state with layer 0 holding one tensor of B and the rest of A. Such a layer now counts as
+    touched until a complete write of it: the finish is refused, naming it, and marks nothing."""
+    if graphs:
+        model.capture_graphs()
+    torn = "layers.0.self_attn.qkv_proj.weight"
+    with model.reload_session(rollback=False) as s:
+        s.apply({torn: weights["b"][torn]})
+        s.abort("trainer went away")
+    model.begin_reload()
+    load_safetensors(model, ckpt["b"], subset=of_layers([1]))
+    with pytest.raises(LayersNotReadyError, match="partly written") as ei:
+        model.finalize_loading(keep_untouched=True)
+    assert set(ei.value.missing) == {"layers.0"}
+    assert model.lifecycle.state is S.PARTIALLY_LOADED
+    with pytest.raises(LayersNotReadyError, match="partly written"):  # nor tensor by tensor
+        model.weights_unchanged([n for n in model.lifecycle.specs if n.startswith("layers.0.") and n != torn])
+    # a complete write of the layer ends it
+    load_safetensors(model, ckpt["b"], subset=of_layers([0]))
+    model.finalize_loading(keep_untouched=True)
+    model.refresh_derived_buffers()
+    assert model.lifecycle.usable
+    for i in (0, 1):
+        want = expected_slice(weights["b"], "_fused_kv_weight", i)
+        assert torch.equal(layer_slice(model, "_fused_kv_weight", i), want)
+    assert torch.equal(model._fused_kv_weight, from_scratch(model, "_fused_kv_weight"))
