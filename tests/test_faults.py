@@ -29,7 +29,7 @@ from lifecycle.errors import (
     WeightWriteError,
 )
 from lifecycle.hooks import Phase
-from lifecycle.loading import load_safetensors, write_checkpoint, write_tensor
+from lifecycle.loading import apply_bucket, load_safetensors, write_checkpoint, write_tensor
 from lifecycle.states import LifecycleState
 from models.qwen3_dflash import DFlashConfig, random_weights
 
@@ -237,6 +237,29 @@ def test_write_failing_mid_bucket(draft: FaultyDraft, ckpt_b: Path, rollback: bo
         s.commit()
     assert not lc.readiness.partly_written
     assert_derived_current(draft)  # includes what the failed bucket wrote
+
+
+def test_a_failed_rewrite_of_a_tensor_already_loaded_makes_it_missing_again(draft: FaultyDraft, ckpt_b: Path
+                                                                            ) -> None:
+    """A duplicate send of a tensor whose layer is already complete fails part way: the tensor may be half
+    written, so it counts as missing (the finish is refused, naming it) until it is sent again in full; it
+    used to stay counted as loaded."""
+    b = random_weights(draft.config, 1)
+    name = "layers.1.self_attn.qkv_proj.weight"
+    with draft.reload_session() as s:
+        s.load(ckpt_b)
+        failing = FailingWriter(fail_at=1)
+        with pytest.raises(WeightWriteError):
+            apply_bucket(draft, [(name, b[name])], writer=failing)
+        with pytest.raises(LayersNotReadyError, match="a write of it failed part way") as ei:
+            s.finalize_loading()
+        assert ei.value.missing == {"layers.1": (f"{name} (a write of it failed part way)",)}
+        with pytest.raises(LayersNotReadyError, match="send it again"):
+            s.weights_unchanged([name])
+        s.apply({name: b[name]})
+        s.commit()
+    assert draft.lifecycle.state is usable_state(draft)
+    assert_derived_current(draft)
 
 
 @pytest.mark.parametrize("interrupt", [ConnectionError, KeyboardInterrupt])

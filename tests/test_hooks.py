@@ -8,7 +8,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from lifecycle.errors import StorageDriftError
+from lifecycle.errors import IllegalTransitionError, StorageDriftError
 from lifecycle.hooks import Phase, collect_hooks, post_load_hook
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.states import LifecycleState
@@ -269,3 +269,30 @@ def test_a_failing_hook_refuses_the_finish_and_the_retry_runs_only_what_did_not_
     assert m.finalize_loading() == ["flaky"]
     assert [name for name, *_ in m.calls] == ["cold_only", "both"]
     assert m.lifecycle.can("refresh_derived")
+
+
+def test_skipping_finalize_is_refused_so_cold_hooks_cannot_be_skipped(tiny_cfg: DFlashConfig, ckpt_a: Path,
+                                                                        ckpt_b: Path) -> None:
+    """Issue 14, friction 2. The old table allowed `refresh_derived` straight from FULLY_LOADED: skipping
+    `finalize_loading()` skipped the cold_load hooks (GRAPH_CAPTURED with none run), and they then ran at the next
+    reload's finalize, on reloaded weights. The table now allows a refresh only from FINALIZED, which only
+    `finish_loading` reaches."""
+    m = HookedDraft(tiny_cfg)
+    load_safetensors(m, ckpt_a)
+    with capture_logs() as logs, pytest.raises(IllegalTransitionError, match=r"finalize_loading\(\) first") as ei:
+        m.refresh_derived_buffers()
+    assert ei.value.allowed_from == ("FINALIZED",)
+    assert [(e["trigger"], e["error"]) for e in logs if e["event"] == "refused"] == [
+        ("refresh_derived", "IllegalTransitionError")]
+    assert m.lifecycle.state is S.FULLY_LOADED and m.calls == [] and m._buffers["_fused_kv_weight"] is None
+    m.finalize_loading()
+    m.refresh_derived_buffers()
+    assert [name for name, *_ in m.calls] == ["cold_only", "both"]
+    # a reload too: its hooks always run before its refresh
+    m.begin_reload()
+    load_safetensors(m, ckpt_b)
+    with pytest.raises(IllegalTransitionError, match=r"finalize_loading\(\) first"):
+        m.refresh_derived_buffers()
+    assert m.finalize_loading() == ["reload_only", "both"]
+    m.refresh_derived_buffers()
+    assert m.lifecycle.usable

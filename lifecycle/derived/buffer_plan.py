@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 from ..errors import DerivedBuildError, LifecycleError
-from ..storage import StorageIdentity, count_allocations
+from ..storage import StorageIdentity
 from ..types import dtype_name
 from .specs import DerivedSpec
 
-__all__ = ["BufferPlan", "Layout", "Problem", "Request", "SliceCopy", "built", "built_counted", "destination",
-           "fmt_layout", "parts_of", "rebuild_problem", "same_layout", "temporaries", "write_parts"]
+__all__ = ["BufferPlan", "Layout", "Problem", "Request", "SliceCopy", "built", "destination", "fmt_layout",
+           "layer_copies", "owned_storages", "parts_of", "rebuild_problem", "same_layout", "temporaries",
+           "write_parts"]
 
 T = TypeVar("T")
 Resolve = Callable[[str], "torch.Tensor | None"]
@@ -110,14 +111,9 @@ def built(spec: DerivedSpec, step: str, context: Mapping[str, str], fn: Callable
     return out
 
 
-def built_counted(bp: BufferPlan, step: str, context: Mapping[str, str], fn: Callable[[T], object], arg: T
-                  ) -> torch.Tensor:
-    """`built`, counting every storage the builder creates (its value included) as a temporary of `bp`."""
-    with count_allocations() as log:
-        out = built(bp.spec, step, context, fn, arg)
-    bp.temporaries += log.storages_created
-    bp.temporary_bytes += log.bytes_allocated
-    return out
+def owned_storages(backbone: nn.Module) -> set[int]:
+    """The storages of the backbone's tensors (what a view of a source shares)."""
+    return {t.untyped_storage().data_ptr() for t in (*backbone.parameters(), *backbone.buffers()) if not t.is_meta}
 
 
 def parts_of(spec: DerivedSpec, i: int, context: Mapping[str, str], layer: nn.Module) -> list[torch.Tensor]:

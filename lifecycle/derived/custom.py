@@ -16,7 +16,17 @@ from torch._subclasses.fake_tensor import (  # the dry-run engine torch.compile 
 
 from ..errors import DerivedBuildError, LifecycleError
 from ..types import dtype_name
-from .buffer_plan import BufferPlan, Problem, Request, SliceCopy, built_counted, fmt_layout, same_layout
+from .buffer_plan import (
+    BufferPlan,
+    Problem,
+    Request,
+    SliceCopy,
+    built,
+    fmt_layout,
+    owned_storages,
+    same_layout,
+    temporaries,
+)
 from .specs import DerivedSpec, current_buffer
 
 __all__ = ["DRY_RUN_STEP", "plan_custom"]
@@ -39,8 +49,7 @@ def plan_custom(r: Request) -> Planned:
         problem = _dry_run_into(spec, r, existing)
         return Problem("realloc", problem) if problem else BufferPlan(spec, "in_place", existing=existing)
     bp = BufferPlan(spec, "cold")
-    value = built_counted(bp, "build" if spec.build is not None else "into(backbone, None)", r.context,
-                          spec.build_value, r.backbone)
+    value = _value(bp, r)
     if existing is None:
         bp.new_tensor = value.detach().clone().contiguous()
         return bp
@@ -56,11 +65,21 @@ def _plan_constant(r: Request, live: torch.Tensor) -> Planned:
     replaces it only when its layout changed (a reconfigured backbone); otherwise the built value is dropped."""
     spec = r.spec
     bp = BufferPlan(spec, "skipped", existing=live)
-    value = built_counted(bp, "build", r.context, spec.build_value, r.backbone) if r.allow_realloc else live
+    value = _value(bp, r) if r.allow_realloc else live
     if same_layout(value, live):
         return bp
     bp.mode, bp.existing, bp.new_tensor = "cold", None, value.detach().clone().contiguous()
     return bp
+
+
+def _value(bp: BufferPlan, r: Request) -> torch.Tensor:
+    """A new value from `build` (or `into(backbone, None)`); unless it is a view of the backbone's tensors, it is
+    a temporary (copied into the buffer, or cloned into a new one)."""
+    spec = r.spec
+    value = built(spec, "build" if spec.build is not None else "into(backbone, None)", r.context, spec.build_value,
+                  r.backbone)
+    bp.count(temporaries([value], lambda: owned_storages(r.backbone)))
+    return value
 
 
 def _dry_run_into(spec: DerivedSpec, r: Request, existing: torch.Tensor) -> str:

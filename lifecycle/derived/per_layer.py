@@ -19,6 +19,7 @@ from .buffer_plan import (
     SliceCopy,
     built,
     layer_copies,
+    owned_storages,
     parts_of,
     rebuild_problem,
     temporaries,
@@ -29,12 +30,6 @@ from .specs import DerivedSpec, _layers
 __all__ = ["fill_computed", "plan_computed_stack", "plan_per_layer"]
 
 Planned = BufferPlan | Problem
-
-
-def _owned(r: Request) -> set[int]:
-    """Storages of the backbone's tensors (what a view of a source shares)."""
-    m = r.backbone
-    return {t.untyped_storage().data_ptr() for t in (*m.parameters(), *m.buffers()) if not t.is_meta}
 
 
 def _slice_layout(spec: DerivedSpec, parts: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], str]:
@@ -88,7 +83,7 @@ def plan_per_layer(r: Request) -> Planned:
     layout: Layout = (new_shape, firsts[0].dtype, firsts[0].device)
     bp = BufferPlan(spec, "cold", slices_total=len(parts))
     starts = [sum(lengths[:i]) for i in range(len(parts))] if spec.kind == "concat" else [0] * len(parts)
-    bp.count(temporaries([p for ps in parts for p in ps], lambda: _owned(r)))
+    bp.count(temporaries([p for ps in parts for p in ps], lambda: owned_storages(r.backbone)))
     if r.existing is None:  # allocated once; every part copied into its place (no torch.cat of slices)
         def assemble(_: None) -> torch.Tensor:
             buf = torch.empty(new_shape, dtype=layout[1], device=layout[2])
@@ -124,7 +119,7 @@ def plan_computed_stack(r: Request) -> Planned:
         if problem:
             return Problem("layout", f"stack {spec.name}: {spec.layers_attr}.{i}: {problem}")
         layouts.setdefault((shape, parts[0].dtype, parts[0].device), []).append(i)
-        bp.count(temporaries(parts, lambda: _owned(r)))
+        bp.count(temporaries(parts, lambda: owned_storages(r.backbone)))
         del parts  # slice-sized temporaries
     if len(layouts) > 1:
         return Problem("layout", f"stack {spec.name}: computed per-layer slices disagree: "
