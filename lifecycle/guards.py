@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import IllegalTransitionError, LayersNotReadyError, RecoveryError, StorageDriftError
+from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError, RecoveryError, StorageDriftError
 from .events import LIST_CAP
 from .states import TRANSITIONS, Condition, Guard, allowed_sources
 from .types import capped
@@ -21,7 +21,7 @@ from .types import capped
 if TYPE_CHECKING:
     from .machine import BackboneLifecycle
 
-__all__ = ["CONDITIONS", "GUARDS", "ReloadOrigin", "guards_of_row", "recovery_verdict"]
+__all__ = ["CONDITIONS", "GUARDS", "ReloadOrigin", "guards_of_row", "recovery_verdict", "refusal"]
 
 
 # ---- conditions ----------------------------------------------------------------------------------------------
@@ -87,6 +87,21 @@ def guards_of_row(lc: BackboneLifecycle, trigger: str) -> tuple[Guard, ...]:
         if t.trigger == trigger and lc.state in t.sources and (t.condition is None or CONDITIONS[t.condition](lc)):
             return t.guards
     return ()
+
+
+def refusal(lc: BackboneLifecycle, trigger: str) -> LifecycleError | None:
+    """The error `trigger` would raise now, or None when it would succeed: what the table allows from this state,
+    then the guards of the row that would fire, checked quietly (nothing is audited or changed). A trigger's
+    effect (a refresh's plan) is not run: its own refusals are not foreseen."""
+    if not lc.can(trigger):
+        return IllegalTransitionError(trigger, backbone=lc.name, state=lc.state.value,
+                                      allowed_from=[s.value for s in allowed_sources(trigger)])
+    for guard in guards_of_row(lc, trigger):
+        try:
+            GUARDS[guard](lc, trigger, audit=False)
+        except LifecycleError as e:
+            return e
+    return None
 
 
 # ---- what `Guard.RECOVERABLE` reads ------------------------------------------------------------------------------

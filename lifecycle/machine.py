@@ -28,26 +28,12 @@ from typing import Any, TypeVar
 import torch
 
 from . import events
-from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError, UnknownWeightError
+from .errors import LayersNotReadyError, LifecycleError, UnknownWeightError
 from .firing import TableMachine
-from .guards import (
-    GUARDS,
-    ReloadOrigin,
-    guards_of_row,
-    recovery_verdict,
-    require_all_layers_ready,
-    require_pinned_unchanged,
-)
+from .guards import ReloadOrigin, recovery_verdict, refusal, require_all_layers_ready, require_pinned_unchanged
 from .leases import WriteLeases
 from .readiness import LayerReadiness, layer_of
-from .states import (
-    INITIAL_STATE,
-    QUARANTINE_STATE,
-    USABLE_STATES,
-    LifecycleState,
-    allowed_sources,
-    possible_destinations,
-)
+from .states import INITIAL_STATE, QUARANTINE_STATE, USABLE_STATES, LifecycleState, possible_destinations
 from .storage import PinnedStorage
 from .types import TensorSpec, capped
 
@@ -371,19 +357,10 @@ class BackboneLifecycle(TableMachine):
             self.torn_buffers = self.torn_buffers | frozenset(names)
 
     def refusal(self, trigger: str) -> LifecycleError | None:
-        """The error `trigger` would raise now, or None when it would succeed: what the table allows from this
-        state, then the guards of the row that would fire (checked quietly: nothing is audited or changed). A
-        trigger's effect (a refresh's plan) is not run: its own refusals are not foreseen."""
+        """The error `trigger` would raise now, or None when it would succeed (`guards.refusal`: the table, then
+        the row's guards, checked quietly; a trigger's effect, such as a refresh's plan, is not foreseen)."""
         with self._lock:
-            if not self.can(trigger):
-                return IllegalTransitionError(trigger, backbone=self.name, state=self.state.value,
-                                              allowed_from=[s.value for s in allowed_sources(trigger)])
-            for guard in guards_of_row(self, trigger):
-                try:
-                    GUARDS[guard](self, trigger, audit=False)
-                except LifecycleError as e:
-                    return e
-            return None
+            return refusal(self, trigger)
 
     def verify_pinned(self) -> int:
         """Check every pinned identity against the live tensors now. Returns how many were checked."""
@@ -424,5 +401,3 @@ class BackboneLifecycle(TableMachine):
         their layers count as partly written if the epoch ends first."""
         with self._lock:
             self.readiness.mark_dirty(names)
-
-

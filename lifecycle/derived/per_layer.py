@@ -7,6 +7,7 @@ evaluated one at a time and only where written.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
@@ -82,7 +83,7 @@ def plan_per_layer(r: Request) -> Planned:
         new_shape = tuple(sum(lengths) if d == dim else n for d, n in enumerate(shapes[0]))
     layout: Layout = (new_shape, firsts[0].dtype, firsts[0].device)
     bp = BufferPlan(spec, "cold", slices_total=len(parts))
-    starts = [sum(lengths[:i]) for i in range(len(parts))] if spec.kind == "concat" else [0] * len(parts)
+    starts = [0, *accumulate(lengths)][:-1] if spec.kind == "concat" else [0] * len(parts)
     bp.count(temporaries([p for ps in parts for p in ps], lambda: owned_storages(r.backbone)))
     if r.existing is None:  # allocated once; every part copied into its place (no torch.cat of slices)
         def assemble(_: None) -> torch.Tensor:
