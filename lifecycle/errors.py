@@ -103,8 +103,10 @@ class IllegalTransitionError(StateError):
 
 class LayersNotReadyError(StateError):
     """A finish, build, refresh or forward use was asked for while some layer still lacks tensors (or holds
-    META ones); `missing` names every one by layer. Nothing was changed (a refused finish with
-    `keep_untouched` marks no layer either). Inside vLLM the plugin then quarantines the draft."""
+    META ones, or a write of one failed part way, or an aborted reload left the layer partly written); also a
+    `weights_unchanged` declaration of such a tensor. `missing` names every one by layer. Nothing was changed (a
+    refused finish with `keep_untouched` marks no layer either). Inside vLLM the plugin then quarantines the
+    draft."""
 
     def __init__(self, action: str, missing: Mapping[str, Sequence[str]], *, backbone: str, state: str) -> None:
         lines = [f"{layer}: {', '.join(names)}" for layer, names in missing.items()]

@@ -20,7 +20,8 @@ Inside `with backbone.reload_session(...) as s:`
 
 - BEGIN (`__enter__`): `begin_reload()` (nothing for a cold load from META).
 - APPLY: `s.apply({name: tensor})` or `s.apply([(name, tensor), ...])` per bucket, `s.load(path, ...)` for a
-  checkpoint; any number, from several threads on a locked lifecycle.
+  checkpoint; any number, from several threads on a locked lifecycle. `s.weights_unchanged(names)` declares
+  tensors this reload does not send (part of a layer).
 - FINALIZE: `s.finalize_loading(keep_untouched=...)`: every layer ready, then the phase hooks.
 - VERIFY: `s.verify()`: every pinned storage identity unchanged; with `finite_check`, no NaN/Inf in what was written.
 - COMMIT: `s.commit()`: finalize and verify if not done yet, then refresh the derived buffers in place.
