@@ -47,9 +47,11 @@ class LayerReadiness:
         # Kept across epochs: an epoch that ends without a refresh (aborted, or a second begin_reload) leaves
         # its writes to be propagated by the next refresh; `clear_dirty` is called once a refresh succeeded.
         self._dirty: set[str] = set()
-        # written (or a write started) in this epoch; of those, writes that failed part way and were not redone
-        self._written: set[str] = set()
+        # of the tensors loaded in this epoch, those only declared unchanged (the rest were written: no per-tensor
+        # set on the hot path); writes that failed part way in this epoch and were not redone
+        self._unchanged: set[str] = set()
         self._failed: set[str] = set()
+        self._closed = False  # the epoch ended (close_epoch ran): nothing more is written in it
         # layers an earlier epoch left partly written (it ended with some of their tensors written and not all, or
         # a write failed part way): they mix two checkpoints, so only a complete write of them ends this; nothing
         # may declare them unchanged (`unchanged_refusals`)
@@ -59,6 +61,7 @@ class LayerReadiness:
     def new_epoch(self) -> int:
         self.close_epoch()
         self.epoch += 1
+        self._closed = False
         self._count = dict.fromkeys(self.tensors_of_layer, 0)
         self._complete = 0
         return self.epoch
@@ -67,17 +70,22 @@ class LayerReadiness:
         """The epoch ends without its refresh (an abort, or a new epoch): every layer it wrote part of (some
         tensors and not all, or a write that failed part way), except writes `restored` by a rollback, is now
         partly written. Returns the layers newly so."""
-        if not self._written:
+        if self._closed:  # an abort closed it already; the next begin_reload closes it again
             return []
+        self._closed = True
         restored = frozenset(restored)
-        sizes, count, layer_of_name = self.tensors_of_layer, self._count, self.layer_of_name
-        new = sorted({layer_of_name[n] for n in self._written - restored
-                      if n in self._failed or count[layer_of_name[n]] < len(sizes[layer_of_name[n]])}
-                     - self.partly_written)
+        sizes, count, loaded, epoch = self.tensors_of_layer, self._count, self._loaded_epoch, self.epoch
+        new = {self.layer_of_name[n] for n in self._failed - restored}
+        if self._complete < len(sizes):  # only an incomplete layer can be written in part
+            for layer, names in sizes.items():
+                if 0 < count[layer] < len(names) and layer not in new and any(
+                        loaded[n] == epoch and n not in self._unchanged and n not in restored for n in names):
+                    new.add(layer)
+        new -= self.partly_written
         self.partly_written.update(new)
-        self._written = set()
+        self._unchanged = set()
         self._failed = set()
-        return new
+        return sorted(new)
 
     # ---- hot path -----------------------------------------------------------------------------------------
     def unknown(self, names: Iterable[str]) -> list[str]:
@@ -101,6 +109,7 @@ class LayerReadiness:
             if loaded[name] != self.epoch:
                 continue
             loaded[name] = -1
+            self._unchanged.discard(name)
             layer = self.layer_of_name[name]
             if count[layer] == len(sizes[layer]):
                 self._complete -= 1
@@ -108,15 +117,19 @@ class LayerReadiness:
 
     def _mark(self, names: Iterable[str], *, dirty: bool) -> list[str]:
         epoch, loaded, count, sizes = self.epoch, self._loaded_epoch, self._count, self.tensors_of_layer
+        failed, unchanged = self._failed, self._unchanged
         completed: list[str] = []
         for name in names:
             if dirty:
                 self._dirty.add(name)
-                self._written.add(name)
-                if self._failed:
-                    self._failed.discard(name)  # written again, in full
+                if failed:
+                    failed.discard(name)  # written again, in full
             if loaded[name] == epoch:
+                if dirty and unchanged:
+                    unchanged.discard(name)  # declared unchanged, then written after all
                 continue
+            if not dirty:
+                unchanged.add(name)
             loaded[name] = epoch
             layer = self.layer_of_name[name]
             count[layer] += 1
@@ -195,7 +208,6 @@ class LayerReadiness:
         their layers are partly written."""
         names = list(names)
         self._dirty.update(names)
-        self._written.update(names)
         self._failed.update(names)
 
     def restore_dirty(self, names: Iterable[str]) -> None:
