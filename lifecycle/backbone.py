@@ -21,14 +21,14 @@ Then: load (the loader reports `weights_loaded`), `finalize_loading()` (finish +
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from .derived import DerivedSpec, apply_refresh, current_buffer, plan_refresh, resolve_tensor
-from .errors import LayersNotReadyError, QuarantinedError, RefreshInterruptedError
+from .errors import LayersNotReadyError, QuarantinedError, RefreshInterruptedError, StorageReallocationError
 from .hooks import Hook, Phase, collect_hooks
 from .machine import BackboneLifecycle
 from .states import LifecycleState
@@ -68,6 +68,7 @@ class DraftBackbone(nn.Module):
         # the checkpoint tensors with their slots, in one list: the readiness check walks it once per scan
         self._checkpoint_slots: list[tuple[str, nn.Module | None, str]] = [
             (n, *self._tensor_slots.get(n, (None, ""))) for n in tensor_specs]
+        self._check_declared_sources()
         self._lifecycle = BackboneLifecycle(
             name or type(self).__name__,
             tensor_specs,
@@ -80,6 +81,17 @@ class DraftBackbone(nn.Module):
         self._runtime_hooks: list[Hook] = []
         self._derived_fallbacks: dict[str, str] = {}
         return self._lifecycle
+
+    def _check_declared_sources(self) -> None:
+        """A declaration naming a tensor this backbone lacks (a typo, a `*` pattern over the wrong list) is refused
+        here, at construction, not at the first refresh. Aliases are exempt: their source may be a buffer a hook
+        registers later."""
+        unknown = {spec.name: bad for spec in self.derived_buffers if spec.kind != "alias"
+                   if (bad := [n for n in spec.source_names(self) if self.live_tensor(n) is None])}
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: derived buffers read tensors this backbone does not have: "
+                             + "; ".join(f"{b} <- {', '.join(ns[:5])}" + (f" (+{len(ns) - 5} more)" if len(ns) > 5
+                                                                             else "") for b, ns in unknown.items()))
 
     # ---- accessors --------------------------------------------------------------------------------------------
     @property
@@ -141,17 +153,31 @@ class DraftBackbone(nn.Module):
     def post_load_hooks(self, phase: Phase) -> list[Hook]:
         return collect_hooks(type(self), phase) + [h for h in self._runtime_hooks if phase in h.phases]
 
+    def _hook_phase(self) -> Phase:
+        """The phase of this epoch's hooks: `cold_load` until a finalize completed it (in epoch 0, or in the
+        reload that retries an aborted cold load), and for the rest of the epoch in which it did; else `reload`."""
+        cold_epoch = self.__dict__.get("_cold_load_epoch")
+        return Phase.COLD_LOAD if cold_epoch is None or cold_epoch == self.lifecycle.epoch else Phase.RELOAD
+
     def _run_hooks(self, phase: Phase) -> list[str]:
+        """Run this phase's hooks that have not completed yet: a `cold_load` hook once ever, a `reload` hook once
+        per epoch. A hook that raises stops the run (audited); the hooks before it stay completed."""
+        lc = self.lifecycle
+        done: dict[tuple[str, Any], int] = self.__dict__.setdefault("_hooks_done", {})  # hook -> epoch completed
         ran = []
         for hook in self.post_load_hooks(phase):
+            key = (phase.value, hook.name, hook.fn)
+            if key in done and (phase is Phase.COLD_LOAD or done[key] == lc.epoch):
+                continue
             t0 = time.perf_counter()
             try:
                 hook.fn(self)
             except Exception as e:
-                self.lifecycle.audit_event("hook_failed", hook=hook.name, phase=phase.value, error=repr(e))
+                lc.audit_event("hook_failed", hook=hook.name, phase=phase.value, error=repr(e))
                 raise
-            self.lifecycle.audit_event("hook_run", hook=hook.name, phase=phase.value,
-                                       duration_ms=round((time.perf_counter() - t0) * 1e3, 3))
+            done[key] = lc.epoch
+            lc.audit_event("hook_run", hook=hook.name, phase=phase.value,
+                           duration_ms=round((time.perf_counter() - t0) * 1e3, 3))
             ran.append(hook.name)
         return ran
 
@@ -160,27 +186,40 @@ class DraftBackbone(nn.Module):
         return self.lifecycle.begin_reload()
 
     def finalize_loading(self, *, keep_untouched: bool = False) -> list[str]:
-        """The loader is done: check every layer is ready, then run the hooks of this phase (`cold_load` on the
-        first load, `reload` afterwards). Returns the names of the hooks that ran."""
+        """The loader is done: check every layer is ready (FINALIZED), running the hooks of the epoch's phase
+        on the way (`cold_load` on the first load, `reload` afterwards), each at most once per epoch: a second
+        finalize in the same epoch runs none. A hook that raises refuses the finish (the state stays; a retry
+        runs only the hooks that did not complete). Returns the names of the hooks that ran."""
         lc = self.lifecycle
-        lc.finish_loading(keep_untouched=keep_untouched)
-        # cold_load hooks run until they have completed once, not merely in epoch 0: a cold load that was aborted
-        # (QUARANTINED) and retried through begin_reload still needs its one-time initialisation
-        if self.__dict__.get("_cold_hooks_done", False):
-            return self._run_hooks(Phase.RELOAD)
-        ran = self._run_hooks(Phase.COLD_LOAD)
-        self._cold_hooks_done = True
+        phase = self._hook_phase()
+        ran: list[str] = []
+
+        def run_hooks() -> None:
+            ran.extend(self._run_hooks(phase))
+            if phase is Phase.COLD_LOAD:
+                self._cold_load_epoch = lc.epoch
+
+        lc.finish_loading(keep_untouched=keep_untouched, effect=run_hooks)
         return ran
+
+    def weights_unchanged(self, names: Iterable[str]) -> None:
+        """Declare single tensors unchanged in this reload (a selective reload that sends some tensors of a
+        layer): they count as loaded, nothing derived from them is rewritten. Refused (`LayersNotReadyError`,
+        nothing marked) for a tensor of a layer that an aborted or abandoned reload left partly written, or
+        whose write failed part way. `finalize_loading(keep_untouched=True)` does this for whole layers."""
+        self.lifecycle.weights_unchanged(names)
 
     def refresh_derived_buffers(self, *, full: bool = False, rebuild: bool = False) -> RefreshReport:
         """Build (first time) or refresh in place every derived buffer. All buffers are validated before any
         is written. `full`: rewrite every slice, not only those whose sources changed in this epoch.
         `rebuild`: allow new storage (only when no graphs are captured)."""
         lc = self.lifecycle
-        if rebuild and lc.graphs_pinned:
-            raise ValueError(f"backbone {lc.name!r}: rebuild=True needs release_graphs() first (storage is pinned)")
 
         def refresh() -> RefreshReport:
+            if rebuild and lc.graphs_pinned:  # refused by the trigger, so audited like any refusal
+                raise StorageReallocationError(
+                    ["rebuild=True would give derived buffers new storage while captured graphs pin it: "
+                     "release_graphs() before begin_reload(), then rebuild"], backbone=lc.name, state=lc.state.value)
             # a buffer leaving fallback kept values from before it was disabled, and one an interrupted refresh
             # touched may be torn: every slice of either is stale
             stale = set(self._derived_fallbacks) | lc.torn_buffers
@@ -203,6 +242,7 @@ class DraftBackbone(nn.Module):
                     self._derived_fallbacks.pop(b.name, None)
             lc.audit_event("refresh", buffers=[b.as_log() for b in report.buffers],
                            elements_written=report.elements_written, bytes_allocated=report.bytes_allocated,
+                           temporary_bytes=report.temporary_bytes,
                            duration_ms=round(report.duration_ms, 3))
             return report
 
@@ -242,7 +282,7 @@ class DraftBackbone(nn.Module):
         `QuarantinedError` (naming why the reload was aborted and the way out) or `LayersNotReadyError`."""
         lc = self.lifecycle
         if lc.quarantined:
-            way_out = ("call recover() (the reload was rolled back exactly) or reload" if lc.recovery_blocker is None
+            way_out = ("call recover() (the reload was rolled back exactly) or reload" if lc.refusal("recover") is None
                        else "reload (begin_reload, load, finalize_loading, refresh_derived_buffers)")
             raise QuarantinedError(f"{what} refused: quarantined after {lc.quarantine_reason!r}; {way_out}",
                                    backbone=lc.name, state=lc.state.value, quarantine_reason=lc.quarantine_reason)

@@ -100,9 +100,11 @@ class StateError(LifecycleError):
 class IllegalTransitionError(StateError):
     """A trigger fired from a state where the transition table does not allow it. Nothing was changed."""
 
-    def __init__(self, trigger: str, *, backbone: str, state: str, allowed_from: Sequence[str]) -> None:
+    def __init__(self, trigger: str, *, backbone: str, state: str, allowed_from: Sequence[str],
+                 hint: str = "") -> None:
         super().__init__(
-            f"trigger {trigger!r} is not allowed from state {state}; it is allowed from: {', '.join(allowed_from)}",
+            f"trigger {trigger!r} is not allowed from state {state}; it is allowed from: {', '.join(allowed_from)}"
+            + (f"; {hint}" if hint else ""),
             backbone=backbone,
             state=state,
         )
@@ -112,8 +114,10 @@ class IllegalTransitionError(StateError):
 
 class LayersNotReadyError(StateError):
     """A finish, build, refresh or forward use was asked for while some layer still lacks tensors (or holds
-    META ones); `missing` names every one by layer. Nothing was changed (a refused finish with
-    `keep_untouched` marks no layer either). Inside vLLM the plugin then quarantines the draft."""
+    META ones, or a write of one failed part way, or an aborted reload left the layer partly written); also a
+    `weights_unchanged` declaration of such a tensor. `missing` names every one by layer. Nothing was changed (a
+    refused finish with `keep_untouched` marks no layer either). Inside vLLM the plugin then quarantines the
+    draft."""
 
     def __init__(self, action: str, missing: Mapping[str, Sequence[str]], *, backbone: str, state: str) -> None:
         lines = [f"{layer}: {', '.join(names)}" for layer, names in missing.items()]
@@ -208,7 +212,7 @@ class CheckpointError(LoadRefusedError):
 # ---- a derived buffer cannot be refreshed as declared: no buffer was written ------------------------------------
 class RefreshRefusedError(LifecycleError):
     """The refresh plan refused a derived buffer: every buffer is validated (and every builder run) before any
-    is written, so no buffer was written and the state is unchanged (FULLY_LOADED; a session quarantines when
+    is written, so no buffer was written and the state is unchanged (FINALIZED; a session quarantines when
     the error leaves its block). A refresh asked for before every layer is ready raises `LayersNotReadyError`
     (a `StateError`) instead."""
 
@@ -283,7 +287,7 @@ class WeightWriteError(PartialWriteError):
 
 class RefreshInterruptedError(PartialWriteError):
     """A validated refresh failed while writing (its plan was sound, a write raised). The buffers named in
-    `touched` may hold a mix of old and new values: the refresh is refused (the state stays FULLY_LOADED, not
+    `touched` may hold a mix of old and new values: the refresh is refused (the state stays FINALIZED, not
     usable), the next refresh rewrites them fully, and `recover()` is refused until then."""
 
     def __init__(self, buffer: str, touched: Sequence[str], cause: BaseException, *, backbone: str,
@@ -304,7 +308,7 @@ class StorageDriftError(LifecycleError):
     Checked before a refresh under captured graphs, a `recover()` and a session's `verify()`: those are refused
     and change nothing. Found after a refresh wrote in place (the refresh's own storage check, or the
     `graphs_verified` follow-up), the buffers hold the new values but the state is not GRAPH_CAPTURED
-    (FULLY_LOADED, respectively DERIVED_REFRESHED): release and capture the graphs again."""
+    (FINALIZED, respectively DERIVED_REFRESHED): release and capture the graphs again."""
 
     def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
         super().__init__("storage identity changed:\n  " + _listing(problems), backbone=backbone, state=state)

@@ -81,7 +81,7 @@ class TableMachine:
             row["conditions"] = [lambda _event: check(self)]
         return row
 
-    def _guard_callback(self, guard: Callable[[Any, str], None]) -> Callable[[Any], None]:
+    def _guard_callback(self, guard: Callable[..., None]) -> Callable[[Any], None]:
         return lambda event: guard(self, event.event.name)
 
     @property
@@ -133,6 +133,13 @@ class TableMachine:
         """Refuse (audited) before any bookkeeping when the table does not allow `trigger` now."""
         if not self.can(trigger):
             self._fire(trigger)  # raises IllegalTransitionError and records the refusal
+
+    def _refuse_untabled(self, trigger: str, hint: str) -> None:
+        """Refuse (audited) a trigger the table does not allow now, with `hint` saying what to do instead."""
+        err = IllegalTransitionError(trigger, backbone=self.name, state=self.state.value,
+                                     allowed_from=[s.value for s in allowed_sources(trigger)], hint=hint)
+        self.record_refusal(trigger, err)
+        raise err
 
     # ---- the audit trail ------------------------------------------------------------------------------------------
     def _readiness_fields(self) -> dict[str, Any]:

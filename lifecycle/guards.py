@@ -13,15 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import IllegalTransitionError, LayersNotReadyError, RecoveryError, StorageDriftError
+from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError, RecoveryError, StorageDriftError
 from .events import LIST_CAP
-from .states import Condition, Guard, allowed_sources
+from .states import TRANSITIONS, Condition, Guard, allowed_sources
 from .types import capped
 
 if TYPE_CHECKING:
     from .machine import BackboneLifecycle
 
-__all__ = ["CONDITIONS", "GUARDS", "ReloadOrigin", "recovery_verdict"]
+__all__ = ["CONDITIONS", "GUARDS", "ReloadOrigin", "guards_of_row", "recovery_verdict", "refusal"]
 
 
 # ---- conditions ----------------------------------------------------------------------------------------------
@@ -34,36 +34,39 @@ def has_pinned_graphs(lc: BackboneLifecycle) -> bool:
 
 
 # ---- guards --------------------------------------------------------------------------------------------------
-def require_all_layers_ready(lc: BackboneLifecycle, action: str) -> None:
+# Each takes (the lifecycle, the trigger or action, audit=): `audit=False` checks quietly (`refusal`, the
+# `recoverable` answers), without the storage_check event.
+def require_all_layers_ready(lc: BackboneLifecycle, action: str, *, audit: bool = True) -> None:
     missing = lc.missing()
     if missing:
         raise LayersNotReadyError(action, missing, backbone=lc.name, state=lc.state.value)
 
 
-def require_pinned(lc: BackboneLifecycle, action: str) -> None:
+def require_pinned(lc: BackboneLifecycle, action: str, *, audit: bool = True) -> None:
     if lc.pinned is None:
         raise IllegalTransitionError(action, backbone=lc.name, state=lc.state.value,
                                      allowed_from=[f"{s} with graphs captured" for s in allowed_sources(action)])
 
 
-def require_pinned_unchanged(lc: BackboneLifecycle, action: str) -> None:
+def require_pinned_unchanged(lc: BackboneLifecycle, action: str, *, audit: bool = True) -> None:
     if lc.pinned is None:
         return
     problems = lc.pinned_changes()
-    shown, more = capped(problems, LIST_CAP)
-    lc.audit_event("storage_check", action=action, checked=len(lc.pinned), ok=not problems, problems=shown,
-                   problems_more=more)
+    if audit:
+        shown, more = capped(problems, LIST_CAP)
+        lc.audit_event("storage_check", action=action, checked=len(lc.pinned), ok=not problems, problems=shown,
+                       problems_more=more)
     if problems:
         raise StorageDriftError(problems, backbone=lc.name, state=lc.state.value)
 
 
-def require_recoverable(lc: BackboneLifecycle, action: str) -> None:
+def require_recoverable(lc: BackboneLifecycle, action: str, *, audit: bool = True) -> None:
     if lc.recovery_blocker is not None:
         raise RecoveryError(f"{action} refused: {lc.recovery_blocker}; reload instead (begin_reload, load, "
                             "finalize_loading, refresh_derived_buffers)", backbone=lc.name, state=lc.state.value)
 
 
-GUARDS: dict[Guard, Callable[[Any, str], None]] = {  # (the lifecycle, the trigger or action) -> None or raise
+GUARDS: dict[Guard, Callable[..., None]] = {  # (the lifecycle, the trigger or action, audit=) -> None or raise
     Guard.ALL_LAYERS_READY: require_all_layers_ready,
     Guard.PINNED: require_pinned,
     Guard.PINNED_UNCHANGED: require_pinned_unchanged,
@@ -75,6 +78,30 @@ CONDITIONS: dict[Condition, Callable[[Any], bool]] = {
 }
 if set(GUARDS) != set(Guard) or set(CONDITIONS) != set(Condition):  # a name the table may use has no check
     raise ImportError(f"guards.py lacks a check for {sorted({*Guard, *Condition} - {*GUARDS, *CONDITIONS})}")
+
+
+def guards_of_row(lc: BackboneLifecycle, trigger: str) -> tuple[Guard, ...]:
+    """The guards of the row `trigger` would fire from the current state (the first whose condition holds, as
+    the machine picks it); () when no row would."""
+    for t in TRANSITIONS:
+        if t.trigger == trigger and lc.state in t.sources and (t.condition is None or CONDITIONS[t.condition](lc)):
+            return t.guards
+    return ()
+
+
+def refusal(lc: BackboneLifecycle, trigger: str) -> LifecycleError | None:
+    """The error `trigger` would raise now, or None when it would succeed: what the table allows from this state,
+    then the guards of the row that would fire, checked quietly (nothing is audited or changed). A trigger's
+    effect (a refresh's plan) is not run: its own refusals are not foreseen."""
+    if not lc.can(trigger):
+        return IllegalTransitionError(trigger, backbone=lc.name, state=lc.state.value,
+                                      allowed_from=[s.value for s in allowed_sources(trigger)])
+    for guard in guards_of_row(lc, trigger):
+        try:
+            GUARDS[guard](lc, trigger, audit=False)
+        except LifecycleError as e:
+            return e
+    return None
 
 
 # ---- what `Guard.RECOVERABLE` reads ------------------------------------------------------------------------------

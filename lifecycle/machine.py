@@ -28,9 +28,9 @@ from typing import Any, TypeVar
 import torch
 
 from . import events
-from .errors import LayersNotReadyError, UnknownWeightError
+from .errors import LayersNotReadyError, LifecycleError, UnknownWeightError
 from .firing import TableMachine
-from .guards import ReloadOrigin, recovery_verdict, require_all_layers_ready, require_pinned_unchanged
+from .guards import ReloadOrigin, recovery_verdict, refusal, require_all_layers_ready, require_pinned_unchanged
 from .leases import WriteLeases
 from .readiness import LayerReadiness, layer_of
 from .states import INITIAL_STATE, QUARANTINE_STATE, USABLE_STATES, LifecycleState, possible_destinations
@@ -111,7 +111,7 @@ class BackboneLifecycle(TableMachine):
     @property
     def awaiting_weights(self) -> bool:
         """Weights may still arrive and no derived buffer can be built yet: the table allows `weights_loaded`
-        but not `refresh_derived` (some layer is not ready)."""
+        but not `refresh_derived` (some layer is not ready, or the load is not finalized)."""
         return self.can("weights_loaded") and not self.can("refresh_derived")
 
     def bind(self, *, resolve: Resolver | None = None, pinned_tensors: PinnedTensors | None = None,
@@ -175,11 +175,23 @@ class BackboneLifecycle(TableMachine):
             return completed
 
     def weights_unchanged(self, names: Iterable[str]) -> None:
-        """Declare tensors restored unchanged in this epoch (ready, but nothing derived from them is dirty)."""
+        """Declare tensors unchanged in this epoch: they count as loaded, but nothing derived from them is dirty
+        (a selective reload that sends some tensors of a layer). Refused (`LayersNotReadyError`, nothing
+        marked) for a tensor whose layer an aborted or abandoned reload left partly written, whose write failed
+        part way, or that is still META: those must be written."""
         names = list(names)
         with self._lock:
             self._require_allowed_audited("weights_loaded")
             self._refuse_unknown(names)
+            refusals = self.readiness.unchanged_refusals(names)
+            for name in names:  # a placeholder has no value to keep
+                if self._is_meta(name):
+                    layer = self.readiness.layer_of_name[name]
+                    refusals[layer] = (*refusals.get(layer, ()), f"{name} (META: nothing to keep, load it)")
+            if refusals:
+                err = LayersNotReadyError("weights_unchanged", refusals, backbone=self.name, state=self.state.value)
+                self.record_refusal("weights_loaded", err)
+                raise err
             completed = self.readiness.mark_unchanged(names)
             if completed:
                 self._audit_unchanged(completed)
@@ -204,27 +216,43 @@ class BackboneLifecycle(TableMachine):
             self._fire("begin_reload", pinned=self.graphs_pinned, from_state=src.value)
             return self.epoch
 
-    def finish_loading(self, *, keep_untouched: bool = False) -> None:
+    def finish_loading(self, *, keep_untouched: bool = False, effect: Callable[[], Any] | None = None) -> None:
         """The loader is done. Every layer must be ready; with `keep_untouched`, layers that received nothing
-        in this reload are declared unchanged first (a selective reload). LayersNotReadyError otherwise."""
+        in this reload are declared unchanged first (a selective reload; never a layer an aborted reload left
+        partly written). LayersNotReadyError otherwise. `effect` (the backbone's post-load hooks) runs once the
+        guard passed, before the state changes: if it raises, the finish is refused and the layers declared
+        unchanged are unmarked again."""
         with self._lock:
             self._leases.wait_until_idle()
             self._require_allowed_audited("finish_loading")
+            declared: list[str] = []
             if keep_untouched and self.in_reload:
-                untouched = self.readiness.untouched_layers()
+                untouched = [la for la in self.readiness.untouched_layers()
+                             if la not in self.readiness.partly_written]
                 names = [n for layer in untouched for n in self.readiness.tensors_of_layer[layer]]
+                self._refuse_if_still_missing("finish_loading", set(untouched))  # before marking anything
                 if names:
-                    self._refuse_if_still_missing("finish_loading", set(untouched))  # before marking anything
+                    declared = names
                     self._audit_unchanged(self.readiness.mark_unchanged(names))
-            self._fire("finish_loading", keep_untouched=keep_untouched)
+            try:
+                self._fire("finish_loading", effect, keep_untouched=keep_untouched)
+            except BaseException:
+                if declared:
+                    self.readiness.unmark(declared)
+                raise
 
     def _refuse_if_still_missing(self, action: str, untouched: set[str]) -> None:
         """Refuse (audited) if some layer would still be missing tensors once `untouched` layers are declared
-        unchanged: a refused finish must not leave them marked."""
+        unchanged: a refused finish must not leave them marked. A layer partly written by an aborted or
+        abandoned reload is named as such: only a complete write of it ends that."""
         blocking: dict[str, tuple[str, ...]] = {}
+        partly = self.readiness.partly_written
         for layer, names in self.missing().items():
             if layer in untouched:  # declared unchanged: only META placeholders still count as missing
                 names = tuple(f"{n} (META)" for n in self.readiness.tensors_of_layer[layer] if self._is_meta(n))
+            elif layer in partly:
+                names = tuple(f"{n} (layer partly written by a reload that was aborted or abandoned: write every "
+                              "tensor of it)" if "(" not in n else n for n in names)
             if names:
                 blocking[layer] = names
         if blocking:
@@ -239,12 +267,15 @@ class BackboneLifecycle(TableMachine):
         with self._lock:
             self._leases.wait_until_idle()
             if self.awaiting_weights:
-                # the build is refused for unready layers before anything else: name every missing tensor
+                # still loading: a build is refused for unready layers by naming every missing tensor (what the
+                # caller must fix), else like any trigger the table does not allow, saying what comes first
                 try:
                     require_all_layers_ready(self, "refresh_derived")
                 except LayersNotReadyError as e:
                     self.record_refusal("refresh_derived", e)
                     raise
+                self._refuse_untabled("refresh_derived", "call finalize_loading() first (it checks that every "
+                                      "layer is ready and runs the load's hooks)")
             result = self._fire("refresh_derived", effect, **log)
             self.readiness.clear_dirty()  # every write since the last refresh is now in the derived buffers
             self.torn_buffers = frozenset()  # and every buffer an interrupted refresh touched was rewritten
@@ -289,6 +320,8 @@ class BackboneLifecycle(TableMachine):
                     rollback_error = clipped(f"{type(e).__name__}: {e}", events.STR_CAP)
             blocker = recovery_verdict(self._origin, self.readiness.dirty_tensors(), restored, rollback_error,
                                        self.torn_buffers)
+            # layers this reload wrote part of, not undone by the rollback: mixed checkpoints until written in full
+            partly = self.readiness.close_epoch(restored or ())
 
             def quarantine() -> None:
                 self.quarantine_reason = reason
@@ -299,6 +332,8 @@ class BackboneLifecycle(TableMachine):
             extra: dict[str, Any] = {"recovery_blocker": blocker} if blocker else {}
             if rollback_error:
                 extra["rollback_error"] = rollback_error
+            if partly:
+                extra["partly_written"], extra["partly_written_more"] = capped(partly, events.LIST_CAP)
             shown, more = capped((n for names in self.missing().values() for n in names), events.LIST_CAP)
             self._fire("abort_reload", quarantine, reason=reason, missing=shown, missing_more=more,
                        rolled_back=restored is not None, restored=len(restored or ()),
@@ -322,6 +357,12 @@ class BackboneLifecycle(TableMachine):
         fully (the backbone marks their sources dirty) and `recover` is refused until then."""
         with self._lock:
             self.torn_buffers = self.torn_buffers | frozenset(names)
+
+    def refusal(self, trigger: str) -> LifecycleError | None:
+        """The error `trigger` would raise now, or None when it would succeed (`guards.refusal`: the table, then
+        the row's guards, checked quietly; a trigger's effect, such as a refresh's plan, is not foreseen)."""
+        with self._lock:
+            return refusal(self, trigger)
 
     def verify_pinned(self) -> int:
         """Check every pinned identity against the live tensors now. Returns how many were checked."""
@@ -358,7 +399,7 @@ class BackboneLifecycle(TableMachine):
             yield
 
     def mark_dirty(self, names: Iterable[str]) -> None:
-        """Record tensors possibly written by a write that failed part way (not loaded: send them again)."""
+        """Record tensors possibly written by a write that failed part way: missing until sent again in full;
+        their layers count as partly written if the epoch ends first."""
         with self._lock:
             self.readiness.mark_dirty(names)
-

@@ -47,13 +47,45 @@ class LayerReadiness:
         # Kept across epochs: an epoch that ends without a refresh (aborted, or a second begin_reload) leaves
         # its writes to be propagated by the next refresh; `clear_dirty` is called once a refresh succeeded.
         self._dirty: set[str] = set()
+        # of the tensors loaded in this epoch, those only declared unchanged (the rest were written: no per-tensor
+        # set on the hot path); writes that failed part way in this epoch and were not redone
+        self._unchanged: set[str] = set()
+        self._failed: set[str] = set()
+        self._closed = False  # the epoch ended (close_epoch ran): nothing more is written in it
+        # layers an earlier epoch left partly written (it ended with some of their tensors written and not all, or
+        # a write failed part way): they mix two checkpoints, so only a complete write of them ends this; nothing
+        # may declare them unchanged (`unchanged_refusals`)
+        self.partly_written: set[str] = set()
 
     # ---- epochs -------------------------------------------------------------------------------------------
     def new_epoch(self) -> int:
+        self.close_epoch()
         self.epoch += 1
+        self._closed = False
         self._count = dict.fromkeys(self.tensors_of_layer, 0)
         self._complete = 0
         return self.epoch
+
+    def close_epoch(self, restored: Iterable[str] = ()) -> list[str]:
+        """The epoch ends without its refresh (an abort, or a new epoch): every layer it wrote part of (some
+        tensors and not all, or a write that failed part way), except writes `restored` by a rollback, is now
+        partly written. Returns the layers newly so."""
+        if self._closed:  # an abort closed it already; the next begin_reload closes it again
+            return []
+        self._closed = True
+        restored = frozenset(restored)
+        sizes, count, loaded, epoch = self.tensors_of_layer, self._count, self._loaded_epoch, self.epoch
+        new = {self.layer_of_name[n] for n in self._failed - restored}
+        if self._complete < len(sizes):  # only an incomplete layer can be written in part
+            for layer, names in sizes.items():
+                if 0 < count[layer] < len(names) and layer not in new and any(
+                        loaded[n] == epoch and n not in self._unchanged and n not in restored for n in names):
+                    new.add(layer)
+        new -= self.partly_written
+        self.partly_written.update(new)
+        self._unchanged = set()
+        self._failed = set()
+        return sorted(new)
 
     # ---- hot path -----------------------------------------------------------------------------------------
     def unknown(self, names: Iterable[str]) -> list[str]:
@@ -69,20 +101,43 @@ class LayerReadiness:
         """Declare tensors restored unchanged in this epoch: they count as ready but not dirty."""
         return self._mark(names, dirty=False)
 
+    def unmark(self, names: Iterable[str]) -> None:
+        """Undo `mark_unchanged(names)` of tensors that were not loaded in this epoch before it (a refused
+        finish puts back what it declared)."""
+        loaded, count, sizes = self._loaded_epoch, self._count, self.tensors_of_layer
+        for name in names:
+            if loaded[name] != self.epoch:
+                continue
+            loaded[name] = -1
+            self._unchanged.discard(name)
+            layer = self.layer_of_name[name]
+            if count[layer] == len(sizes[layer]):
+                self._complete -= 1
+            count[layer] -= 1
+
     def _mark(self, names: Iterable[str], *, dirty: bool) -> list[str]:
         epoch, loaded, count, sizes = self.epoch, self._loaded_epoch, self._count, self.tensors_of_layer
+        failed, unchanged = self._failed, self._unchanged
         completed: list[str] = []
         for name in names:
             if dirty:
                 self._dirty.add(name)
+                if failed:
+                    failed.discard(name)  # written again, in full
             if loaded[name] == epoch:
+                if dirty and unchanged:
+                    unchanged.discard(name)  # declared unchanged, then written after all
                 continue
+            if not dirty:
+                unchanged.add(name)
             loaded[name] = epoch
             layer = self.layer_of_name[name]
             count[layer] += 1
             if count[layer] == len(sizes[layer]):
                 completed.append(layer)
         self._complete += len(completed)
+        if self.partly_written and completed:
+            self.partly_written.difference_update(completed)  # written in full (nothing may declare them unchanged)
         return completed
 
     # ---- queries ------------------------------------------------------------------------------------------
@@ -102,6 +157,21 @@ class LayerReadiness:
         """Layers that received nothing in this epoch."""
         return [layer for layer, c in self._count.items() if c == 0]
 
+    def unchanged_refusals(self, names: Iterable[str]) -> dict[str, tuple[str, ...]]:
+        """Layer -> why its tensors among `names` may not be declared unchanged: the layer is partly written by
+        an earlier epoch, or a write of the tensor failed part way in this one. Empty: all may be."""
+        out: dict[str, list[str]] = {}
+        if not self.partly_written and not self._failed:
+            return {}
+        for name in names:
+            layer = self.layer_of_name[name]
+            if layer in self.partly_written:
+                out.setdefault(layer, []).append(f"{name} (layer partly written by a reload that was aborted or "
+                                                  "abandoned: write every tensor of it)")
+            elif name in self._failed:
+                out.setdefault(layer, []).append(f"{name} (a write of it failed part way: send it again)")
+        return {k: tuple(v) for k, v in out.items()}
+
     def is_loaded(self, name: str) -> bool:
         return self._loaded_epoch[name] == self.epoch
 
@@ -110,13 +180,17 @@ class LayerReadiness:
         """Layer -> tensors not loaded in this epoch or on META (whatever events said). Empty when ready.
         With `names`, only those tensors are checked."""
         out: dict[str, list[str]] = {}
-        candidates = self.layer_of_name if names is None else names
+        candidates = self.layer_of_name if names is None else list(names)
         loaded, epoch, layer_of_name = self._loaded_epoch, self.epoch, self.layer_of_name  # locals: per tensor
         for name in candidates:
             if loaded[name] != epoch:
                 out.setdefault(layer_of_name[name], []).append(name)
             elif is_meta is not None and is_meta(name):
                 out.setdefault(layer_of_name[name], []).append(f"{name} (META)")
+        wanted = candidates if names is None or not self._failed else set(candidates)
+        for name in self._failed:  # counted loaded before a later write of it failed part way
+            if loaded[name] == epoch and name in wanted:
+                out.setdefault(layer_of_name[name], []).append(f"{name} (a write of it failed part way)")
         return {k: tuple(v) for k, v in out.items()}
 
     def dirty_tensors(self) -> frozenset[str]:
@@ -130,8 +204,11 @@ class LayerReadiness:
 
     def mark_dirty(self, names: Iterable[str]) -> None:
         """Tensors possibly written (a write that failed part way) but not loaded: the next refresh rewrites
-        what reads them; readiness is unchanged (they must be sent again)."""
+        what reads them, and they are missing until written again in full (sent again); if the epoch ends first,
+        their layers are partly written."""
+        names = list(names)
         self._dirty.update(names)
+        self._failed.update(names)
 
     def restore_dirty(self, names: Iterable[str]) -> None:
         """Set the dirty set back to `names` (after a rollback restored every write since it was taken)."""

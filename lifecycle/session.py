@@ -20,7 +20,8 @@ Inside `with backbone.reload_session(...) as s:`
 
 - BEGIN (`__enter__`): `begin_reload()` (nothing for a cold load from META).
 - APPLY: `s.apply({name: tensor})` or `s.apply([(name, tensor), ...])` per bucket, `s.load(path, ...)` for a
-  checkpoint; any number, from several threads on a locked lifecycle.
+  checkpoint; any number, from several threads on a locked lifecycle. `s.weights_unchanged(names)` declares
+  tensors this reload does not send (part of a layer).
 - FINALIZE: `s.finalize_loading(keep_untouched=...)`: every layer ready, then the phase hooks.
 - VERIFY: `s.verify()`: every pinned storage identity unchanged; with `finite_check`, no NaN/Inf in what was written.
 - COMMIT: `s.commit()`: finalize and verify if not done yet, then refresh the derived buffers in place.
@@ -162,9 +163,9 @@ class ReloadSession:
 
     @property
     def recoverable(self) -> bool:
-        """After an abort: whether `backbone.recover()` will be allowed."""
-        lc = self.backbone.lifecycle
-        return self.status == "aborted" and lc.quarantined and lc.recovery_blocker is None
+        """After an abort: whether `backbone.recover()` would succeed now (what it checks: the table, an exact
+        rollback, every pinned storage identity unchanged). Checked again at each call."""
+        return self.status == "aborted" and self.backbone.lifecycle.refusal("recover") is None
 
     def _require_open(self, what: str) -> None:
         if self.status != "open":
@@ -226,6 +227,11 @@ class ReloadSession:
         self._require_open("load")
         return load_safetensors(self.backbone, paths, device=self.device, finite_check=self.finite_check,
                                 writer=self.writer, before_write=self._before_write, **options)
+
+    def weights_unchanged(self, names: Iterable[str]) -> None:
+        """Declare tensors this reload does not send unchanged (see `DraftBackbone.weights_unchanged`)."""
+        self._require_open("weights_unchanged")
+        self.backbone.weights_unchanged(names)
 
     # ---- FINALIZE, VERIFY -----------------------------------------------------------------------------------
     def finalize_loading(self, *, keep_untouched: bool | None = None) -> list[str]:

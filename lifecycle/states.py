@@ -37,6 +37,7 @@ class LifecycleState(str, Enum):
     META = "META"
     PARTIALLY_LOADED = "PARTIALLY_LOADED"
     FULLY_LOADED = "FULLY_LOADED"
+    FINALIZED = "FINALIZED"
     DERIVED_REFRESHED = "DERIVED_REFRESHED"
     GRAPH_CAPTURED = "GRAPH_CAPTURED"
     QUARANTINED = "QUARANTINED"
@@ -101,16 +102,17 @@ TRANSITIONS: tuple[Transition, ...] = (
     ),
     Transition(
         "begin_reload",
-        (S.FULLY_LOADED, S.DERIVED_REFRESHED, S.GRAPH_CAPTURED, S.QUARANTINED), S.PARTIALLY_LOADED,
+        (S.FULLY_LOADED, S.FINALIZED, S.DERIVED_REFRESHED, S.GRAPH_CAPTURED, S.QUARANTINED), S.PARTIALLY_LOADED,
         doc="a new reload epoch starts; storage stays pinned if graphs were captured",
     ),
     Transition(
-        "finish_loading", (S.PARTIALLY_LOADED, S.FULLY_LOADED), S.FULLY_LOADED,
+        "finish_loading", (S.PARTIALLY_LOADED, S.FULLY_LOADED, S.FINALIZED), S.FINALIZED,
         guards=(Guard.ALL_LAYERS_READY,),
-        doc="the loader is done; every layer must be ready (LayersNotReadyError otherwise)",
+        doc="the loader is done; every layer must be ready (LayersNotReadyError otherwise), then the hooks of the "
+            "epoch's phase run, each at most once per epoch (a hook that raises refuses the finish)",
     ),
     Transition(
-        "refresh_derived", (S.FULLY_LOADED,), S.DERIVED_REFRESHED,
+        "refresh_derived", (S.FINALIZED,), S.DERIVED_REFRESHED,
         guards=(Guard.ALL_LAYERS_READY, Guard.PINNED_UNCHANGED),
         doc="derived buffers were built (cold) or refreshed in place, all validated (and, under captured "
             "graphs, every pinned identity checked) before any write",
@@ -130,7 +132,7 @@ TRANSITIONS: tuple[Transition, ...] = (
         doc="graphs released: storage is unpinned",
     ),
     Transition(
-        "abort_reload", (S.PARTIALLY_LOADED, S.FULLY_LOADED), S.QUARANTINED,
+        "abort_reload", (S.PARTIALLY_LOADED, S.FULLY_LOADED, S.FINALIZED), S.QUARANTINED,
         doc="a load failed or was aborted: derived buffers keep their last good values; forward use is refused",
     ),
     Transition(

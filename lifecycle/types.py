@@ -74,6 +74,11 @@ class BufferReport:
     nbytes: int = 0
     data_ptr: int = 0
     reason: str = ""
+    # storages the refresh created for this buffer besides the buffer itself (builders' results that are not views
+    # of the backbone's tensors: a computing `per_layer`, each computed slice, a custom `build` value, what an
+    # `into` writer allocates), and their bytes; 0 for views and parts copied straight into place
+    temporaries: int = 0
+    temporary_bytes: int = 0
 
     def as_log(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -83,6 +88,9 @@ class BufferReport:
         if self.slices_total:
             out["slices_written"] = self.slices_written
             out["slices_total"] = self.slices_total
+        if self.temporaries:
+            out["temporaries"] = self.temporaries
+            out["temporary_bytes"] = self.temporary_bytes
         if self.reason:
             out["reason"] = self.reason
         return out
@@ -105,4 +113,15 @@ class RefreshReport:
 
     @property
     def bytes_allocated(self) -> int:
+        """Bytes of the buffers this refresh allocated (cold builds): what stays."""
         return sum(b.nbytes for b in self.buffers if b.mode == "cold")
+
+    @property
+    def temporaries(self) -> int:
+        """Storages this refresh created besides the buffers it allocated (see `BufferReport.temporaries`)."""
+        return sum(b.temporaries for b in self.buffers)
+
+    @property
+    def temporary_bytes(self) -> int:
+        """Their bytes: what the refresh held for a while besides `bytes_allocated`."""
+        return sum(b.temporary_bytes for b in self.buffers)

@@ -50,8 +50,8 @@ def test_cold_load_and_reload_transition_path(tiny_cfg: DFlashConfig, ckpt_a: Pa
     assert cur is S.GRAPH_CAPTURED
 
     states = [k for k, _ in groupby([transitions[0]["src"]] + [e["dst"] for e in transitions])]
-    assert states == ["META", "PARTIALLY_LOADED", "FULLY_LOADED", "DERIVED_REFRESHED", "GRAPH_CAPTURED",
-                      "PARTIALLY_LOADED", "FULLY_LOADED", "DERIVED_REFRESHED", "GRAPH_CAPTURED"]
+    assert states == ["META", "PARTIALLY_LOADED", "FULLY_LOADED", "FINALIZED", "DERIVED_REFRESHED", "GRAPH_CAPTURED",
+                      "PARTIALLY_LOADED", "FULLY_LOADED", "FINALIZED", "DERIVED_REFRESHED", "GRAPH_CAPTURED"]
     triggers = [k for k, _ in groupby(e["trigger"] for e in transitions)]
     assert triggers == ["weights_loaded", "finish_loading", "refresh_derived", "capture_graphs", "begin_reload",
                         "weights_loaded", "finish_loading", "refresh_derived", "graphs_verified"]
@@ -156,8 +156,8 @@ def test_json_lines_sink(tiny_cfg: DFlashConfig, ckpt_a: Path, ckpt_b: Path, tmp
     assert all(isinstance(b["data_ptr"], str) and b["data_ptr"].startswith("0x") for b in refresh["buffers"])
     # the JSON transitions are the same path the structlog events describe
     path_states = [k for k, _ in groupby(e["dst"] for e in events if e["event"] == "transition")]
-    assert path_states == ["PARTIALLY_LOADED", "FULLY_LOADED", "DERIVED_REFRESHED", "GRAPH_CAPTURED",
-                           "PARTIALLY_LOADED", "FULLY_LOADED", "DERIVED_REFRESHED", "GRAPH_CAPTURED",
+    assert path_states == ["PARTIALLY_LOADED", "FULLY_LOADED", "FINALIZED", "DERIVED_REFRESHED", "GRAPH_CAPTURED",
+                           "PARTIALLY_LOADED", "FULLY_LOADED", "FINALIZED", "DERIVED_REFRESHED", "GRAPH_CAPTURED",
                            "DERIVED_REFRESHED"]
 
 

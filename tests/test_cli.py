@@ -18,8 +18,8 @@ def test_demo_runs_and_every_check_passes(tmp_path: Path, capsys: pytest.Capture
     assert "RESULT: all checks passed" in out
     assert "FAIL" not in out
     assert "REFUSED: LayersNotReadyError" in out
-    cold = "META -> PARTIALLY_LOADED -> FULLY_LOADED -> DERIVED_REFRESHED -> GRAPH_CAPTURED"
-    reload = "PARTIALLY_LOADED -> FULLY_LOADED -> DERIVED_REFRESHED -> GRAPH_CAPTURED"
+    cold = "META -> PARTIALLY_LOADED -> FULLY_LOADED -> FINALIZED -> DERIVED_REFRESHED -> GRAPH_CAPTURED"
+    reload = "PARTIALLY_LOADED -> FULLY_LOADED -> FINALIZED -> DERIVED_REFRESHED -> GRAPH_CAPTURED"
     assert f"state sequence: {cold} -> {reload}" in out
     for check in ("every derived buffer's storage identity unchanged",
                   "every derived buffer bit-equal to a cold build from B",

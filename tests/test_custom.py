@@ -121,7 +121,7 @@ def test_into_writer_that_would_not_fit_is_refused_before_any_write(writer: str)
     if writer == "resizes":
         assert "(1, 512)" in problems and "shape (1, 256)" in problems
         assert "_copied: new value" in problems  # the build-and-copy path is refused for the same reason
-    assert m.lifecycle.state is S.FULLY_LOADED
+    assert m.lifecycle.state is S.FINALIZED
     for n, (obj, values) in before.items():
         assert getattr(m, n) is obj and torch.equal(obj, values), f"{n} was written by a refused refresh"
 
@@ -155,3 +155,118 @@ def test_constant_is_built_once_and_never_rewritten_or_reallocated() -> None:
     report = m.refresh_derived_buffers(rebuild=True)
     assert report["_const"].mode == "cold" and report["_const"].elements_written == 2 * N
     assert m._const is not const and torch.equal(m._const, torch.full((2 * N,), 7.0))
+
+
+def _raising_into(m: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("scale table missing")
+
+
+def _data_dependent_into(m: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    scale = m.head.weight.abs().max().item()  # fine on real tensors, no value in a dry run on fake ones
+    return torch.mul(m.head.weight, 2.0 / scale, out=out)
+
+
+@pytest.mark.parametrize(("writer", "says"), [(_raising_into, "RuntimeError: scale table missing"),
+                                              (_data_dependent_into, "data-dependent")],
+                         ids=["raises", "item"])
+def test_a_failing_into_writer_is_a_derived_build_error_naming_the_buffer(writer, says: str) -> None:
+    """Issue 14, defect 4. The old code let the dry run's exception escape: a bare `RuntimeError` from a writer
+    that raises, a `DataDependentOutputException` from one that calls `.item()`; neither a `LifecycleError` nor
+    naming the buffer. Both are now a `DerivedBuildError` naming the buffer and the dry run (the second saying
+    that a dry run has no data), before any buffer is written."""
+    from lifecycle.errors import DerivedBuildError
+
+    m = loaded()
+    m.derived_buffers = (CustomDraft.derived_buffers[0],
+                         custom("_written", build=lambda m: m.head.weight * 2.0, into=writer,
+                                depends_on=("head.weight",)),
+                         CustomDraft.derived_buffers[2])
+    before = {n: (getattr(m, n), getattr(m, n).clone()) for n in ("_copied", "_written", "_const")}
+    reload(m, {"head.weight": 3.0})
+    with pytest.raises(DerivedBuildError) as ei:
+        m.refresh_derived_buffers()
+    assert ei.value.buffer == "_written" and "dry run" in ei.value.step
+    assert says in str(ei.value)
+    assert m.lifecycle.can("refresh_derived") and not m.lifecycle.usable
+    for n, (obj, values) in before.items():
+        assert getattr(m, n) is obj and torch.equal(obj, values), f"{n} was written by a refused refresh"
+
+
+# ---- depends_on for a config-dependent layer count; one function for build and into (issue 14, friction 3) ------
+
+
+class LayeredDraft(DraftBackbone):
+    """A class-level declaration whose dependencies follow the config's layer count."""
+
+    derived_buffers = (
+        # `*`: every layer's gate, however many; `into` alone builds (out=None) and refreshes (out=buffer)
+        custom("_gates", depends_on=("layers.*.weight",),
+               into=lambda m, out: torch.cat([layer.weight for layer in m.layers], out=out)),
+        # a function of the backbone: the last layer's weight and the head, whatever the count
+        custom("_last_plus_head", depends_on=lambda m: [f"layers.{len(m.layers) - 1}.weight", "head"],
+               build=lambda m: m.layers[-1].weight + m.head),
+    )
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 1, bias=False) for _ in range(num_layers))  # weight [1, 4]
+        self.head = nn.Parameter(torch.zeros(1, 4))
+        self.requires_grad_(False)
+        self.init_lifecycle(f"layered-{num_layers}")
+
+    def write(self, values: dict[str, float]) -> None:
+        self.lifecycle.ensure_loading_allowed()
+        for n, v in values.items():
+            self.get_parameter(n).fill_(v)
+        self.lifecycle.weights_loaded(list(values))
+
+
+@pytest.mark.parametrize("num_layers", [2, 5])
+def test_star_and_callable_dependencies_follow_the_layer_count(num_layers: int) -> None:
+    m = LayeredDraft(num_layers)
+    gates, last = m.derived_buffers
+    assert gates.source_names(m) == [f"layers.{i}.weight" for i in range(num_layers)]
+    assert last.source_names(m) == [f"layers.{num_layers - 1}.weight", "head"]
+    m.write({n: float(i) for i, n in enumerate(m.lifecycle.specs)})
+    m.finalize_loading()
+    report = m.refresh_derived_buffers()
+    assert report["_gates"].mode == "cold" and m._gates.shape == (num_layers, 4)
+    assert torch.equal(m._gates, torch.cat([layer.weight for layer in m.layers]))
+    ptr = m._gates.data_ptr()
+
+    # the first layer's weight is a dependency of `_gates` only
+    m.begin_reload()
+    m.write({"layers.0.weight": 9.0})
+    m.finalize_loading(keep_untouched=True)
+    with count_allocations() as log:
+        report = m.refresh_derived_buffers()
+    assert (report["_gates"].mode, report["_last_plus_head"].mode) == ("in_place", "skipped")
+    assert m._gates.data_ptr() == ptr and bool((m._gates[0] == 9.0).all())
+    assert log.storages_created == 0 and report.temporaries == 0  # torch.cat(out=) wrote into the buffer
+
+    # the last layer's weight: both
+    m.begin_reload()
+    m.write({f"layers.{num_layers - 1}.weight": 4.0})
+    m.finalize_loading(keep_untouched=True)
+    report = m.refresh_derived_buffers()
+    assert (report["_gates"].mode, report["_last_plus_head"].mode) == ("in_place", "in_place")
+    assert torch.equal(m._last_plus_head, m.layers[-1].weight + m.head)
+    assert report["_last_plus_head"].temporaries == 1  # the new value, copied into the buffer
+
+
+def test_declared_dependencies_a_backbone_lacks_are_refused_at_construction() -> None:
+    class Typo(LayeredDraft):
+        derived_buffers = (custom("_gates", depends_on=("layers.*.wieght",), build=lambda m: m.head * 1.0),)
+
+    with pytest.raises(ValueError, match=r"_gates <- layers\.0\.wieght, layers\.1\.wieght"):
+        Typo(2)
+
+    class BadPattern(LayeredDraft):
+        derived_buffers = (custom("_gates", depends_on=("layers*.weight",), build=lambda m: m.head * 1.0),)
+
+    with pytest.raises(ValueError, match="must stand alone"):
+        BadPattern(2)
+    with pytest.raises(TypeError, match="a sequence of names, not the string"):
+        custom("_x", depends_on="head", build=lambda m: m.head)
+    with pytest.raises(ValueError, match="custom needs build=, into=, or both"):
+        custom("_x", depends_on=("head",))

@@ -179,7 +179,7 @@ def test_computed_slice_whose_shape_changes_is_refused_and_nothing_is_written(mo
         model.refresh_derived_buffers()
     (problem,) = ei.value.problems
     assert problem.startswith("_products:") and f"({L}, {ROWS}, {COLS + 1})" in problem
-    assert model.lifecycle.state is S.FULLY_LOADED
+    assert model.lifecycle.state is S.FINALIZED
     for n, (values, ident) in snap.items():
         assert torch.equal(getattr(model, n), values) and StorageIdentity.of(getattr(model, n)) == ident
 

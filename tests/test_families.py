@@ -264,14 +264,14 @@ def test_swapped_parameters_of_another_layout_are_refused_at_refresh(fam: Fam, g
         with pytest.raises(StorageDriftError) as drift:
             m.refresh_derived_buffers()
         assert {p.split(":")[0] for p in drift.value.problems} >= set(swapped)
-        assert lc.state is S.FULLY_LOADED
+        assert lc.state is S.FINALIZED
         assert_unchanged(m, snap)
         return
 
     with pytest.raises(SourceLayoutError) as layout:
         m.refresh_derived_buffers()
     assert any(n in p for p in layout.value.problems for n in swapped)
-    assert lc.state is S.FULLY_LOADED
+    assert lc.state is S.FINALIZED
     assert_unchanged(m, snap)
 
     for n, t in swapped.items():  # the backbone re-declares its layout for the new checkpoint
@@ -282,7 +282,7 @@ def test_swapped_parameters_of_another_layout_are_refused_at_refresh(fam: Fam, g
     assert problems.keys() == changed.keys()
     for name, new_shape in changed.items():
         assert str(tuple(new_shape)) in problems[name] and f"shape {tuple(snap[name][0].shape)}" in problems[name]
-    assert lc.state is S.FULLY_LOADED
+    assert lc.state is S.FINALIZED
     assert_unchanged(m, snap)
 
     m.refresh_derived_buffers(rebuild=True)

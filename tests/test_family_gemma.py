@@ -122,4 +122,4 @@ def test_replaying_the_normalizer_hook_under_captured_graphs_is_refused(fam: Fam
     with pytest.raises(StorageDriftError, match="normalizer: data_ptr") as ei:
         model.refresh_derived_buffers()
     assert hex(old) in str(ei.value)
-    assert model.lifecycle.state is S.FULLY_LOADED
+    assert model.lifecycle.state is S.FINALIZED

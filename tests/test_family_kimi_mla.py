@@ -124,7 +124,7 @@ def test_reload_changing_an_absorbed_shape_is_refused_and_keeps_old_values(fam: 
     (problem,) = ei.value.problems
     assert problem.startswith("_W_UV:")
     assert f"({L}, {N}, {LKV}, {v2})" in problem and f"shape ({L}, {N}, {LKV}, {V})" in problem
-    assert model.lifecycle.state is S.FULLY_LOADED
+    assert model.lifecycle.state is S.FINALIZED
     assert_unchanged(model, snap)
 
 

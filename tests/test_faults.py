@@ -20,6 +20,7 @@ from torch import nn
 from lifecycle.errors import (
     CheckpointError,
     DerivedBuildError,
+    LayersNotReadyError,
     NonFiniteWeightError,
     QuarantinedError,
     RecoveryError,
@@ -28,7 +29,7 @@ from lifecycle.errors import (
     WeightWriteError,
 )
 from lifecycle.hooks import Phase
-from lifecycle.loading import load_safetensors, write_checkpoint, write_tensor
+from lifecycle.loading import apply_bucket, load_safetensors, write_checkpoint, write_tensor
 from lifecycle.states import LifecycleState
 from models.qwen3_dflash import DFlashConfig, random_weights
 
@@ -142,7 +143,7 @@ def test_builder_raising_outside_a_session_refuses_the_refresh_and_writes_nothin
     draft.layers[2].builder_fault = True
     with capture_logs() as logs, pytest.raises(DerivedBuildError, match=r"layers\.2"):
         draft.refresh_derived_buffers()
-    assert draft.lifecycle.state is S.FULLY_LOADED  # refused: the state did not change
+    assert draft.lifecycle.state is S.FINALIZED  # refused: the state did not change
     assert_same(draft, after_load)
     assert [(e["event"], e["error"]) for e in logs if e["event"] == "refused"] == [("refused", "DerivedBuildError")]
     draft.layers[2].builder_fault = False
@@ -223,10 +224,42 @@ def test_write_failing_mid_bucket(draft: FaultyDraft, ckpt_b: Path, rollback: bo
     assert len(lc.readiness.dirty_tensors()) == 8  # 7 written + the one that failed part way
     with pytest.raises(RecoveryError):
         draft.recover()
-    with draft.reload_session(keep_untouched=True) as s:
+    # the failing tensor's layer holds part of B: no selective reload may keep it (issue 14, defect 2) ...
+    partly = lc.readiness.layer_of_name[writer.failed]
+    assert lc.readiness.partly_written == {partly}
+    with pytest.raises(LayersNotReadyError, match="partly written"), \
+            draft.reload_session(keep_untouched=True) as s:
         s.load(ckpt_b, subset=lambda n: n.startswith("layers.2."))
         s.commit()
+    # ... until a reload writes all of it
+    with draft.reload_session(keep_untouched=True) as s:
+        s.load(ckpt_b, subset=lambda n: n.startswith(("layers.2.", f"{partly}.")))
+        s.commit()
+    assert not lc.readiness.partly_written
     assert_derived_current(draft)  # includes what the failed bucket wrote
+
+
+def test_a_failed_rewrite_of_a_tensor_already_loaded_makes_it_missing_again(draft: FaultyDraft, ckpt_b: Path
+                                                                            ) -> None:
+    """A duplicate send of a tensor whose layer is already complete fails part way: the tensor may be half
+    written, so it counts as missing (the finish is refused, naming it) until it is sent again in full; it
+    used to stay counted as loaded."""
+    b = random_weights(draft.config, 1)
+    name = "layers.1.self_attn.qkv_proj.weight"
+    with draft.reload_session() as s:
+        s.load(ckpt_b)
+        failing = FailingWriter(fail_at=1)
+        with pytest.raises(WeightWriteError):
+            apply_bucket(draft, [(name, b[name])], writer=failing)
+        with pytest.raises(LayersNotReadyError, match="a write of it failed part way") as ei:
+            s.finalize_loading()
+        assert ei.value.missing == {"layers.1": (f"{name} (a write of it failed part way)",)}
+        with pytest.raises(LayersNotReadyError, match="send it again"):
+            s.weights_unchanged([name])
+        s.apply({name: b[name]})
+        s.commit()
+    assert draft.lifecycle.state is usable_state(draft)
+    assert_derived_current(draft)
 
 
 @pytest.mark.parametrize("interrupt", [ConnectionError, KeyboardInterrupt])

@@ -235,7 +235,7 @@ def test_reload_changing_a_derived_shape_is_refused(loaded: DFlashQwen3Draft, ck
     (problem,) = ei.value.problems
     assert problem.startswith("_k_norm_weights:")
     assert "(3, 16)" in problem and "shape (3, 32)" in problem  # new and old layout
-    assert lc.state is S.FULLY_LOADED
+    assert lc.state is S.FINALIZED
     assert_derived_unchanged(loaded, snap)  # the fused KV weight was valid and dirty, and still not written
     assert [e["error"] for e in logs if e["event"] == "refused"] == ["StorageReallocationError"]
 
@@ -255,12 +255,18 @@ def test_pinned_alias_whose_source_moved_is_refused(loaded: DFlashQwen3Draft, ck
     with pytest.raises(StorageDriftError) as ei:
         loaded.refresh_derived_buffers()
     assert f"hidden_norm.weight: data_ptr {hex(original.data_ptr())} -> {hex(moved.data_ptr())}" in ei.value.problems
-    assert lc.state is S.FULLY_LOADED
+    assert lc.state is S.FINALIZED
     assert_derived_unchanged(loaded, snap)
-    with pytest.raises(ValueError, match="release_graphs"):
-        loaded.refresh_derived_buffers(rebuild=True)
     # the loader is fixed to copy in place: the refresh goes through and the pins hold
     loaded.hidden_norm._parameters["weight"] = original
+    # but not as a rebuild, which would give pinned buffers new storage: refused and audited like any refusal
+    # (issue 14: it was a plain ValueError, not audited)
+    with capture_logs() as logs, pytest.raises(StorageReallocationError, match="release_graphs"):
+        loaded.refresh_derived_buffers(rebuild=True)
+    assert [(e["trigger"], e["error"]) for e in logs if e["event"] == "refused"] == [
+        ("refresh_derived", "StorageReallocationError")]
+    assert lc.state is S.FINALIZED
+    assert_derived_unchanged(loaded, snap)
     loaded.refresh_derived_buffers()
     assert lc.state is S.GRAPH_CAPTURED
     assert_derived_current(loaded)
@@ -284,7 +290,7 @@ def test_emptied_source_is_refused_and_nothing_is_written(loaded: DFlashQwen3Dra
     name = "layers.1.self_attn.qkv_proj.weight"
     assert problem.startswith(f"concat _fused_kv_weight <- {name}:")
     assert "(0,)" in problem and str(lc.specs[name].shape) in problem
-    assert lc.state is S.FULLY_LOADED
+    assert lc.state is S.FINALIZED
     assert_derived_unchanged(loaded, snap)  # not even _k_norm_weights, whose sources were fine
     # a refused refresh consumed nothing: once the source is back, every new weight reaches the buffers
     attn.qkv_proj.weight = packed_away
@@ -424,7 +430,7 @@ def test_storage_drift_is_detected(loaded: DFlashQwen3Draft, ckpt_b: Path, what:
     with capture_logs() as logs, pytest.raises(StorageDriftError) as ei:
         loaded.refresh_derived_buffers()
     assert f"{name}: data_ptr {hex(old)} -> {hex(new)}" in ei.value.problems
-    assert lc.state is S.FULLY_LOADED and lc.graphs_pinned
+    assert lc.state is S.FINALIZED and lc.graphs_pinned
     refused = [e for e in logs if e["event"] == "refused"]
     assert [(e["trigger"], e["error"]) for e in refused] == [("refresh_derived", "StorageDriftError")]
     assert_derived_unchanged(loaded, snap, sources_rewritten=False)
@@ -465,7 +471,7 @@ def test_alias_source_still_meta_at_refresh_is_refused(loaded: DFlashQwen3Draft,
     with pytest.raises(LayersNotReadyError) as ei:
         loaded.refresh_derived_buffers()
     assert ei.value.missing == {"hidden_norm": ("hidden_norm.weight (META)",)}
-    assert lc.state is S.FULLY_LOADED
+    assert lc.state is S.FINALIZED
     assert_derived_unchanged(loaded, snap)
     assert not loaded._hidden_norm_weight.is_meta
 
@@ -479,7 +485,7 @@ def test_alias_to_an_untracked_meta_buffer_is_refused(tiny_cfg: DFlashConfig, ck
     with pytest.raises(LayersNotReadyError) as ei:
         m.refresh_derived_buffers()
     assert ei.value.missing == {"layers.0": ("layers.0.self_attn.rotary_emb.cos_sin_cache (META)",)}
-    assert m.lifecycle.state is S.FULLY_LOADED
+    assert m.lifecycle.state is S.FINALIZED
     assert all(m._buffers[name] is None for name in DERIVED)  # transactional: the ready buffers were not built
     assert m.finalize_loading() == ["init_rope_caches"]
     m.refresh_derived_buffers()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from lifecycle.errors import StorageDriftError
+from lifecycle.errors import IllegalTransitionError, StorageDriftError
 from lifecycle.hooks import Phase, collect_hooks, post_load_hook
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.states import LifecycleState
@@ -205,7 +205,7 @@ def test_replaying_rope_init_under_captured_graphs_would_be_refused(loaded: DFla
     with pytest.raises(StorageDriftError, match="cos_sin_cache: data_ptr") as ei:
         loaded.refresh_derived_buffers()
     assert hex(old_ptr) in str(ei.value)
-    assert lc.state is S.FULLY_LOADED
+    assert lc.state is S.FINALIZED
     assert loaded._rope_cos_sin_cache.data_ptr() == old_ptr
 
 
@@ -227,3 +227,72 @@ def test_cold_hooks_run_when_an_aborted_cold_load_is_retried(tiny_cfg: DFlashCon
     m.begin_reload()
     load_safetensors(m, ckpt_b)
     assert m.finalize_loading() == []  # and never again
+
+
+def test_a_second_finalize_runs_no_hook_twice_in_one_epoch(tiny_cfg: DFlashConfig, ckpt_a: Path,
+                                                          ckpt_b: Path) -> None:
+    """Issue 14, defect 1. The old code picked the phase by "cold hooks done yet?": a second `finalize_loading()`
+    in epoch 0 ran the hooks that opted into `reload` (`['reload_only', 'both']`), and every repeated finalize
+    of a reload ran its hooks again. Hooks are now chosen by the epoch's phase and run once per epoch."""
+    m = HookedDraft(tiny_cfg)
+    load_safetensors(m, ckpt_a)
+    assert m.finalize_loading() == ["init_rope_caches", "cold_only", "both"]
+    with capture_logs() as logs:
+        assert m.finalize_loading() == []
+    assert not [e for e in logs if e["event"] == "hook_run"]
+    assert [name for name, *_ in m.calls] == ["cold_only", "both"]
+    m.refresh_derived_buffers()
+
+    m.begin_reload()
+    load_safetensors(m, ckpt_b)
+    assert m.finalize_loading() == ["reload_only", "both"]
+    assert m.finalize_loading(keep_untouched=True) == []
+    assert [name for name, epoch, *_ in m.calls if epoch == 1] == ["reload_only", "both"]
+
+
+def test_a_failing_hook_refuses_the_finish_and_the_retry_runs_only_what_did_not_complete(
+        tiny_cfg: DFlashConfig, ckpt_a: Path) -> None:
+    """A hook that raises refuses `finish_loading` (the state stays, no refresh is possible); the retry runs the
+    hooks that have not completed, never one that did (a one-time conversion is not applied twice)."""
+    m = HookedDraft(tiny_cfg)
+    failures = [RuntimeError("scale table missing")]
+
+    def flaky(_: DFlashQwen3Draft) -> None:
+        if failures:
+            raise failures.pop()
+
+    m.register_post_load_hook(flaky, Phase.COLD_LOAD)
+    load_safetensors(m, ckpt_a)
+    with pytest.raises(RuntimeError, match="scale table missing"):
+        m.finalize_loading()
+    assert m.lifecycle.state is S.FULLY_LOADED and not m.lifecycle.can("refresh_derived")
+    assert m.finalize_loading() == ["flaky"]
+    assert [name for name, *_ in m.calls] == ["cold_only", "both"]
+    assert m.lifecycle.can("refresh_derived")
+
+
+def test_skipping_finalize_is_refused_so_cold_hooks_cannot_be_skipped(tiny_cfg: DFlashConfig, ckpt_a: Path,
+                                                                        ckpt_b: Path) -> None:
+    """Issue 14, friction 2. The old table allowed `refresh_derived` straight from FULLY_LOADED: skipping
+    `finalize_loading()` skipped the cold_load hooks (GRAPH_CAPTURED with none run), and they then ran at the next
+    reload's finalize, on reloaded weights. The table now allows a refresh only from FINALIZED, which only
+    `finish_loading` reaches."""
+    m = HookedDraft(tiny_cfg)
+    load_safetensors(m, ckpt_a)
+    with capture_logs() as logs, pytest.raises(IllegalTransitionError, match=r"finalize_loading\(\) first") as ei:
+        m.refresh_derived_buffers()
+    assert ei.value.allowed_from == ("FINALIZED",)
+    assert [(e["trigger"], e["error"]) for e in logs if e["event"] == "refused"] == [
+        ("refresh_derived", "IllegalTransitionError")]
+    assert m.lifecycle.state is S.FULLY_LOADED and m.calls == [] and m._buffers["_fused_kv_weight"] is None
+    m.finalize_loading()
+    m.refresh_derived_buffers()
+    assert [name for name, *_ in m.calls] == ["cold_only", "both"]
+    # a reload too: its hooks always run before its refresh
+    m.begin_reload()
+    load_safetensors(m, ckpt_b)
+    with pytest.raises(IllegalTransitionError, match=r"finalize_loading\(\) first"):
+        m.refresh_derived_buffers()
+    assert m.finalize_loading() == ["reload_only", "both"]
+    m.refresh_derived_buffers()
+    assert m.lifecycle.usable

@@ -75,6 +75,8 @@ class Ref:
         self.state = S.META
         self.epoch = 0
         self.loaded: set[str] = set()  # loaded or declared unchanged in this epoch
+        self.written: set[str] = set()  # written in this epoch
+        self.partly_written: set[str] = set()  # layers an aborted epoch wrote part of, not rolled back
         self.values: dict[str, torch.Tensor] = {}  # name -> what the parameter must hold; absent: still META
         self.rope_ready = False  # the cold_load hook ran
         self.pinned = False
@@ -84,53 +86,76 @@ class Ref:
     def ready(self, loaded: set[str]) -> bool:
         return all(n in loaded and n in self.values for n in NAMES)
 
+    def _complete(self, loaded: set[str]) -> set[str]:
+        return {la for la, names in LAYERS.items() if loaded.issuperset(names)}
+
     def load(self, pairs: list[tuple[str, torch.Tensor]]) -> type[LifecycleError] | None:
         if self.state not in LOADABLE:
             return IllegalTransitionError
         for n, v in pairs:
             self.values[n] = v
             self.loaded.add(n)
+            self.written.add(n)
+        self.partly_written -= self._complete(self.loaded)  # written in full
         if self.state is not S.FULLY_LOADED:
             self.state = S.FULLY_LOADED if self.ready(self.loaded) else S.PARTIALLY_LOADED
         return None
 
+    def declare_unchanged(self, names: tuple[str, ...]) -> type[LifecycleError] | None:
+        if self.state not in LOADABLE:
+            return IllegalTransitionError
+        if any(layer_of(n) in self.partly_written or n not in self.values for n in names):
+            return LayersNotReadyError  # a layer an aborted reload wrote part of must be written; META has no value
+        before = self._complete(self.loaded)
+        self.loaded.update(names)
+        if self._complete(self.loaded) - before and self.state is not S.FULLY_LOADED:  # a layer completed
+            self.state = S.FULLY_LOADED if self.ready(self.loaded) else S.PARTIALLY_LOADED
+        return None
+
     def finish(self, keep_untouched: bool) -> type[LifecycleError] | None:
-        if self.state not in (S.PARTIALLY_LOADED, S.FULLY_LOADED):
+        if self.state not in (S.PARTIALLY_LOADED, S.FULLY_LOADED, S.FINALIZED):
             return IllegalTransitionError
         loaded = set(self.loaded)
         if keep_untouched and self.epoch > 0:
-            for names in LAYERS.values():
-                if not loaded.intersection(names):
+            for layer, names in LAYERS.items():
+                if not loaded.intersection(names) and layer not in self.partly_written:
                     loaded.update(names)  # declared unchanged; a META one stays missing (ready() checks values)
         if not self.ready(loaded):
             return LayersNotReadyError
         self.loaded = loaded
-        self.state = S.FULLY_LOADED
+        self.state = S.FINALIZED
         self.rope_ready = True  # finalize_loading runs the cold_load hook until it ran once
         return None
 
     def refresh(self) -> type[LifecycleError] | None:
-        if self.state in (S.META, S.PARTIALLY_LOADED):
-            return LayersNotReadyError  # missing tensors are named before the state is looked at
-        if self.state is not S.FULLY_LOADED:
+        if self.state in LOADABLE:  # missing tensors are named before the state is looked at
+            return IllegalTransitionError if self.ready(self.loaded) else LayersNotReadyError
+        if self.state is not S.FINALIZED:
             return IllegalTransitionError
-        if not self.rope_ready:
-            return LayersNotReadyError  # the RoPE alias would point at a META table
+        assert self.rope_ready  # FINALIZED: the cold_load hooks ran
         self.state = S.GRAPH_CAPTURED if self.pinned else S.DERIVED_REFRESHED
         return None
 
+    def _close_epoch(self, rolled_back: bool) -> None:
+        if not rolled_back:
+            complete = self._complete(self.loaded)
+            self.partly_written |= {layer_of(n) for n in self.written} - complete
+        self.written = set()
+
     def begin(self) -> type[LifecycleError] | None:
-        if self.state not in (S.FULLY_LOADED, *USABLE, S.QUARANTINED):
+        if self.state not in (S.FULLY_LOADED, S.FINALIZED, *USABLE, S.QUARANTINED):
             return IllegalTransitionError
         self.origin_current = self.state in USABLE or (self.state is S.QUARANTINED and self.recoverable)
+        self._close_epoch(rolled_back=False)
         self.epoch += 1
         self.loaded = set()
         self.state = S.PARTIALLY_LOADED
         return None
 
     def abort(self, *, rolled_back: bool = False) -> type[LifecycleError] | None:
-        if self.state not in (S.PARTIALLY_LOADED, S.FULLY_LOADED):
+        if self.state not in (S.PARTIALLY_LOADED, S.FULLY_LOADED, S.FINALIZED):
             return IllegalTransitionError
+        self._close_epoch(rolled_back)
         self.state = S.QUARANTINED
         self.recoverable = rolled_back and self.origin_current
         return None
@@ -239,15 +264,17 @@ class DraftLifecycleMachine(RuleBasedStateMachine):
         return [(n, tensors[n]) for n in names]
 
     # ---- where an example starts: META, or reached through the real steps (so deep states are common) -------
-    @initialize(start=st.sampled_from(["META", "FULLY_LOADED", "DERIVED_REFRESHED", "GRAPH_CAPTURED"]),
+    @initialize(start=st.sampled_from(["META", "FULLY_LOADED", "FINALIZED", "DERIVED_REFRESHED", "GRAPH_CAPTURED"]),
                 seed=st.sampled_from(SEEDS))
     def start_from(self, start: str, seed: int) -> None:
         STATS["start", start] += 1
         if start == "META":
             return
         self.load_file(seed, NAMES, "layer", False, 0, 0)
+        if start == "FULLY_LOADED":
+            return
         self.finalize(False)
-        if start != "FULLY_LOADED":
+        if start != "FINALIZED":
             self.refresh(False)
         if start == "GRAPH_CAPTURED":
             self.capture()
@@ -303,9 +330,18 @@ class DraftLifecycleMachine(RuleBasedStateMachine):
             expected = IllegalTransitionError
         self._run("bad_bucket", lambda: apply_bucket(self.model, [*pairs, bad], finite_check=True), expected, before)
 
+    @rule(names=st.lists(st.sampled_from(NAMES), min_size=1, max_size=8, unique=True).map(tuple))
+    def declare_unchanged(self, names: tuple[str, ...]) -> None:
+        """Single tensors declared unchanged (a selective reload that sends part of a layer)."""
+        before = self._snapshot()
+        self._run("declare_unchanged", lambda: self.model.weights_unchanged(names),
+                  self.ref.declare_unchanged(names), before)
+
     @rule(keep_untouched=st.booleans())
     def finalize(self, keep_untouched: bool) -> None:
         before = self._snapshot()
+        if self.ref.partly_written and keep_untouched:
+            STATS["partly_written", "finalize"] += 1  # an aborted reload's half-written layer met a selective finish
         self._run("finalize", lambda: self.model.finalize_loading(keep_untouched=keep_untouched),
                   self.ref.finish(keep_untouched), before)
 
@@ -350,7 +386,7 @@ class DraftLifecycleMachine(RuleBasedStateMachine):
                 ending: str, then_recover: bool) -> None:
         before = self._snapshot()
         ref = self.ref
-        if ref.state not in (S.META, S.FULLY_LOADED, *USABLE, S.QUARANTINED):
+        if ref.state not in (S.META, S.FULLY_LOADED, S.FINALIZED, *USABLE, S.QUARANTINED):
             expected = IllegalTransitionError
             assert ref.begin() is expected
             self._run("session", lambda: self.model.reload_session(rollback=rollback).__enter__(), expected, before)
@@ -421,7 +457,8 @@ class DraftLifecycleMachine(RuleBasedStateMachine):
             ident = StorageIdentity.of(buf)
             assert self.derived_ids.setdefault(spec.name, ident) == ident, f"{spec.name} moved"
         if self.pinned_ids is not None:
-            assert self.lc.state in (S.GRAPH_CAPTURED, S.PARTIALLY_LOADED, S.FULLY_LOADED, S.QUARANTINED)
+            assert self.lc.state in (S.GRAPH_CAPTURED, S.PARTIALLY_LOADED, S.FULLY_LOADED, S.FINALIZED,
+                                     S.QUARANTINED)
             assert self._identities() == self.pinned_ids, "a storage identity pinned at capture changed"
 
     @invariant()
@@ -472,9 +509,11 @@ def test_lifecycle_state_machine(ckpts: dict[int, tuple[Path, dict[str, torch.Te
     # the run mattered: every state was reached, every operation both succeeded and was refused, and sessions
     # committed, aborted with rollback and were recovered
     assert {S(v) for (kind, v) in STATS if kind == "state"} == set(S)
-    for rule_name in ("load_file", "finalize", "refresh", "begin_reload", "capture", "release", "abort", "recover"):
+    for rule_name in ("load_file", "declare_unchanged", "finalize", "refresh", "begin_reload", "capture", "release",
+                      "abort", "recover"):
         outcomes = {o for (r, o) in STATS if r == rule_name}
         assert "ok" in outcomes and len(outcomes) > 1, f"{rule_name}: only {outcomes}"
     assert {"committed", "aborted+rollback", "aborted"} <= {o for (r, o) in STATS if r == "session"}
+    assert STATS["partly_written", "finalize"], "no selective finish met a layer an aborted reload half wrote"
     assert {o for (r, o) in STATS if r == "bad_bucket"} >= {"UnknownWeightError", "WeightShapeError",
                                                             "NonFiniteWeightError"}

@@ -216,3 +216,91 @@ def test_partly_written_layer_is_not_silently_kept(model, ckpt):
     assert set(ei.value.missing) == {"layers.2"}
     assert "layers.2.self_attn.qkv_proj.weight" in ei.value.missing["layers.2"]
     assert model.lifecycle.state is S.PARTIALLY_LOADED
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["refreshed", "captured"])
+def test_a_layer_half_written_by_an_aborted_reload_is_never_kept(model, ckpt, weights, graphs):
+    """Issue 14, defect 2. A session without rollback writes one tensor of layer 0 and aborts; the next reload
+    sends only layer 1 and finishes with `keep_untouched=True`. The old code declared layer 0 unchanged and
+    reached a usable state with layer 0 holding one tensor of B and the rest of A. Such a layer now counts as
+    touched until a complete write of it: the finish is refused, naming it, and marks nothing."""
+    if graphs:
+        model.capture_graphs()
+    torn = "layers.0.self_attn.qkv_proj.weight"
+    with model.reload_session(rollback=False) as s:
+        s.apply({torn: weights["b"][torn]})
+        s.abort("trainer went away")
+    model.begin_reload()
+    load_safetensors(model, ckpt["b"], subset=of_layers([1]))
+    with pytest.raises(LayersNotReadyError, match="partly written") as ei:
+        model.finalize_loading(keep_untouched=True)
+    assert set(ei.value.missing) == {"layers.0"}
+    assert model.lifecycle.state is S.PARTIALLY_LOADED
+    with pytest.raises(LayersNotReadyError, match="partly written"):  # nor tensor by tensor
+        model.weights_unchanged([n for n in model.lifecycle.specs if n.startswith("layers.0.") and n != torn])
+    # a complete write of the layer ends it
+    load_safetensors(model, ckpt["b"], subset=of_layers([0]))
+    model.finalize_loading(keep_untouched=True)
+    model.refresh_derived_buffers()
+    assert model.lifecycle.usable
+    for i in (0, 1):
+        want = expected_slice(weights["b"], "_fused_kv_weight", i)
+        assert torch.equal(layer_slice(model, "_fused_kv_weight", i), want)
+    assert torch.equal(model._fused_kv_weight, from_scratch(model, "_fused_kv_weight"))
+
+
+# ---- single tensors declared unchanged (issue 14, friction 4) -------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["backbone", "session"])
+def test_one_tensor_of_a_layer_with_the_rest_declared_unchanged(model, ckpt, weights, via):
+    """Before, sending one tensor of a layer with keep_untouched raised LayersNotReadyError and the only way out
+    was the lifecycle's undocumented `weights_unchanged`; the backbone and the session now offer it."""
+    sent = "layers.3.self_attn.qkv_proj.weight"
+    rest = [n for n in model.lifecycle.specs if n.startswith("layers.3.") and n != sent]
+    poison(model)
+    if via == "backbone":
+        model.begin_reload()
+        load_safetensors(model, ckpt["b"], subset=[sent])
+        model.weights_unchanged(rest)
+        model.finalize_loading(keep_untouched=True)
+        report = model.refresh_derived_buffers()
+    else:
+        with model.reload_session(keep_untouched=True) as s:
+            s.load(ckpt["b"], subset=[sent])
+            s.weights_unchanged(rest)
+            report = s.commit()
+    fused, knorm = report["_fused_kv_weight"], report["_k_norm_weights"]
+    assert (fused.mode, fused.slices_written, fused.elements_written) == ("in_place", 1, KV_SLICE)
+    assert knorm.mode == "skipped"  # the k-norm of layer 3 was declared unchanged: nothing derived is dirty
+    assert torch.equal(layer_slice(model, "_fused_kv_weight", 3), expected_slice(weights["b"], "_fused_kv_weight", 3))
+    assert bool((model._k_norm_weights == SENTINEL).all())
+
+
+def test_declaring_unchanged_is_refused_for_what_has_no_value_or_no_reload(model, ckpt):
+    lc = model.lifecycle
+    fresh = DFlashQwen3Draft(CFG)  # every tensor still META: nothing to keep
+    with pytest.raises(LayersNotReadyError, match=r"META: nothing to keep"):
+        fresh.weights_unchanged(["layers.0.self_attn.k_norm.weight"])
+    assert fresh.lifecycle.state is S.META and fresh.lifecycle.readiness.layers_ready == 0
+    from lifecycle import IllegalTransitionError, UnknownWeightError
+
+    with pytest.raises(IllegalTransitionError):  # refreshed: weights may not change without begin_reload
+        model.weights_unchanged(["fc.weight"])
+    model.begin_reload()
+    with pytest.raises(UnknownWeightError):
+        model.weights_unchanged(["fc.wieght"])
+    assert lc.readiness.layers_ready == 0
+
+
+def test_a_rolled_back_abort_leaves_no_layer_partly_written(model, ckpt, weights):
+    with model.reload_session(rollback=True) as s:
+        s.apply({"layers.0.self_attn.qkv_proj.weight": weights["b"]["layers.0.self_attn.qkv_proj.weight"]})
+        s.abort("trainer went away")
+    assert model.lifecycle.readiness.partly_written == set()
+    model.recover()
+    model.begin_reload()
+    load_safetensors(model, ckpt["b"], subset=of_layers([1]))
+    model.finalize_loading(keep_untouched=True)  # layer 0 was restored exactly: it may be kept
+    model.refresh_derived_buffers()
+    assert torch.equal(model._fused_kv_weight, from_scratch(model, "_fused_kv_weight"))

@@ -159,3 +159,25 @@ def test_rollback_memory_is_the_bytes_of_the_touched_tensors(loaded: DFlashQwen3
             loaded.recover()
     assert measured[True][1] == touched and measured[False][1] == 0
     assert measured[True][0] - measured[False][0] == touched
+
+
+def test_recoverable_says_what_recover_will_do_when_storage_drifted(loaded: DFlashQwen3Draft) -> None:
+    """Issue 14, defect 3. The old `recoverable` read only the abort's verdict: a parameter the session never
+    touched, replaced behind its back under captured graphs, left `recoverable` True while `recover()` raised
+    `StorageDriftError`. It now checks what `recover()` checks."""
+    from lifecycle.errors import StorageDriftError
+
+    loaded.capture_graphs()
+    with loaded.reload_session(rollback=True) as s:
+        s.apply({"layers.1.self_attn.qkv_proj.weight": torch.zeros_like(loaded.layers[1].self_attn.qkv_proj.weight)})
+        s.abort("trainer went away")
+    assert s.recoverable
+    fc = loaded.fc
+    original = fc._parameters["weight"]
+    fc._parameters["weight"] = torch.nn.Parameter(original.detach().clone(), requires_grad=False)
+    assert not s.recoverable
+    with pytest.raises(StorageDriftError):
+        loaded.recover()
+    fc._parameters["weight"] = original
+    assert s.recoverable
+    assert loaded.recover() is S.GRAPH_CAPTURED

@@ -52,7 +52,7 @@ GUARD_ERRORS: dict[Guard, type[LifecycleError]] = {
 }
 
 #: States in which `refresh_derived` reports missing tensors (LayersNotReadyError) before the state check.
-_LOADING = (S.META, S.PARTIALLY_LOADED)
+_LOADING = (S.META, S.PARTIALLY_LOADED, S.FULLY_LOADED)
 
 
 # ---- harnesses: the same steps on a bare lifecycle and on a real DFlash draft ---------------------------------
@@ -241,8 +241,12 @@ PATHS: dict[LifecycleState, list[tuple[str, ...]]] = {
         (*_CAPTURED, "begin_reload", "load_partial"),
     ],
     S.FULLY_LOADED: [
-        ("load_all", "finish"),  # finalized: the cold_load hooks (RoPE tables) ran
+        ("load_all",),  # not finalized: the cold_load hooks (RoPE tables) did not run, no refresh yet
         (*_COLD, "begin_reload", "load_all"),
+        (*_CAPTURED, "begin_reload", "load_all"),
+    ],
+    S.FINALIZED: [
+        ("load_all", "finish"),  # finalized: the cold_load hooks (RoPE tables) ran
         (*_CAPTURED, "begin_reload", "load_all", "finish"),
         # a refresh under captured graphs whose pin check fails is refused before any write and stays here,
         # pinned; then the drift is undone
@@ -400,7 +404,7 @@ def test_state_trigger_pair(harness_cls: type[Harness], ckpts: tuple[Path, Path]
 
     if allowed and not successes and trigger in INTERNAL_TRIGGERS:
         # never fired from a resting state by the API: find it succeeding inside the trigger that fires it
-        h = _reach(harness_cls, ckpts, S.FULLY_LOADED, (*_CAPTURED, "begin_reload", "load_all", "finish"))
+        h = _reach(harness_cls, ckpts, S.FINALIZED, (*_CAPTURED, "begin_reload", "load_all", "finish"))
         with capture_logs() as logs:
             STEPS[INTERNAL_TRIGGERS[trigger]](h)
         successes = sum(1 for e in logs if e["event"] == "transition" and e["trigger"] == trigger

@@ -7,7 +7,7 @@
 >>> spec = concat("fused", sources=("weight",), per_layer=lambda layer: layer.weight[1:])
 >>> toy = Toy(); names = [n for n, _ in toy.named_parameters()]
 >>> plan = plan_refresh(toy, [spec], tensor_specs={n: TensorSpec.of(p) for n, p in toy.named_parameters()},
-...                     dirty=frozenset(names), context={"backbone": "toy", "state": "FULLY_LOADED"})
+...                     dirty=frozenset(names), context={"backbone": "toy", "state": "FINALIZED"})
 >>> report = apply_refresh(toy, plan)
 >>> toy.fused.shape, report["fused"].mode, "fused" in toy.state_dict()
 (torch.Size([4, 2]), 'cold', False)
@@ -27,7 +27,7 @@ temporary lives at any moment, never a buffer-sized one.
 ...     return layer.weight * 2.0   # a new tensor: a computation, not a view
 >>> spec2 = stack("doubled", sources=("weight",), per_layer=scaled, computed=True)
 >>> plan = plan_refresh(toy, [spec2], tensor_specs={n: TensorSpec.of(p) for n, p in toy.named_parameters()},
-...                     dirty=frozenset(names), context={"backbone": "toy", "state": "FULLY_LOADED"})
+...                     dirty=frozenset(names), context={"backbone": "toy", "state": "FINALIZED"})
 >>> report = apply_refresh(toy, plan)
 >>> toy.doubled.shape, report["doubled"].mode, len(calls)  # plan validated 2 slices, apply computed 2
 (torch.Size([2, 3, 2]), 'cold', 4)
@@ -39,7 +39,7 @@ design, to avoid a buffer-sized temporary: `stack(..., computed=True)` slices an
 failure there is handled like a device fault, below.) The apply phase only registers buffers (cold build, alias)
 and runs `copy_`s between those checked tensors. Should one of them raise anyway (a device fault), `apply_refresh`
 raises `RefreshInterruptedError` naming every buffer it touched; the backbone records them as torn, keeps its
-state (FULLY_LOADED, not usable) and rewrites them fully at the next refresh.
+state (FINALIZED, not usable) and rewrites them fully at the next refresh.
 """
 
 from __future__ import annotations

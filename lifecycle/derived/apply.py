@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 from ..errors import RefreshInterruptedError, StorageDriftError
-from ..storage import StorageIdentity, describe_changes
+from ..storage import StorageIdentity, count_allocations, describe_changes
 from ..types import BufferReport, RefreshReport
-from .plan import RefreshPlan, _BufferPlan
+from .buffer_plan import BufferPlan, destination
+from .per_layer import fill_computed
+from .plan import RefreshPlan
 from .specs import DerivedSpec, _layers, current_buffer
 
 __all__ = ["apply_refresh"]
@@ -19,7 +21,7 @@ __all__ = ["apply_refresh"]
 @torch.no_grad()
 def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     """Carry out a validated plan. Cold builds register new non-persistent buffers; everything else is a
-    `copy_` into existing storage, verified afterwards."""
+    `copy_` into existing storage (each part of a multi-part slice straight into its place), verified afterwards."""
     t0 = time.perf_counter()
     report = RefreshReport()
     before: dict[str, StorageIdentity] = {}
@@ -28,7 +30,7 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
         if bp.mode in ("cold", "alias", "in_place"):
             touched.append(bp.spec.name)
         try:
-            _apply_one(backbone, bp, report, before)
+            _apply_one(backbone, bp, report, before, plan.context)
         except Exception as e:
             raise RefreshInterruptedError(bp.spec.name, touched, e, backbone=plan.context.get("backbone", "?"),
                                           state=plan.context.get("state", "?")) from e
@@ -45,25 +47,56 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     return report
 
 
-def _build_computed_stack(backbone: nn.Module, spec: DerivedSpec,
-                          layout: tuple[tuple[int, ...], torch.dtype, torch.device]) -> torch.Tensor:
+def _build_computed_stack(backbone: nn.Module, bp: BufferPlan, rep: BufferReport, context: dict[str, str]
+                          ) -> torch.Tensor:
     """The cold build of a computed stack: the buffer is allocated once and filled slice by slice (never a
     `torch.stack` of L computed temporaries)."""
-    assert spec.per_layer is not None
+    assert bp.cold_layout is not None
+    spec = bp.spec
     layers = _layers(backbone, spec.layers_attr)
-    shape, dtype, device = layout
+    shape, dtype, device = bp.cold_layout
     buf = torch.empty((len(layers), *shape), dtype=dtype, device=device)
     for i, layer in enumerate(layers):
-        buf[i].copy_(spec.per_layer(layer))
+        _, temps = fill_computed(spec, buf, i, layer, context)
+        _count(rep, temps)
     return buf
 
 
-def _apply_one(backbone: nn.Module, bp: _BufferPlan, report: RefreshReport,
-               before: dict[str, StorageIdentity]) -> None:
+def _count(rep: BufferReport, storages: list[torch.UntypedStorage]) -> None:
+    rep.temporaries += len(storages)
+    rep.temporary_bytes += sum(st.nbytes() for st in storages)
+
+
+def _write_in_place(backbone: nn.Module, bp: BufferPlan, rep: BufferReport, context: dict[str, str]) -> None:
+    spec: DerivedSpec = bp.spec
+    buf = bp.existing
+    assert buf is not None
+    if spec.kind == "custom" and spec.into is not None:
+        with count_allocations() as log:  # what the writer allocates on the way, counted exactly
+            spec.into(backbone, buf)
+        rep.temporaries += log.storages_created
+        rep.temporary_bytes += log.bytes_allocated
+        rep.elements_written = buf.numel()
+    layers = _layers(backbone, spec.layers_attr) if spec.computed else ()
+    for c in bp.copies:
+        if c.src is None:  # a computed slice: evaluated now, copied, dropped
+            n, temps = fill_computed(spec, buf, c.layer, layers[c.layer], context)
+            _count(rep, temps)
+            rep.elements_written += n
+            continue
+        dst = destination(spec, buf, c)
+        dst.copy_(c.src)
+        rep.elements_written += dst.numel()
+    rep.slices_written = len({c.layer for c in bp.copies}) if spec.kind != "custom" else 0
+
+
+def _apply_one(backbone: nn.Module, bp: BufferPlan, report: RefreshReport, before: dict[str, StorageIdentity],
+               context: dict[str, str]) -> None:
     spec = bp.spec
-    rep = BufferReport(spec.name, spec.kind, bp.mode, slices_total=bp.slices_total, reason=bp.reason)
+    rep = BufferReport(spec.name, spec.kind, bp.mode, slices_total=bp.slices_total, reason=bp.reason,
+                       temporaries=bp.temporaries, temporary_bytes=bp.temporary_bytes)
     if bp.mode == "cold" and bp.cold_layout is not None:
-        bp.new_tensor = _build_computed_stack(backbone, spec, bp.cold_layout)
+        bp.new_tensor = _build_computed_stack(backbone, bp, rep, context)
     if bp.mode in ("cold", "alias"):
         assert bp.new_tensor is not None
         if bp.mode == "cold":
@@ -71,26 +104,9 @@ def _apply_one(backbone: nn.Module, bp: _BufferPlan, report: RefreshReport,
             rep.slices_written = bp.slices_total
         backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
     elif bp.mode == "in_place":
-        buf = bp.existing
-        assert buf is not None
-        before[spec.name] = StorageIdentity.of(buf)
-        layers = _layers(backbone, spec.layers_attr) if spec.computed else ()
-        if spec.kind == "custom" and spec.into is not None:
-            spec.into(backbone, buf)
-            rep.elements_written = buf.numel()
-        for start, length, src in bp.copies:
-            if src is None:  # a computed slice: evaluated now, copied, dropped
-                assert spec.per_layer is not None
-                src = spec.per_layer(layers[start])
-            if spec.kind == "custom":
-                dst = buf
-            elif spec.kind == "stack":
-                dst = buf[start]
-            else:
-                dst = buf.narrow(spec.dim, start, length)
-            dst.copy_(src)
-            rep.elements_written += dst.numel()
-        rep.slices_written = len(bp.copies) if spec.kind != "custom" else 0
+        assert bp.existing is not None
+        before[spec.name] = StorageIdentity.of(bp.existing)
+        _write_in_place(backbone, bp, rep, context)
     live = current_buffer(backbone, spec.name)
     if live is not None:
         rep.nbytes = live.numel() * live.element_size()
