@@ -84,8 +84,8 @@ def _cold_load(rank: int, layers: int = 4) -> Iterator[str]:
         yield _line(event="transition", backbone="draft", rank=rank, epoch=0, seq=seq, trigger="weights_loaded",
                     src=state, dst=dst, layers_ready=k + 1, layers_total=layers, ts=_ts(seq))
         state = dst
-    for trigger, src, dst in (("finish_loading", "FULLY_LOADED", "FULLY_LOADED"),
-                              ("refresh_derived", "FULLY_LOADED", "DERIVED_REFRESHED"),
+    for trigger, src, dst in (("finish_loading", "FULLY_LOADED", "FINALIZED"),
+                              ("refresh_derived", "FINALIZED", "DERIVED_REFRESHED"),
                               ("capture_graphs", "DERIVED_REFRESHED", "GRAPH_CAPTURED")):
         seq += 1
         yield _line(event="transition", backbone="draft", rank=rank, epoch=0, seq=seq, trigger=trigger, src=src,
