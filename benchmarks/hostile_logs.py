@@ -44,7 +44,7 @@ def _ts(i: int) -> str:
 
 
 def _line(**fields: Any) -> str:
-    return json.dumps({"schema": 2, "level": "info", **fields}, separators=(",", ":")) + "\n"
+    return json.dumps({"schema": 3, "level": "info", **fields}, separators=(",", ":")) + "\n"
 
 
 def distinct_backbones(out: Path, n: int) -> None:

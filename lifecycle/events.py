@@ -71,8 +71,9 @@ __all__ = [
     "sink_failures",
 ]
 
-#: Version of the event schema (the `schema` field). 2: `seq`, fixed-width timestamps, `_more`/`_truncated` counts.
-SCHEMA_VERSION = 2
+#: Version of the event schema (the `schema` field). 2: `seq`, fixed-width timestamps, `_more`/`_truncated` counts;
+#: 3: the FINALIZED state (finish_loading ends there, refresh_derived starts there; hooks run inside finish_loading).
+SCHEMA_VERSION = 3
 #: The audit logger's name (its events carry no logger name: the chain is its own, see the module doc).
 LOGGER_NAME = "reload_lifecycle"
 #: At most this many names in a list field; the rest are counted in `<field>_more`.

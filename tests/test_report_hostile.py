@@ -149,7 +149,7 @@ def test_html_is_written_only_through_the_escaping_templates(module: str) -> Non
 
 # ---- crafted lines: input problems (exit 2, file:line), never a traceback ------------------------------------------
 
-GOOD = {"backbone": "d", "rank": 0, "epoch": 0, "seq": 1, "ts": "2026-01-01T00:00:00.000001Z", "schema": 2}
+GOOD = {"backbone": "d", "rank": 0, "epoch": 0, "seq": 1, "ts": "2026-01-01T00:00:00.000001Z", "schema": 3}
 CRAFTED: dict[str, str] = {
     "nested 50,000 deep": '{"event":"transition","pad":' + "[" * 50_000 + "]" * 50_000 + "}",
     "nested objects 50,000 deep": '{"event":"refresh","buffers":' + '{"a":' * 50_000 + "1" + "}" * 50_001,

@@ -1,4 +1,4 @@
-"""The event schema the auditor and the report read (schema 2), checked on every line before anything uses it.
+"""The event schema the auditor and the report read (schema 3), checked on every line before anything uses it.
 
 Every event has `event`, `backbone`, `rank`, `epoch` and `ts`; each kind the tools read declares the type of
 every field they read of it (`FIELDS`). A field nothing reads is left alone (a newer writer may add fields); a
@@ -19,9 +19,13 @@ from collections.abc import Callable, Iterable, Mapping
 from itertools import accumulate
 from typing import Any
 
-__all__ = ["FIELDS", "LIST_CAP", "MAX_COUNT", "MAX_DEPTH", "NAME_CAP", "REQUIRED", "TEXT_CAP", "depth_problem",
-           "describe", "problem"]
+__all__ = ["FIELDS", "LIST_CAP", "MAX_COUNT", "MAX_DEPTH", "NAME_CAP", "REQUIRED", "SCHEMA_READ", "TEXT_CAP",
+           "depth_problem", "describe", "problem"]
 
+#: The event schema this auditor reads (`lifecycle.events.SCHEMA_VERSION` of the writer). A line of another
+#: version is an input problem: its transitions follow another table (3 added the FINALIZED state, so a schema-2
+#: log's `refresh_derived` from FULLY_LOADED would read as illegal). A line without the field is read as this one.
+SCHEMA_READ = 3
 #: Characters in a name (backbone, layer, buffer, trigger, state, ...) and in a text (a reason, an error) at most:
 #: the writer cuts every string at 4096 (`lifecycle.events.STR_CAP`), so anything longer was not written by it.
 NAME_CAP = TEXT_CAP = 4096
@@ -162,6 +166,10 @@ def _fields_problem(fields: Mapping[str, Any], checked: Iterable[tuple[str, Fiel
 
 def problem(fields: dict[str, Any]) -> str | None:
     """What is wrong with a decoded line as an event, or None when it is one."""
+    version = fields.get("schema", SCHEMA_READ)
+    if version != SCHEMA_READ or type(version) is not int:
+        return (f"written with event schema {describe(version)}; this auditor reads schema {SCHEMA_READ} (schema 3 "
+                "added the FINALIZED state): audit it with the reload-lifecycle release that wrote it")
     for key in REQUIRED:
         if key not in fields:
             bad = _fields_problem(fields, _REQUIRED_FIELDS)  # a bad rank is named before a missing timestamp
