@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/rollback_memory.py
 	$(BIN)/python benchmarks/audit_rate.py
 	$(BIN)/python -m benchmarks.hostile_logs $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.cli_start $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
