@@ -21,7 +21,7 @@ from .types import capped
 if TYPE_CHECKING:
     from .machine import BackboneLifecycle
 
-__all__ = ["CONDITIONS", "GUARDS", "ReloadOrigin", "guards_of_row", "recovery_verdict", "refusal"]
+__all__ = ["CONDITIONS", "GUARDS", "MAY_HOLD", "ReloadOrigin", "guards_of_row", "recovery_verdict", "refusal"]
 
 
 # ---- conditions ----------------------------------------------------------------------------------------------
@@ -76,7 +76,14 @@ CONDITIONS: dict[Condition, Callable[[Any], bool]] = {
     Condition.ALL_LAYERS_READY: all_layers_ready,
     Condition.HAS_PINNED_GRAPHS: has_pinned_graphs,
 }
-if set(GUARDS) != set(Guard) or set(CONDITIONS) != set(Condition):  # a name the table may use has no check
+#: A cheap test that is False only when the condition surely does not hold (the per-bucket path asks it to know,
+#: without the full check, whether a report would leave the state as it is): all layers counted, graphs pinned.
+MAY_HOLD: dict[Condition, Callable[[Any], bool]] = {
+    Condition.ALL_LAYERS_READY: lambda lc: lc.readiness.counts_complete(),
+    Condition.HAS_PINNED_GRAPHS: has_pinned_graphs,
+}
+# a name the table may use has no check
+if set(GUARDS) != set(Guard) or set(CONDITIONS) != set(Condition) or set(MAY_HOLD) != set(Condition):
     raise ImportError(f"guards.py lacks a check for {sorted({*Guard, *Condition} - {*GUARDS, *CONDITIONS})}")
 
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -32,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from . import events
 from .errors import (
     MESSAGE_ITEMS_CAP,
     CheckpointError,
@@ -155,23 +157,31 @@ def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> dict[str, Inde
 def validate_index(backbone: DraftBackbone, index: dict[str, IndexEntry], names: Iterable[str]) -> None:
     """Refuse (before anything is written) unknown names and shape/dtype mismatches, naming every one."""
     lc = backbone.lifecycle
-    names = list(names)
-    unknown = lc.readiness.unknown(names)
+    names = names if type(names) is list else list(names)
+    specs = lc.specs
+    # per tensor, the common case inline: known, same shape, same dtype (the messages only for the others)
+    suspects = [n for n in names if (spec := specs.get(n)) is None or (entry := index[n]).shape != spec.shape
+                or entry.dtype != spec.dtype]
+    if not suspects:
+        return
+    unknown = [n for n in suspects if n not in specs]
     error: LifecycleError | None = None
     if unknown:
         error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value, source=_files(index, names))
-    elif problems := [p for n in names if (p := lc.specs[n].mismatch(n, index[n].shape, index[n].dtype))]:
+    elif problems := [p for n in suspects if (p := specs[n].mismatch(n, index[n].shape, index[n].dtype))]:
         error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value, source=_files(index, names))
     if error is not None:
         lc.record_refusal("weights_loaded", error)
         raise error
 
 
+_PATH = attrgetter("path")
+
+
 def _file_list(index: dict[str, IndexEntry], names: Iterable[str]) -> list[str]:
     """The files `names` come from, sorted. Entries of one file share one Path object, so they are told apart
-    by identity first: no per-tensor path hashing or formatting."""
-    paths = {id(p): p for p in (index[n].path for n in names)}
-    return sorted({str(p) for p in paths.values()})
+    by their hash (a Path caches it) in C: no per-tensor formatting."""
+    return sorted({str(p) for p in set(map(_PATH, map(index.__getitem__, names)))})
 
 
 def _files(index: dict[str, IndexEntry], names: Iterable[str]) -> str:
@@ -280,9 +290,23 @@ def apply_bucket(backbone: DraftBackbone, bucket: Sequence[tuple[str, torch.Tens
     header `validate_index` already checked (safetensors returns exactly the header's shape and dtype), as
     `load_safetensors` does. Whether loading is allowed now (and the finite check) happen either way.
     """
+    bucket = bucket if type(bucket) is list else list(bucket)
+    return _write_and_report(backbone, list(map(_NAME, bucket)), bucket, device, finite_check=finite_check,
+                             writer=writer, before_write=before_write, validated=validated)
+
+
+_NAME = itemgetter(0)
+_VALUE = itemgetter(1)
+_NBYTES = attrgetter("nbytes")
+
+
+def _write_and_report(backbone: DraftBackbone, names: list[str], bucket: list[tuple[str, torch.Tensor]],
+                      device: torch.device | str, *, finite_check: bool, writer: Writer | None,
+                      before_write: BeforeWrite | None, validated: bool) -> list[str]:
+    """`apply_bucket` with the bucket's names given (`names[i]` is `bucket[i]`'s name)."""
     lc = backbone.lifecycle
-    with lc.loading():
-        names = [n for n, _ in bucket]
+    lease = lc.acquire_write_lease()
+    try:
         error: LifecycleError | None = None
         if not validated and (unknown := lc.readiness.unknown(names)):
             error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value)
@@ -297,19 +321,22 @@ def apply_bucket(backbone: DraftBackbone, bucket: Sequence[tuple[str, torch.Tens
         if before_write is not None:
             before_write(names)
         write = writer or write_tensor
-        written: list[str] = []
-        for name, value in bucket:
-            try:
+        done = 0
+        try:
+            for name, value in bucket:
                 write(backbone, name, value, device)
-            except Exception as e:
-                err = WeightWriteError(name, written, len(bucket), e, backbone=lc.name, state=lc.state.value)
-                lc.mark_dirty([name])
-                if written:
-                    lc.weights_loaded(written)
-                lc.record_refusal("weights_loaded", err)
-                raise err from e
-            written.append(name)
+                done += 1
+        except Exception as e:
+            written = names[:done]
+            err = WeightWriteError(names[done], written, len(bucket), e, backbone=lc.name, state=lc.state.value)
+            lc.mark_dirty([names[done]])
+            if written:
+                lc.weights_loaded(written)
+            lc.record_refusal("weights_loaded", err)
+            raise err from e
         return lc.weights_loaded(names)
+    finally:
+        lc.release_write_lease(lease)
 
 
 def load_safetensors(
@@ -363,25 +390,27 @@ def load_safetensors(
     validate_index(backbone, index, names)
     lc = backbone.lifecycle
     lc.ensure_loading_allowed()
-    buckets = plan_buckets(names, lambda n: lc.readiness.layer_of_name[n], bucket_by=bucket_by,
+    buckets = plan_buckets(names, lc.readiness.layer_of_name.__getitem__, bucket_by=bucket_by,
                            shuffle=shuffle, seed=seed, duplicates=duplicates)
     report = LoadReport(files=_file_list(index, names))
-    done = 0
-    for i, bucket in enumerate(iter_buckets(index, buckets)):
-        completed = apply_bucket(backbone, bucket, device, finite_check=finite_check, writer=writer,
-                                 before_write=before_write, validated=True)  # the header was validated above
-        nbytes = sum(t.nbytes for _, t in bucket)
+    total = sum(map(len, buckets))
+    for i, (bucket_names, bucket) in enumerate(zip(buckets, iter_buckets(index, buckets), strict=True)):
+        completed = _write_and_report(backbone, bucket_names, bucket, device, finite_check=finite_check,
+                                      writer=writer, before_write=before_write,
+                                      validated=True)  # the header was validated above
+        nbytes = sum(map(_NBYTES, map(_VALUE, bucket)))
         report.buckets += 1
         report.tensors += len(bucket)
         report.nbytes += nbytes
-        report.layers_completed.extend(completed)
-        done += len(bucket)
-        # per bucket (possibly per tensor): debug level, so it costs a filtered call unless asked for
-        lc.audit_event("loader_bucket", level="debug", bucket=i, buckets=len(buckets), tensors=len(bucket),
-                       nbytes=nbytes, layers_completed=completed, layers_ready=lc.readiness.layers_ready,
-                       layers_total=lc.readiness.layers_total)
+        if completed:
+            report.layers_completed.extend(completed)
+        # per bucket (possibly per tensor): debug level, built only when someone keeps it
+        if events.enabled("debug"):
+            lc.audit_event("loader_bucket", level="debug", bucket=i, buckets=len(buckets), tensors=len(bucket),
+                           nbytes=nbytes, layers_completed=completed, layers_ready=lc.readiness.layers_ready,
+                           layers_total=lc.readiness.layers_total)
         if progress is not None:
-            progress(LoadProgress(i + 1, len(buckets), done, sum(map(len, buckets)),
+            progress(LoadProgress(i + 1, len(buckets), report.tensors, total,
                                   lc.readiness.layers_ready, lc.readiness.layers_total))
     report.duration_ms = (time.perf_counter() - t0) * 1e3
     return report

@@ -1,21 +1,26 @@
 """Which tensors of which layer are loaded (or still META), per reload epoch.
 
-Per-tensor work is a couple of dict operations: the name -> layer map is built once, and a per-layer counter
-says when a layer completes. The machine only hears about layer completions, never about single tensors.
+Per-tensor work is set operations done in C: the name -> layer map and each layer's names are built once, a
+bucket that is one layer (or part of one) is checked and recorded with two set operations, and a per-layer
+counter says when a layer completes. The machine only hears about layer completions, never about single tensors.
 
 >>> r = LayerReadiness(["layers.0.w", "layers.0.b", "norm.weight"])
 >>> r.mark_loaded(["layers.0.w"]), r.mark_loaded(["layers.0.b"])
 ([], ['layers.0'])
 >>> r.missing()
 {'norm': ('norm.weight',)}
+>>> r.mark_loaded(["layers.0.w", "oops"])
+Traceback (most recent call last):
+...
+lifecycle.readiness.UnknownNames: ['oops']
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["LayerReadiness", "layer_of"]
+__all__ = ["LayerReadiness", "UnknownNames", "layer_of"]
 
 _LAYER_PREFIX = re.compile(r"^(.*?\blayers\.\d+)\.")
 
@@ -30,8 +35,20 @@ def layer_of(name: str) -> str:
     return module or "<root>"
 
 
+class UnknownNames(KeyError):
+    """`mark_loaded` was given names the backbone does not have (`.names`); nothing was recorded."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(names)
+        self.names = names
+
+
 class LayerReadiness:
-    """Readiness bookkeeping for one backbone. Not thread-safe by itself: the lifecycle serialises calls."""
+    """Readiness bookkeeping for one backbone. Not thread-safe by itself: the lifecycle serialises calls.
+
+    In an epoch a tensor is loaded when it was written (`_written`) or declared unchanged (`_unchanged`); the
+    two sets are disjoint. Dirty (written since the last successful refresh) is `_dirty_base` plus this epoch's
+    writes, until a refresh clears it: no per-tensor dirty set on the hot path."""
 
     def __init__(self, names: Iterable[str], layer_key: Callable[[str], str] = layer_of) -> None:
         self.layer_of_name: dict[str, str] = {n: layer_key(n) for n in names}
@@ -39,17 +56,19 @@ class LayerReadiness:
         for name, layer in self.layer_of_name.items():
             tensors.setdefault(layer, []).append(name)
         self.tensors_of_layer: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in tensors.items()}
+        self._names_of_layer: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in tensors.items()}
+        self._size: dict[str, int] = {k: len(v) for k, v in tensors.items()}
         self.epoch = 0
-        self._loaded_epoch: dict[str, int] = dict.fromkeys(self.layer_of_name, -1)
+        self._written: set[str] = set()  # written in this epoch
+        self._unchanged: set[str] = set()  # declared unchanged in this epoch (and not written since)
         self._count: dict[str, int] = dict.fromkeys(self.tensors_of_layer, 0)
         self._complete = 0
-        # names written since the last successful refresh (dirty) vs declared unchanged (ready, not dirty).
-        # Kept across epochs: an epoch that ends without a refresh (aborted, or a second begin_reload) leaves
-        # its writes to be propagated by the next refresh; `clear_dirty` is called once a refresh succeeded.
-        self._dirty: set[str] = set()
-        # of the tensors loaded in this epoch, those only declared unchanged (the rest were written: no per-tensor
-        # set on the hot path); writes that failed part way in this epoch and were not redone
-        self._unchanged: set[str] = set()
+        # written since the last successful refresh (dirty) = `_dirty_base` | this epoch's `_written`, unless a
+        # refresh (or an exact rollback) in this epoch set it (`_epoch_absorbed`). Kept across epochs: an epoch that
+        # ends without a refresh (aborted, or a second begin_reload) leaves its writes to the next refresh.
+        self._dirty_base: set[str] = set()
+        self._epoch_absorbed = False
+        # writes that failed part way in this epoch and were not redone
         self._failed: set[str] = set()
         self._closed = False  # the epoch ended (close_epoch ran): nothing more is written in it
         # layers an earlier epoch left partly written (it ended with some of their tensors written and not all, or
@@ -60,8 +79,13 @@ class LayerReadiness:
     # ---- epochs -------------------------------------------------------------------------------------------
     def new_epoch(self) -> int:
         self.close_epoch()
+        if not self._epoch_absorbed:
+            self._dirty_base |= self._written
         self.epoch += 1
         self._closed = False
+        self._epoch_absorbed = False
+        self._written = set()
+        self._unchanged = set()
         self._count = dict.fromkeys(self.tensors_of_layer, 0)
         self._complete = 0
         return self.epoch
@@ -74,16 +98,15 @@ class LayerReadiness:
             return []
         self._closed = True
         restored = frozenset(restored)
-        sizes, count, loaded, epoch = self.tensors_of_layer, self._count, self._loaded_epoch, self.epoch
+        sizes, count, written = self._size, self._count, self._written
         new = {self.layer_of_name[n] for n in self._failed - restored}
         if self._complete < len(sizes):  # only an incomplete layer can be written in part
-            for layer, names in sizes.items():
-                if 0 < count[layer] < len(names) and layer not in new and any(
-                        loaded[n] == epoch and n not in self._unchanged and n not in restored for n in names):
+            for layer, names in self.tensors_of_layer.items():
+                if 0 < count[layer] < sizes[layer] and layer not in new and any(
+                        n in written and n not in restored for n in names):
                     new.add(layer)
         new -= self.partly_written
         self.partly_written.update(new)
-        self._unchanged = set()
         self._failed = set()
         return sorted(new)
 
@@ -92,48 +115,78 @@ class LayerReadiness:
         known = self.layer_of_name
         return [n for n in names if n not in known]
 
-    def mark_loaded(self, names: Iterable[str]) -> list[str]:
+    def mark_loaded(self, names: Sequence[str]) -> list[str]:
         """Record tensors written in this epoch (duplicates are fine). Returns the layers that just completed.
-        Names must be known (check with `unknown` first)."""
-        return self._mark(names, dirty=True)
+        Raises `UnknownNames` (recording nothing) for names this backbone does not have."""
+        if not names:
+            return []
+        layer = self.layer_of_name.get(names[0])
+        # the common case in C: names of one layer (a superset check, which also says they are known), none
+        # declared unchanged; duplicates and names written before are fine: the count grows by what the set grew by
+        if layer is None or self._unchanged or not self._names_of_layer[layer].issuperset(names):
+            completed = self._mark(names, dirty=True)
+        else:
+            written = self._written
+            before = len(written)
+            written.update(names)
+            added = len(written) - before
+            completed = []
+            if added:
+                count = self._count[layer] = self._count[layer] + added
+                if count == self._size[layer]:
+                    completed = [layer]
+                    self._complete += 1
+                    if self.partly_written:
+                        self.partly_written.discard(layer)  # written in full (nothing may declare it unchanged)
+        if self._failed:
+            self._failed.difference_update(names)  # written again, in full
+        if self._epoch_absorbed:  # written after a refresh of this epoch absorbed its writes: dirty again
+            self._dirty_base.update(names)
+        return completed
+
+    def unknown_free(self, names: Sequence[str]) -> Sequence[str]:
+        """`names` if all are known; else raise `UnknownNames` listing those that are not."""
+        unknown = self.unknown(names)
+        if unknown:
+            raise UnknownNames(unknown)
+        return names
 
     def mark_unchanged(self, names: Iterable[str]) -> list[str]:
-        """Declare tensors restored unchanged in this epoch: they count as ready but not dirty."""
-        return self._mark(names, dirty=False)
+        """Declare tensors restored unchanged in this epoch: they count as ready but not dirty. Names written
+        in this epoch stay written."""
+        return self._mark(list(names), dirty=False)
 
     def unmark(self, names: Iterable[str]) -> None:
         """Undo `mark_unchanged(names)` of tensors that were not loaded in this epoch before it (a refused
         finish puts back what it declared)."""
-        loaded, count, sizes = self._loaded_epoch, self._count, self.tensors_of_layer
+        count, sizes, unchanged = self._count, self._size, self._unchanged
         for name in names:
-            if loaded[name] != self.epoch:
+            if name not in unchanged:
                 continue
-            loaded[name] = -1
-            self._unchanged.discard(name)
+            unchanged.discard(name)
             layer = self.layer_of_name[name]
-            if count[layer] == len(sizes[layer]):
+            if count[layer] == sizes[layer]:
                 self._complete -= 1
             count[layer] -= 1
 
-    def _mark(self, names: Iterable[str], *, dirty: bool) -> list[str]:
-        epoch, loaded, count, sizes = self.epoch, self._loaded_epoch, self._count, self.tensors_of_layer
-        failed, unchanged = self._failed, self._unchanged
+    def _mark(self, names: Sequence[str], *, dirty: bool) -> list[str]:
+        """The general case: any names, any layers, written (`dirty`) or declared unchanged."""
+        self.unknown_free(names)
+        written, unchanged, count, sizes = self._written, self._unchanged, self._count, self._size
+        layer_of_name = self.layer_of_name
         completed: list[str] = []
         for name in names:
-            if dirty:
-                self._dirty.add(name)
-                if failed:
-                    failed.discard(name)  # written again, in full
-            if loaded[name] == epoch:
-                if dirty and unchanged:
-                    unchanged.discard(name)  # declared unchanged, then written after all
+            if name in written:
                 continue
-            if not dirty:
-                unchanged.add(name)
-            loaded[name] = epoch
-            layer = self.layer_of_name[name]
+            if name in unchanged:
+                if dirty:  # declared unchanged, then written after all: counted already
+                    unchanged.discard(name)
+                    written.add(name)
+                continue
+            (written if dirty else unchanged).add(name)
+            layer = layer_of_name[name]
             count[layer] += 1
-            if count[layer] == len(sizes[layer]):
+            if count[layer] == sizes[layer]:
                 completed.append(layer)
         self._complete += len(completed)
         if self.partly_written and completed:
@@ -173,47 +226,55 @@ class LayerReadiness:
         return {k: tuple(v) for k, v in out.items()}
 
     def is_loaded(self, name: str) -> bool:
-        return self._loaded_epoch[name] == self.epoch
+        if name not in self.layer_of_name:
+            raise KeyError(name)
+        return name in self._written or name in self._unchanged
 
     def missing(self, is_meta: Callable[[str], bool] | None = None, names: Iterable[str] | None = None
                 ) -> dict[str, tuple[str, ...]]:
         """Layer -> tensors not loaded in this epoch or on META (whatever events said). Empty when ready.
         With `names`, only those tensors are checked."""
+        if names is None and is_meta is None and not self._failed and self.counts_complete():
+            return {}  # every tensor counted and none on META: nothing to look at one by one
         out: dict[str, list[str]] = {}
         candidates = self.layer_of_name if names is None else list(names)
-        loaded, epoch, layer_of_name = self._loaded_epoch, self.epoch, self.layer_of_name  # locals: per tensor
+        written, unchanged, layer_of_name = self._written, self._unchanged, self.layer_of_name  # locals: per tensor
         for name in candidates:
-            if loaded[name] != epoch:
+            if name not in written and name not in unchanged:
                 out.setdefault(layer_of_name[name], []).append(name)
             elif is_meta is not None and is_meta(name):
                 out.setdefault(layer_of_name[name], []).append(f"{name} (META)")
         wanted = candidates if names is None or not self._failed else set(candidates)
         for name in self._failed:  # counted loaded before a later write of it failed part way
-            if loaded[name] == epoch and name in wanted:
+            if (name in written or name in unchanged) and name in wanted:
                 out.setdefault(layer_of_name[name], []).append(f"{name} (a write of it failed part way)")
         return {k: tuple(v) for k, v in out.items()}
 
     def dirty_tensors(self) -> frozenset[str]:
         """Tensors written since the last successful refresh (this epoch or an earlier one that ended without
         a refresh): what a selective refresh must propagate."""
-        return frozenset(self._dirty)
+        if self._epoch_absorbed:
+            return frozenset(self._dirty_base)
+        return frozenset(self._dirty_base.union(self._written))
 
     def clear_dirty(self) -> None:
         """A refresh propagated every dirty tensor into the derived buffers."""
-        self._dirty = set()
+        self._dirty_base = set()
+        self._epoch_absorbed = True
 
     def mark_dirty(self, names: Iterable[str]) -> None:
         """Tensors possibly written (a write that failed part way) but not loaded: the next refresh rewrites
         what reads them, and they are missing until written again in full (sent again); if the epoch ends first,
         their layers are partly written."""
         names = list(names)
-        self._dirty.update(names)
+        self._dirty_base.update(names)
         self._failed.update(names)
 
     def restore_dirty(self, names: Iterable[str]) -> None:
         """Set the dirty set back to `names` (after a rollback restored every write since it was taken)."""
-        self._dirty = set(names)
+        self._dirty_base = set(names)
+        self._epoch_absorbed = True
 
     def dirty_layers(self) -> list[str]:
-        seen = {self.layer_of_name[n] for n in self._dirty}
+        seen = {self.layer_of_name[n] for n in self.dirty_tensors()}
         return [layer for layer in self.tensors_of_layer if layer in seen]

@@ -30,6 +30,7 @@ __all__ = [
     "allowed_triggers",
     "guards_of",
     "possible_destinations",
+    "rows_from",
 ]
 
 
@@ -78,7 +79,9 @@ class Transition:
     fired by the machine itself right after that trigger succeeded, when its sources include the state reached
     and its condition holds (a follow-up, never called directly). `per_bucket`: the row fires once per bucket of
     tensors, many times an epoch: bookkeeping of the load, not a step of the lifecycle (the report does not draw it
-    as a timeline mark)."""
+    as a timeline mark). A per-bucket row that would leave the state as it is (PARTIALLY_LOADED ->
+    PARTIALLY_LOADED) is bookkeeping only: the machine is not triggered and no `transition` event is written (the
+    bucket's `layer_ready` event says what changed); the row stays, so a log that shows it is still legal."""
 
     trigger: str
     sources: tuple[LifecycleState, ...]
@@ -188,6 +191,13 @@ def allowed_triggers(state: LifecycleState) -> frozenset[str]:
 def possible_destinations(trigger: str, source: LifecycleState) -> tuple[LifecycleState, ...]:
     """The states `trigger` can lead to from `source` (several when rows carry conditions)."""
     return tuple(dict.fromkeys(t.dest for t in TRANSITIONS if t.trigger == trigger and source in t.sources))
+
+
+@cache
+def rows_from(trigger: str, source: LifecycleState) -> tuple[Transition, ...]:
+    """The rows of `trigger` that may fire from `source`, in declaration order (the machine takes the first whose
+    condition holds)."""
+    return tuple(t for t in TRANSITIONS if t.trigger == trigger and source in t.sources)
 
 
 def guards_of(trigger: str) -> tuple[Guard, ...]:
