@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import json.encoder
 import logging
 import os
 import sys
@@ -271,37 +272,47 @@ class JsonLinesSink:
         self.failures = 0
 
     def __call__(self, _logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-        self._write_line(event_dict)
+        try:
+            data = (_encode(event_dict) + "\n").encode()
+        except (TypeError, ValueError) as e:
+            self._failed(e)
+        else:
+            self._write(data)
         return event_dict
 
     def write_record(self, record: Mapping[str, Any], level: str) -> None:
-        """Write a bounded record as the processor chain would (`level`, `ts`, `schema` added, in that order),
-        without the chain: the route of a JSON file alone takes this path."""
-        line = dict(record)
-        line["level"] = level
-        line["ts"] = timestamp()
-        line.setdefault("schema", SCHEMA_VERSION)
-        self._write_line(line)
-
-    def _write_line(self, event_dict: Mapping[str, Any]) -> None:
+        """Write a bounded record as the processor chain would (`level`, `ts`, `schema` added after its fields,
+        in that order), without the chain: the route of a JSON file alone takes this path."""
+        if "level" in record or "ts" in record or "schema" in record:  # never from a lifecycle: the chain's way
+            self(None, level, {**record, "level": level, "ts": timestamp(), "schema": record.get("schema",
+                                                                                                 SCHEMA_VERSION)})
+            return
         try:
-            data = (_ENCODER.encode(event_dict) + "\n").encode()
+            line = _encode(record)
         except (TypeError, ValueError) as e:
             self._failed(e)
             return
+        # the three fields appended to the encoded object: the same line as encoding the extended dict
+        self._write(f'{line[:-1]},"level":"{level}","ts":"{timestamp()}","schema":{SCHEMA_VERSION}}}\n'.encode())
+
+    def _write(self, data: bytes) -> None:
         with self._lock:
             if self.closed:
                 self._failed(ValueError("the sink was closed"))
                 return
             if self._torn:
                 data = b"\n" + data
-            view = memoryview(data)
+            left = len(data)
             try:
-                while view:
-                    view = view[os.write(self._fd, view):]
+                left -= os.write(self._fd, data)  # one call writes the line, nearly always
+                if left:
+                    view = memoryview(data)[len(data) - left:]
+                    while view:
+                        view = view[os.write(self._fd, view):]
+                        left = len(view)
                 self._torn = False
             except OSError as e:
-                self._torn = self._torn or len(view) < len(data)
+                self._torn = self._torn or left < len(data)  # a line cut part way: the next starts on a new line
                 self._failed(e)
 
     def _failed(self, error: BaseException) -> None:
@@ -317,8 +328,18 @@ class JsonLinesSink:
                 os.close(self._fd)
 
 
-#: What `json.dumps(..., default=str, separators=(",", ":"))` does, built once (the C encoder, no set-up per event).
+#: What `json.dumps(..., default=str, separators=(",", ":"))` writes. The C encoder is made once (`JSONEncoder.
+#: encode` makes a new one per call: half the cost of a small event); records are flat, bounded and acyclic, so no
+#: circular-reference markers. Without the C accelerator, the Python encoder.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+_C_ENCODER = (json.encoder.c_make_encoder(None, str, json.encoder.encode_basestring_ascii, None, ":", ",", False,
+                                          False, True) if json.encoder.c_make_encoder is not None else None)
+
+
+def _encode(record: Mapping[str, Any]) -> str:
+    if _C_ENCODER is None:
+        return _ENCODER.encode(record)
+    return "".join(_C_ENCODER(record, 0))
 
 
 def _drop(_logger: Any, _name: str, _event_dict: MutableMapping[str, Any]) -> str:
@@ -401,10 +422,19 @@ def _isatty(stream: Any) -> bool:
 # ---- emitting -----------------------------------------------------------------------------------------------------
 
 
+try:  # the object `structlog.get_config()` copies its answer from: read directly, it costs no dict per event
+    from structlog._config import _CONFIG as _STRUCTLOG_CONFIG
+except ImportError:  # pragma: no cover (another structlog layout: the public call, slower)
+    _STRUCTLOG_CONFIG = None
+
+
 def _capture_chain() -> list[Any] | None:
     """structlog's global processors while `structlog.testing.capture_logs()` is active (it ends them with a
-    `LogCapture`), else None."""
-    processors = structlog.get_config()["processors"]
+    `LogCapture`), else None. Asked at every event: read from structlog's configuration object when it has the
+    attribute `get_config()` reads, else through `get_config()`."""
+    processors = getattr(_STRUCTLOG_CONFIG, "default_processors", None)
+    if processors is None:
+        processors = structlog.get_config()["processors"]
     return processors if processors and type(processors[-1]) is LogCapture else None
 
 

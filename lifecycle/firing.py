@@ -22,14 +22,14 @@ from .errors import IllegalTransitionError, LayersNotReadyError
 from .guards import CONDITIONS, GUARDS, MAY_HOLD
 from .readiness import LayerReadiness
 from .states import (
+    ALLOWED_TRIGGERS,
     FOLLOW_UPS,
     INITIAL_STATE,
+    ROWS_FROM,
     TRANSITIONS,
     LifecycleState,
     Transition,
     allowed_sources,
-    allowed_triggers,
-    rows_from,
 )
 from .types import capped
 
@@ -100,7 +100,7 @@ class TableMachine:
 
     def can(self, trigger: str) -> bool:
         """Whether the table allows `trigger` from the current state (its guards may still refuse it)."""
-        return trigger in allowed_triggers(self.state)
+        return trigger in ALLOWED_TRIGGERS[self._model.state]
 
     # ---- firing -----------------------------------------------------------------------------------------------
     def _fire(self, trigger: str, effect: Callable[[], T] | None = None, **log: Any) -> T | None:
@@ -135,16 +135,21 @@ class TableMachine:
                    and (t.condition is None or CONDITIONS[t.condition](self)) for t in TRANSITIONS):
                 self._fire(follow_up, **log)
 
-    def _stays(self, trigger: str) -> bool:
-        """Whether firing `trigger` now would be bookkeeping only: the row the machine would pick is a per-bucket
-        row back to the current state (`Transition.per_bucket`). Decided with each condition's cheap test
-        (`guards.MAY_HOLD`): a row whose condition may hold is taken to be the one, so the full check (a META
-        scan) runs only when the machine really fires."""
-        state = self.state
-        for t in rows_from(trigger, state):
+    def _bucket_moves(self, trigger: str, completed: bool) -> bool:
+        """Whether a bucket reported now is a step of the lifecycle (fire `trigger`) or bookkeeping only. It is
+        bookkeeping when it completed no layer and the state is already one of the trigger's destinations, or
+        when the row the machine would pick is a per-bucket row back to the current state
+        (`Transition.per_bucket`). Rows are picked with each condition's cheap test (`guards.MAY_HOLD`): a row
+        whose condition may hold is taken to be the one, so the full check (a META scan) runs only when the
+        machine really fires."""
+        state = self._model.state
+        rows = ROWS_FROM[trigger][state]
+        if not completed:
+            return all(t.dest is not state for t in rows)  # the first report after META
+        for t in rows:
             if t.condition is None or MAY_HOLD[t.condition](self):
-                return t.per_bucket and t.dest is state
-        return False
+                return not t.per_bucket or t.dest is not state
+        return True
 
     def _require_allowed_audited(self, trigger: str) -> None:
         """Refuse (audited) before any bookkeeping when the table does not allow `trigger` now."""
@@ -180,9 +185,18 @@ class TableMachine:
         shown = layers[:events.LIST_CAP]  # a copy: the caller keeps its list
         self._seq += 1
         record = {"event": event, "backbone": self.name, "rank": self.rank, "epoch": readiness.epoch,
-                  "seq": self._seq, "layers": shown, "layers_more": len(layers) - len(shown), **fields,
-                  "layers_ready": readiness.layers_ready, "layers_total": readiness.layers_total}
-        self._keep(record if self._plain_layer_events else events.bound_fields(record))
+                  "seq": self._seq, "layers": shown, "layers_more": len(layers) - len(shown)}
+        if fields:
+            record.update(fields)
+        record["layers_ready"] = readiness.layers_ready
+        record["layers_total"] = readiness.layers_total
+        if not self._plain_layer_events:
+            record = events.bound_fields(record)
+        events.emit_record(record)  # as `_keep`, inline: this runs per bucket
+        failures = events.sink_failures()
+        if failures:
+            record["sink_failures"] = failures
+        self.recent_events.append(record)
 
     def _keep(self, record: dict[str, Any], level: str = "info") -> None:
         """Write a bounded, numbered record (if audit output is on) and keep it in `recent_events`."""

@@ -33,14 +33,7 @@ from .firing import TableMachine
 from .guards import ReloadOrigin, recovery_verdict, refusal, require_all_layers_ready, require_pinned_unchanged
 from .leases import WriteLeases
 from .readiness import LayerReadiness, UnknownNames, layer_of
-from .states import (
-    INITIAL_STATE,
-    QUARANTINE_STATE,
-    USABLE_STATES,
-    LifecycleState,
-    allowed_triggers,
-    possible_destinations,
-)
+from .states import ALLOWED_TRIGGERS, INITIAL_STATE, QUARANTINE_STATE, USABLE_STATES, LifecycleState
 from .storage import PinnedStorage
 from .types import TensorSpec, capped, clipped
 
@@ -179,7 +172,7 @@ class BackboneLifecycle(TableMachine):
         a report that leaves PARTIALLY_LOADED as it is is bookkeeping (`Transition.per_bucket`)."""
         names = names if type(names) is list else list(names)
         with self._lock:
-            if "weights_loaded" not in allowed_triggers(self.state):
+            if "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]:
                 self._fire("weights_loaded")  # raises IllegalTransitionError and records the refusal
             try:
                 completed = self.readiness.mark_loaded(names)
@@ -187,10 +180,7 @@ class BackboneLifecycle(TableMachine):
                 self._raise_unknown(e.names)
             if completed:
                 self._audit_layers("layer_ready", completed, tensors=len(names))
-            # the report moves the state when a layer completed (a row's condition may hold now) or when the
-            # current state is none of the trigger's destinations (the first report after META)
-            if (completed or self.state not in possible_destinations("weights_loaded", self.state)) \
-                    and not self._stays("weights_loaded"):
+            if self._bucket_moves("weights_loaded", bool(completed)):
                 self._fire("weights_loaded", tensors=len(names))
             return completed
 
@@ -215,7 +205,8 @@ class BackboneLifecycle(TableMachine):
             completed = self.readiness.mark_unchanged(names)
             if completed:
                 self._audit_unchanged(completed)
-                self._fire("weights_loaded", tensors=0, unchanged=len(names))
+                if self._bucket_moves("weights_loaded", True):
+                    self._fire("weights_loaded", tensors=0, unchanged=len(names))
 
     def _audit_unchanged(self, layers: list[str]) -> None:
         self._audit_layers("layers_unchanged", layers)
@@ -401,7 +392,7 @@ class BackboneLifecycle(TableMachine):
         thread and return its token for `release_write_lease`. With `locked=True`, `begin_reload`,
         `finish_loading`, `refresh_derived` and `abort_reload` wait until no other thread holds a lease."""
         with self._lock:
-            if "weights_loaded" not in allowed_triggers(self.state):
+            if "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]:
                 self._fire("weights_loaded")  # raises IllegalTransitionError and records the refusal
             return self._leases.acquire()
 

@@ -16,9 +16,11 @@ from enum import Enum
 from functools import cache
 
 __all__ = [
+    "ALLOWED_TRIGGERS",
     "FOLLOW_UPS",
     "INITIAL_STATE",
     "QUARANTINE_STATE",
+    "ROWS_FROM",
     "TRANSITIONS",
     "TRIGGERS",
     "USABLE_STATES",
@@ -193,11 +195,19 @@ def possible_destinations(trigger: str, source: LifecycleState) -> tuple[Lifecyc
     return tuple(dict.fromkeys(t.dest for t in TRANSITIONS if t.trigger == trigger and source in t.sources))
 
 
-@cache
 def rows_from(trigger: str, source: LifecycleState) -> tuple[Transition, ...]:
     """The rows of `trigger` that may fire from `source`, in declaration order (the machine takes the first whose
     condition holds)."""
-    return tuple(t for t in TRANSITIONS if t.trigger == trigger and source in t.sources)
+    return ROWS_FROM[trigger][source]
+
+
+#: trigger -> state -> the rows of the trigger from that state, in declaration order; and state -> the triggers it
+#: allows: plain dicts, for the per-bucket path (a lookup, not a call).
+ROWS_FROM: dict[str, dict[LifecycleState, tuple[Transition, ...]]] = {
+    trigger: {s: tuple(t for t in TRANSITIONS if t.trigger == trigger and s in t.sources) for s in LifecycleState}
+    for trigger in TRIGGERS}
+ALLOWED_TRIGGERS: dict[LifecycleState, frozenset[str]] = {
+    s: frozenset(t.trigger for t in TRANSITIONS if s in t.sources) for s in LifecycleState}
 
 
 def guards_of(trigger: str) -> tuple[Guard, ...]:
