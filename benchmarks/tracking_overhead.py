@@ -20,7 +20,8 @@ Targets (issue 15), each printed against a figure measured in this run:
   end to end     lifecycle / baseline - 1 <= 2%, audit on, every shape, reload and cold load (the median of the
                  per-round ratios)
   per tensor     the readiness update of a bucket (`LayerReadiness.mark_loaded`), per tensor, within 2x of a dict
-                 update per tensor (`loaded[name] = epoch` in a loop), both timed here on the same buckets
+                 update per tensor (a function told each bucket, `loaded[name] = epoch` for each name in it), both
+                 timed here on the same buckets
   per layer      a layer completion (`weights_loaded` of one layer's bucket: readiness, the bucket's `layer_ready`
                  event, no machine trigger) <= 5 us, audit off and audit on (JSON file)
   audit off      the events a load keeps in memory, at their measured cost, are not measurable: <= 0.2% of the load
@@ -33,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -171,12 +173,14 @@ def per_tensor_update(model: DraftBackbone, rounds: int) -> dict[str, Any]:
         for bucket in buckets:
             readiness.mark_loaded(bucket)
 
+    def mark(bucket: list[str], epoch: int = 1) -> None:  # a dict-based tracker told per bucket, as the lifecycle is
+        for name in bucket:
+            loaded[name] = epoch
+
     def dict_update() -> None:
         loaded.clear()
-        epoch = 1
         for bucket in buckets:
-            for name in bucket:
-                loaded[name] = epoch
+            mark(bucket)
 
     arms = [Arm("readiness", lifecycle_update), Arm("dict", dict_update)]
     samples = common.interleaved(arms, rounds, clock=time.thread_time)
@@ -268,7 +272,8 @@ def event_costs(tmp: Path, quick: bool) -> list[dict[str, Any]]:
 # ---- main ------------------------------------------------------------------------------------------------------
 
 
-def measure_shape(shape: Shape, tmp: Path, repeats: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def measure_shape(shape: Shape, tmp: Path, repeats: int
+                  ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, int]]:
     model = shape.build()
     weights = random_checkpoint(model, 0)
     path = write_checkpoint(weights, tmp / f"{shape.name}.safetensors")
@@ -299,7 +304,9 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int) -> tuple[list[dict[str,
     audit_on()
     lifecycle_reload(live["m"], path)
     audit_off()
-    events_per_load = len(audit_events.read_events(log))
+    logged = audit_events.read_events(log)
+    events_per_load = len(logged)
+    kinds = dict(Counter(e["event"] for e in logged))
     # bookkeeping only: the same arms with reads from memory and no-op writes, in CPU time of this thread; the
     # minimum over repeats estimates the cost without interference from other tenants
     with stubbed_io(weights):
@@ -336,7 +343,7 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int) -> tuple[list[dict[str,
     path.unlink()
     rows.append(_row(shape, "cold", "lifecycle, audit on", tensors, nbytes, layers,
                      common.summarize(cold["baseline"]), cold["lifecycle, audit on"], cold["baseline"], None, None))
-    return rows, {"shape": shape.name, **update}
+    return rows, {"shape": shape.name, **update}, kinds
 
 
 def _row(shape: Shape, mode: str, arm: str, tensors: int, nbytes: int, layers: int, base: dict[str, float],
@@ -362,17 +369,21 @@ def _row(shape: Shape, mode: str, arm: str, tensors: int, nbytes: int, layers: i
     }
 
 
-def audit_off_share(rows: list[dict[str, Any]], costs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per shape: what the events of one load cost with audit off (each at the measured cost of keeping a
-    layer_ready or lifecycle event in memory), as a share of the loader's fastest round."""
-    per_event = max(c["min_us"] for c in costs if "audit off (kept" in c["what"])
+def audit_off_share(rows: list[dict[str, Any]], kinds: dict[str, dict[str, int]], costs: list[dict[str, Any]]
+                    ) -> list[dict[str, Any]]:
+    """Per shape: what the events of one load cost with audit off (kept in memory only), each kind at its measured
+    cost (a layer_ready event, or any other lifecycle event), as a share of the loader's fastest round."""
+    ready_us = next(c["min_us"] for c in costs if c["what"].startswith("layer_ready event, audit off"))
+    other_us = next(c["min_us"] for c in costs if c["what"].startswith("lifecycle event, audit off"))
     out = []
     for r in rows:
         if r["mode"] == "reload" and r["arm"] == "lifecycle, audit on":
-            ms = r["audit_events_per_load"] * per_event / 1e3
+            k = kinds[r["shape"]]
+            ready = k.get("layer_ready", 0)
+            ms = (ready * ready_us + (sum(k.values()) - ready) * other_us) / 1e3
             share = ms / r["baseline"]["min_ms"]
-            out.append({"shape": r["shape"], "events": r["audit_events_per_load"], "per_event_us": per_event,
-                        "ms": round(ms, 3), "share": round(share, 5), "met": share <= TARGET_AUDIT_OFF})
+            out.append({"shape": r["shape"], "events": sum(k.values()), "layer_ready": ready, "ms": round(ms, 3),
+                        "share": round(share, 5), "met": share <= TARGET_AUDIT_OFF})
     return out
 
 
@@ -390,16 +401,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         tmp = Path(d)
         rows: list[dict[str, Any]] = []
         updates: list[dict[str, Any]] = []
+        kinds: dict[str, dict[str, int]] = {}
         for shape in [s for s in shapes(args.quick) if args.shape is None or s.name in args.shape]:
             common.say(f"  measuring {shape.name}: {shape.note} ...")
-            shape_rows, update = measure_shape(shape, tmp, max(3, round(repeats * shape.repeats)))
+            shape_rows, update, kinds[shape.name] = measure_shape(shape, tmp, max(3, round(repeats * shape.repeats)))
             rows.extend(shape_rows)
             updates.append(update)
         completion = layer_completion(tmp, args.quick)
         costs = event_costs(tmp, args.quick)
     configure_audit(console=False)
     common.finish(info)
-    off = audit_off_share(rows, costs)
+    off = audit_off_share(rows, kinds, costs)
 
     pct = lambda x: f"{100 * x:+.1f}%"  # noqa: E731
     verdict = lambda ok: "-" if ok is None else ("met" if ok else "MISSED")  # noqa: E731
@@ -428,12 +440,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                f"{TARGET_LAYER_US:g} us.")
     common.say(common.table(["audit", "us per layer", "median", "target"],
                             [[c["audit"], c["us"], c["median_us"], verdict(c["met"])] for c in completion]))
-    common.say(f"\n4. audit off: a load's events, kept in memory only, at {off[0]['per_event_us'] if off else '-'} us "
-               f"each (the dearer kind, below), as a share of the load. Target: <= {100 * TARGET_AUDIT_OFF:.1f}% "
-               "(not measurable end to end).")
-    common.say(common.table(["draft", "events/load", "ms", "share of the load", "target"],
-                            [[o["shape"], o["events"], o["ms"], f"{100 * o['share']:.3f}%", verdict(o["met"])]
-                             for o in off]))
+    common.say("\n4. audit off: a load's events, kept in memory only, each kind at its cost below (layer_ready, or any "
+               f"other), as a share of the load. Target: <= {100 * TARGET_AUDIT_OFF:.1f}% (not measurable end to end).")
+    common.say(common.table(["draft", "events/load", "of them layer_ready", "ms", "share of the load", "target"],
+                            [[o["shape"], o["events"], o["layer_ready"], o["ms"], f"{100 * o['share']:.3f}%",
+                              verdict(o["met"])] for o in off]))
     common.say("\nper-event costs, us (median of 5 batches; min)")
     common.say(common.table(["what", "median us", "min us", "note"],
                             [[c["what"], c["median_us"], c["min_us"], c["note"]] for c in costs]))
@@ -444,7 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = common.write_json(common.json_path(args, NAME), {
         "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
         "target_overhead": TARGET_OVERHEAD, "rows": rows, "per_tensor": updates, "layer_completion": completion,
-        "audit_off": off, "event_costs": costs, "targets_met": sum(targets), "targets": len(targets)})
+        "audit_off": off, "event_kinds_per_load": kinds, "event_costs": costs, "targets_met": sum(targets),
+        "targets": len(targets)})
     common.say(f"JSON: {out}")
     common.write_transcript(out.with_suffix(".txt"))
     return 0
