@@ -101,6 +101,13 @@ class DraftBackbone(nn.Module):
             raise ValueError(f"{type(self).__name__}: derived buffers read tensors this backbone does not have: "
                              + "; ".join(f"{b} <- {', '.join(ns[:5])}" + (f" (+{len(ns) - 5} more)" if len(ns) > 5
                                                                              else "") for b, ns in unknown.items()))
+        backed_by: dict[str, str] = {}  # a tensor can be a view of one place only
+        for spec in self.derived_buffers:
+            for n in spec.source_names(self) if spec.backed else ():
+                if n in backed_by:
+                    raise ValueError(f"{type(self).__name__}: {n} is a source of two backed buffers ({backed_by[n]}, "
+                                     f"{spec.name}); a tensor can be a view of one of them only")
+                backed_by[n] = spec.name
 
     # ---- accessors --------------------------------------------------------------------------------------------
     @property

@@ -131,8 +131,15 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], path: str | Path, metadat
     """Save `tensors` as one safetensors file (contiguous CPU copies). Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    save_file({k: _own_storage(v.detach().to("cpu").contiguous()) for k, v in tensors.items()}, str(path),
+              metadata=metadata)
     return path
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy when it is a view of a larger storage (the weights of a backed derived buffer share it, and
+    safetensors refuses tensors that share memory)."""
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> dict[str, IndexEntry]:

@@ -12,6 +12,7 @@ from itertools import accumulate
 import torch
 
 from ..types import dtype_name
+from .backing import backing_problem, is_view_of
 from .buffer_plan import (
     BufferPlan,
     Layout,
@@ -19,6 +20,7 @@ from .buffer_plan import (
     Request,
     SliceCopy,
     built,
+    destination,
     layer_copies,
     owned_storages,
     parts_of,
@@ -84,6 +86,11 @@ def plan_per_layer(r: Request) -> Planned:
     layout: Layout = (new_shape, firsts[0].dtype, firsts[0].device)
     bp = BufferPlan(spec, "cold", slices_total=len(parts))
     starts = [0, *accumulate(lengths)][:-1] if spec.kind == "concat" else [0] * len(parts)
+    if spec.backed:
+        sources = [[r.resolve(f"{spec.layers_attr}.{i}.{s}") for s in spec.sources] for i in range(len(parts))]
+        if problem_text := backing_problem(spec, parts, sources):
+            return Problem("layout", problem_text)
+        bp.backed_sources = sum(map(len, parts))
     bp.count(temporaries([p for ps in parts for p in ps], lambda: owned_storages(r.backbone)))
     if r.existing is None:  # allocated once; every part copied into its place (no torch.cat of slices)
         def assemble(_: None) -> torch.Tensor:
@@ -93,11 +100,21 @@ def plan_per_layer(r: Request) -> Planned:
             return buf
 
         bp.new_tensor = built(spec, spec.kind, r.context, assemble, None)
+        if spec.backed:  # every source becomes a view of its place once the buffer is registered
+            bp.backs = [(c.src, c) for i, ps in enumerate(parts) for c in layer_copies(spec, i, starts[i], ps)]
         return bp
     problem = rebuild_problem(spec, layout, r.existing)
     if problem:
         return problem
     bp.existing = r.existing
+    if spec.backed:  # nothing to copy where a source is the view of its place: only verified
+        for i, ps in enumerate(parts):
+            for c in layer_copies(spec, i, starts[i], ps):
+                if not is_view_of(c.src, destination(spec, r.existing, c)):  # replaced: copy in, view again
+                    bp.copies.append(c)
+                    bp.backs.append((c.src, c))
+        bp.mode = "in_place" if bp.copies else "backed"
+        return bp
     for i, ps in enumerate(parts):
         if r.full or r.layer_dirty(i):
             bp.copies.extend(layer_copies(spec, i, starts[i], ps))
