@@ -47,7 +47,7 @@ import torch
 from .buffer_plan import SliceCopy, destination
 from .specs import DerivedSpec
 
-__all__ = ["backing_problem", "is_view_of", "repoint"]
+__all__ = ["backing_problem", "is_view_of", "repoint", "still_backed"]
 
 
 def is_view_of(t: torch.Tensor, place: torch.Tensor) -> bool:
@@ -56,13 +56,29 @@ def is_view_of(t: torch.Tensor, place: torch.Tensor) -> bool:
             and t.untyped_storage().data_ptr() == place.untyped_storage().data_ptr() and t.dtype == place.dtype)
 
 
+def still_backed(spec: DerivedSpec, buf: torch.Tensor, c: SliceCopy) -> bool:
+    """`is_view_of(c.src, destination(spec, buf, c))` without making the view (a refresh asks it of every part):
+    the part starts where its place does, in the buffer's storage, and is contiguous. That is the view: the plan
+    checked that the part's shape is its place's, and the buffer is contiguous."""
+    t = c.src
+    assert t is not None
+    if spec.kind == "concat":
+        offset = c.start * buf.stride(0)
+    else:
+        offset = c.layer * buf.stride(0) + (c.start * buf.stride(1) if c.length is not None else 0)
+    return (t.data_ptr() == buf.data_ptr() + offset * buf.element_size() and t.is_contiguous()
+            and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
+
+
 def backing_problem(spec: DerivedSpec, parts: Sequence[Sequence[torch.Tensor]],
-                    sources: Sequence[Sequence[torch.Tensor | None]]) -> str | None:
-    """Why the buffer cannot be backed, or None. `parts[i]`: what `per_layer` returned for layer i; `sources[i]`:
-    that layer's declared source tensors. Every part must be one of its layer's sources as a whole (the object
-    itself: a slice or a computation has no slot to re-point), and no tensor may take two places."""
+                    sources: Sequence[Sequence[torch.Tensor | None]], layers: Sequence[int] | None = None
+                    ) -> str | None:
+    """Why these layers' sources cannot be made views of the buffer, or None. `parts[k]`: what `per_layer`
+    returned for layer `layers[k]` (default: k); `sources[k]`: that layer's declared source tensors. Every part must
+    be one of its layer's sources as a whole (the object itself: a slice or a computation has no slot to
+    re-point), and no tensor may take two places."""
     seen: dict[int, int] = {}
-    for i, (ps, srcs) in enumerate(zip(parts, sources, strict=True)):
+    for i, ps, srcs in zip(layers if layers is not None else range(len(parts)), parts, sources, strict=True):
         for k, p in enumerate(ps):
             if not any(p is s for s in srcs):
                 return (f"{spec.kind} {spec.name} (backed=True): {spec.layers_attr}.{i}: part {k} is not one of the "
