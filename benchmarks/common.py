@@ -197,6 +197,25 @@ def interleaved(arms: Sequence[Arm], repeats: int, *, warmup: int = 1,
     return samples
 
 
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="where the model's tensors live: cpu (default) or cuda (the GPU "
+                                                   "check runs the benchmark so)")
+
+
+def synced(fn: Callable[[], object], device: str) -> Callable[[], object]:
+    """`fn`, then on CUDA `torch.cuda.synchronize()`: a timed arm ends when its kernels have, not when they were
+    queued."""
+    if not str(device).startswith("cuda"):
+        return fn
+
+    def run() -> object:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+
+    return run
+
+
 def summarize(samples: Sequence[float]) -> dict[str, float]:
     """Median, min, max and quartiles in milliseconds."""
     ms = sorted(s * 1e3 for s in samples)
@@ -305,9 +324,9 @@ def checkpoint_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
 # ---- building loaded drafts without a checkpoint on disk -------------------------------------------------------
 
 
-def materialize(model: DraftBackbone, seed: int) -> None:
+def materialize(model: DraftBackbone, seed: int, device: str = "cpu") -> None:
     """Load random weights into a META model through the lifecycle, one bucket per layer (only one layer's
-    tensors exist besides the model at any time), then finalize: the model ends FULLY_LOADED."""
+    tensors exist besides the model at any time), on `device`, then finalize: the model ends FINALIZED."""
     gen = torch.Generator().manual_seed(seed)
     lc = model.lifecycle
     for names in lc.readiness.tensors_of_layer.values():
@@ -317,7 +336,7 @@ def materialize(model: DraftBackbone, seed: int) -> None:
             low, high = (0.5, 1.5) if name.endswith("norm.weight") else (-0.05, 0.05)
             value = torch.empty(spec.shape, dtype=torch.float32).uniform_(low, high, generator=gen)
             bucket.append((name, value.to(spec.dtype)))
-        apply_bucket(model, bucket)
+        apply_bucket(model, bucket, device)
     model.finalize_loading()
 
 

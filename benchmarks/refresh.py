@@ -1,6 +1,6 @@
 """In-place refresh vs vLLM-style rebuild vs the floor (one copy_ of the same bytes): time and new storage.
 
-    python -m benchmarks.refresh [--quick] [--repeats N] [--json PATH] [--threads T]
+    python -m benchmarks.refresh [--quick] [--repeats N] [--json PATH] [--threads T] [--device cpu|cuda]
 
 A DFlash draft with 8 layers, hidden 2048, 16 KV heads x 128 head_dim: the fused KV weight is
 8 layers x 2 (K, V) x 2048 rows x 2048 x 4 B = 256 MiB (plus the 8 x 128 stacked k-norms). Graphs are captured
@@ -60,10 +60,11 @@ def fused_bytes(c: DFlashConfig) -> int:
     return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * c.hidden_size * 4
 
 
-def loaded_draft(cfg: DFlashConfig, name: str) -> DFlashQwen3Draft:
-    """A DFlash draft loaded with random weights, derived buffers built cold, graphs captured (pinned)."""
+def loaded_draft(cfg: DFlashConfig, name: str, device: str = "cpu") -> DFlashQwen3Draft:
+    """A DFlash draft loaded with random weights on `device`, derived buffers built cold, graphs captured
+    (pinned)."""
     model = DFlashQwen3Draft(cfg, name=name)
-    common.materialize(model, seed=0)
+    common.materialize(model, seed=0, device=device)
     model.refresh_derived_buffers()
     model.capture_graphs()
     return model
@@ -77,12 +78,12 @@ def knorm_slices(model: DFlashQwen3Draft) -> list[torch.Tensor]:
     return [layer.self_attn.k_norm.weight for layer in model.layers]
 
 
-def fixed_overhead(repeats: int) -> dict[str, Any]:
+def fixed_overhead(repeats: int, device: str = "cpu") -> dict[str, Any]:
     """Per-refresh cost when the copy is negligible: a tiny draft (4 layers, hidden 64), full refresh."""
     out: dict[str, Any] = {}
     for pinned in (True, False):
         model = DFlashQwen3Draft(DFlashConfig(num_hidden_layers=4), name=f"tiny-{pinned}")
-        common.materialize(model, seed=0)
+        common.materialize(model, seed=0, device=device)
         model.refresh_derived_buffers()
         if pinned:
             model.capture_graphs()
@@ -108,19 +109,22 @@ def count_arm(fn: Any, buffer_bytes: int) -> dict[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = common.parser(NAME, __doc__.splitlines()[0], repeats=15).parse_args(argv)
+    p = common.parser(NAME, __doc__.splitlines()[0], repeats=15)
+    common.add_device_argument(p)
+    args = p.parse_args(argv)
+    device = args.device
     repeats = common.setup_run(args, default_repeats=15)
     info = common.machine_info()
     configure_audit(console=False)
     cfg = big_config(args.quick)
     nbytes = fused_bytes(cfg)
     common.say(f"refresh: in place vs rebuild vs floor ({'quick' if args.quick else 'full'} run, {repeats} "
-               f"interleaved repeats per arm)")
+               f"interleaved repeats per arm, tensors on {device})")
     common.say(common.machine_line(info))
     common.say(f"  building a DFlash draft: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
                f"{cfg.num_key_value_heads} KV heads x {cfg.head_dim}: fused KV weight {common.mib(nbytes)} MiB ...")
 
-    model = loaded_draft(cfg, "refresh-bench")
+    model = loaded_draft(cfg, "refresh-bench", device)
     fused = model._fused_kv_weight
     assert fused.numel() * fused.element_size() == nbytes, (fused.shape, nbytes)
     smallest_buffer = min(model._fused_kv_weight.nbytes, model._k_norm_weights.nbytes)
@@ -152,11 +156,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.refresh_derived_buffers()
 
     arms = [
-        Arm("floor: one copy_ of the same bytes", floor),
-        Arm("slice copy_ by hand (no framework)", by_hand),
-        Arm("torch.cat(out=buf)", cat_out),
-        Arm("vLLM rebuild (new storage)", rebuild),
-        Arm("lifecycle in place (graphs captured)", lifecycle_refresh, lambda: common.mark_reloaded(model)),
+        Arm("floor: one copy_ of the same bytes", common.synced(floor, device)),
+        Arm("slice copy_ by hand (no framework)", common.synced(by_hand, device)),
+        Arm("torch.cat(out=buf)", common.synced(cat_out, device)),
+        Arm("vLLM rebuild (new storage)", common.synced(rebuild, device)),
+        Arm("lifecycle in place (graphs captured)", common.synced(lifecycle_refresh, device),
+            lambda: common.mark_reloaded(model)),
     ]
     thread_counts = list(dict.fromkeys([torch.get_num_threads(), 1]))
     samples: dict[int, dict[str, list[float]]] = {}
@@ -175,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = model.refresh_derived_buffers()
     ptr_ok = model._fused_kv_weight.data_ptr() == fused.data_ptr()
     equal = torch.equal(model._fused_kv_weight, torch.cat(kv_slices(model)))
-    fixed = fixed_overhead(repeats)
+    fixed = fixed_overhead(repeats, device)
     common.finish(info)
 
     floor_name, hand_name = arms[0].name, arms[1].name
@@ -234,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           fixed["pin_verification_pass_us"]]]))
     common.say("\n" + common.end_line(info))
     out = common.write_json(common.json_path(args, NAME), {
-        "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
+        "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info, "device": device,
         "config": {"layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
                    "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
                    "fused_kv_bytes": nbytes},

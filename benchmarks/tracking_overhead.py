@@ -1,6 +1,7 @@
 """Tracking overhead: the safetensors loader WITH the lifecycle vs the same streaming and copying WITHOUT it.
 
     python -m benchmarks.tracking_overhead [--quick] [--repeats N] [--json PATH] [--threads T] [--shape NAME]
+                                           [--device cpu|cuda]
 
 Three drafts, each written once to a temp dir (/dev/shm when there is one: every round reads from memory):
   many-tensor  16 layers x 127 small tensors, fp32, 155 MB (an MoE-style draft: attention + 60 experts per layer)
@@ -110,7 +111,8 @@ def shapes(quick: bool) -> list[Shape]:
 # ---- the two loaders -------------------------------------------------------------------------------------------
 
 
-def baseline_load(model: DraftBackbone, path: Path, layer_map: dict[str, str], phase: Phase) -> int:
+def baseline_load(model: DraftBackbone, path: Path, layer_map: dict[str, str], phase: Phase, device: str = "cpu"
+                  ) -> int:
     """The same streaming and copying as `load_safetensors(bucket_by="layer")`, and the same post-load hooks the
     lifecycle runs in `finalize_loading` (called directly), with no lifecycle call. `layer_map` (name -> layer,
     built once, as the lifecycle's readiness map is) groups the buckets."""
@@ -119,21 +121,21 @@ def baseline_load(model: DraftBackbone, path: Path, layer_map: dict[str, str], p
     n = 0
     for bucket in iter_buckets(index, buckets):
         for name, value in bucket:
-            write_tensor(model, name, value, "cpu")
+            write_tensor(model, name, value, device)
         n += len(bucket)
     for hook in model.post_load_hooks(phase):
         hook.fn(model)
     return n
 
 
-def lifecycle_reload(model: DraftBackbone, path: Path) -> None:
+def lifecycle_reload(model: DraftBackbone, path: Path, device: str = "cpu") -> None:
     model.begin_reload()
-    load_safetensors(model, path, bucket_by="layer")
+    load_safetensors(model, path, bucket_by="layer", device=device)
     model.finalize_loading()
 
 
-def lifecycle_cold(model: DraftBackbone, path: Path) -> None:
-    load_safetensors(model, path, bucket_by="layer")
+def lifecycle_cold(model: DraftBackbone, path: Path, device: str = "cpu") -> None:
+    load_safetensors(model, path, bucket_by="layer", device=device)
     model.finalize_loading()
 
 
@@ -272,7 +274,7 @@ def event_costs(tmp: Path, quick: bool) -> list[dict[str, Any]]:
 # ---- main ------------------------------------------------------------------------------------------------------
 
 
-def measure_shape(shape: Shape, tmp: Path, repeats: int
+def measure_shape(shape: Shape, tmp: Path, repeats: int, device: str = "cpu"
                   ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, int]]:
     model = shape.build()
     weights = random_checkpoint(model, 0)
@@ -291,18 +293,20 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int
         configure_audit(console=False)
 
     audit_off()
-    lifecycle_cold(model, path)
+    lifecycle_cold(model, path, device)
     model.refresh_derived_buffers()
     live = {"m": model}  # dropped before the cold loads (the real-size draft holds 1.5 GB)
     del model
     reload_arms = [
-        Arm("baseline", lambda: baseline_load(live["m"], path, layer_map, Phase.RELOAD), audit_off),
-        Arm("lifecycle, audit on", lambda: lifecycle_reload(live["m"], path), audit_on),
-        Arm("lifecycle, audit off", lambda: lifecycle_reload(live["m"], path), audit_off),
+        Arm("baseline", common.synced(lambda: baseline_load(live["m"], path, layer_map, Phase.RELOAD, device),
+                                      device), audit_off),
+        Arm("lifecycle, audit on", common.synced(lambda: lifecycle_reload(live["m"], path, device), device), audit_on),
+        Arm("lifecycle, audit off", common.synced(lambda: lifecycle_reload(live["m"], path, device), device),
+            audit_off),
     ]
     samples = common.interleaved(reload_arms, repeats)
     audit_on()
-    lifecycle_reload(live["m"], path)
+    lifecycle_reload(live["m"], path, device)
     audit_off()
     logged = audit_events.read_events(log)
     events_per_load = len(logged)
@@ -334,8 +338,10 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int
 
     live.clear()
     cold_arms = [
-        Arm("baseline", lambda: baseline_load(holder["m"], path, layer_map, Phase.COLD_LOAD), fresh(audit_off)),
-        Arm("lifecycle, audit on", lambda: lifecycle_cold(holder["m"], path), fresh(audit_on)),
+        Arm("baseline", common.synced(lambda: baseline_load(holder["m"], path, layer_map, Phase.COLD_LOAD, device),
+                                      device), fresh(audit_off)),
+        Arm("lifecycle, audit on", common.synced(lambda: lifecycle_cold(holder["m"], path, device), device),
+            fresh(audit_on)),
     ]
     cold = common.interleaved(cold_arms, max(3, repeats // 2))
     audit_off()
@@ -389,13 +395,14 @@ def audit_off_share(rows: list[dict[str, Any]], kinds: dict[str, dict[str, int]]
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = common.parser(NAME, __doc__.splitlines()[0], repeats=15)
+    common.add_device_argument(p)
     p.add_argument("--shape", action="append", default=None, choices=[s.name for s in shapes(False)],
                    help="only this draft (repeatable; default: all three)")
     args = p.parse_args(argv)
     repeats = common.setup_run(args, default_repeats=15)
     info = common.machine_info()
     common.say(f"tracking overhead: loader with the lifecycle vs without ({'quick' if args.quick else 'full'} run, "
-               f"{repeats} interleaved repeats per arm)")
+               f"{repeats} interleaved repeats per arm, tensors on {args.device})")
     common.say(common.machine_line(info))
     with tempfile.TemporaryDirectory(prefix="bench-tracking-", dir=common.scratch_dir()) as d:
         tmp = Path(d)
@@ -404,7 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kinds: dict[str, dict[str, int]] = {}
         for shape in [s for s in shapes(args.quick) if args.shape is None or s.name in args.shape]:
             common.say(f"  measuring {shape.name}: {shape.note} ...")
-            shape_rows, update, kinds[shape.name] = measure_shape(shape, tmp, max(3, round(repeats * shape.repeats)))
+            shape_rows, update, kinds[shape.name] = measure_shape(shape, tmp, max(3, round(repeats * shape.repeats)),
+                                                                  args.device)
             rows.extend(shape_rows)
             updates.append(update)
         completion = layer_completion(tmp, args.quick)
@@ -453,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.say(f"\nTARGETS: {sum(targets)} of {len(targets)} met" + ("" if all(targets) else " (see MISSED above)"))
     common.say("\n" + common.end_line(info))
     out = common.write_json(common.json_path(args, NAME), {
-        "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
+        "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info, "device": args.device,
         "target_overhead": TARGET_OVERHEAD, "rows": rows, "per_tensor": updates, "layer_completion": completion,
         "audit_off": off, "event_kinds_per_load": kinds, "event_costs": costs, "targets_met": sum(targets),
         "targets": len(targets)})
