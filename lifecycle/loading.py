@@ -18,6 +18,7 @@ as one `weights_loaded` call. Buckets can come in any order, with duplicates, or
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -91,12 +92,22 @@ class IndexEntry:
 
 @dataclass
 class LoadReport:
+    """What `load_safetensors` did: the files read, tensors and buckets written (a resent tensor counts again), the
+    layers the load completed, its duration, and `nbytes`: the bytes written, from the checkpoint header (counted
+    when asked, not per bucket)."""
+
     files: list[str]
     tensors: int = 0
     buckets: int = 0
-    nbytes: int = 0
     duration_ms: float = 0.0
     layers_completed: list[str] = field(default_factory=list)
+    _index: dict[str, IndexEntry] = field(default_factory=dict, repr=False)
+    _plan: list[list[str]] = field(default_factory=list, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(e.shape) * e.dtype.itemsize
+                   for bucket in self._plan[:self.buckets] for e in map(self._index.__getitem__, bucket))
 
 
 @dataclass(frozen=True)
@@ -399,23 +410,23 @@ def load_safetensors(
     lc.ensure_loading_allowed()
     buckets = plan_buckets(names, lc.readiness.layer_of_name.__getitem__, bucket_by=bucket_by,
                            shuffle=shuffle, seed=seed, duplicates=duplicates)
-    report = LoadReport(files=_file_list(index, names))
+    single = isinstance(paths, (str, PathLike))  # one file: the report's file list needs no look at the names
+    report = LoadReport(files=[str(Path(paths))] if single and names else _file_list(index, names), _index=index,
+                        _plan=buckets)
     total = sum(map(len, buckets))
     for i, (bucket_names, bucket) in enumerate(zip(buckets, iter_buckets(index, buckets), strict=True)):
         completed = _write_and_report(backbone, bucket_names, bucket, device, finite_check=finite_check,
                                       writer=writer, before_write=before_write,
                                       validated=True)  # the header was validated above
-        nbytes = sum(map(_NBYTES, map(_VALUE, bucket)))
         report.buckets += 1
         report.tensors += len(bucket)
-        report.nbytes += nbytes
         if completed:
             report.layers_completed.extend(completed)
         # per bucket (possibly per tensor): debug level, built only when someone keeps it
         if events.enabled("debug"):
             lc.audit_event("loader_bucket", level="debug", bucket=i, buckets=len(buckets), tensors=len(bucket),
-                           nbytes=nbytes, layers_completed=completed, layers_ready=lc.readiness.layers_ready,
-                           layers_total=lc.readiness.layers_total)
+                           nbytes=sum(map(_NBYTES, map(_VALUE, bucket))), layers_completed=completed,
+                           layers_ready=lc.readiness.layers_ready, layers_total=lc.readiness.layers_total)
         if progress is not None:
             progress(LoadProgress(i + 1, len(buckets), report.tensors, total,
                                   lc.readiness.layers_ready, lc.readiness.layers_total))

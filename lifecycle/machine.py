@@ -80,6 +80,7 @@ class BackboneLifecycle(TableMachine):
         # an unlocked lifecycle is not thread-safe (no LockedMachine, leases never wait); the lock is there anyway:
         # an uncontended RLock costs less per call than a null context manager
         self._lock = threading.RLock()
+        self._locked = locked
         self._leases = WriteLeases(self._lock, locked=locked)
         # what `recover` needs: where the current reload began, and why recovering would be wrong (None: it would not)
         self._origin = ReloadOrigin()
@@ -394,11 +395,13 @@ class BackboneLifecycle(TableMachine):
         with self._lock:
             if "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]:
                 self._fire("weights_loaded")  # raises IllegalTransitionError and records the refusal
-            return self._leases.acquire()
+            # unlocked, nothing ever waits for a lease: the check is all there is to it
+            return self._leases.acquire() if self._locked else 0
 
     def release_write_lease(self, token: int) -> None:
-        with self._lock:
-            self._leases.release(token)
+        if self._locked:
+            with self._lock:
+                self._leases.release(token)
 
     @contextmanager
     def loading(self) -> Iterator[None]:
