@@ -4,7 +4,7 @@
 
 Each command runs as `python -m lifecycle.cli ...` from the repository root, `repeats` times, interleaved with two
 references measured in the same run: the bare interpreter (`python -c pass`, the floor) and `python -c "import
-torch"` (what the commands paid when `import lifecycle` loaded the core). Per process: wall time from spawn to exit
+torch"` (what the commands paid when `import lifecycle` loaded the core; not with `--quick`). Per process: wall time from spawn to exit
 and peak resident memory (`ru_maxrss` of that child, from `os.wait4` in a small launcher process that does not
 import torch: a child's peak counts the process it was forked from until its exec). The log is empty, so the
 figures are the start-up cost: everything before the first line is read. A separate run of each command's
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmds = commands(log, out)
         arms: dict[str, list[str]] = {
             "python -c pass (floor)": ["-c", "pass"],
-            "python -c 'import torch' (reference)": ["-c", "import torch"],
+            **({} if args.quick else {"python -c 'import torch' (reference)": ["-c", "import torch"]}),
             **{f"reload-lifecycle {name}": ["-m", "lifecycle.cli", *cmd] for name, cmd in cmds.items()},
         }
         samples = spawn_all(arms, repeats)

@@ -107,7 +107,7 @@ def test_backed_quick_refresh_writes_nothing_and_holds_one_copy(tmp_path, capsys
 
 def test_cli_start_runs_each_command_in_a_fresh_process_without_torch(tmp_path, capsys):
     out_json = tmp_path / "c.json"
-    assert cli_start.main(["--repeats", "1", "--json", str(out_json)]) == 0
+    assert cli_start.main(["--quick", "--repeats", "1", "--json", str(out_json)]) == 0
     data = json.loads(out_json.read_text())
     rows = {r["what"]: r for r in data["rows"]}
     for command in ("audit", "audit --json", "report", "diagram"):
