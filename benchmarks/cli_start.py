@@ -5,10 +5,11 @@
 Each command runs as `python -m lifecycle.cli ...` from the repository root, `repeats` times, interleaved with two
 references measured in the same run: the bare interpreter (`python -c pass`, the floor) and `python -c "import
 torch"` (what the commands paid when `import lifecycle` loaded the core; not with `--quick`). Per process: wall
-time from spawn to exit and peak resident memory (`ru_maxrss` of that child, from `os.wait4` in a small launcher process that does not
-import torch: a child's peak counts the process it was forked from until its exec). The log is empty, so the
-figures are the start-up cost: everything before the first line is read. A separate run of each command's
-`main` reports whether torch was imported. Targets (issue 15): under 0.3 s and under 60 MB, without torch.
+time from spawn to exit, and peak resident memory (`ru_maxrss` of that child, from `os.wait4` in a small launcher
+process that does not import torch: a child's peak counts the process it was forked from until its exec). The log
+is empty, so the figures are the start-up cost: everything before the first line is read. A separate run of each
+command's `main` reports whether torch was imported. Targets (issue 15): under 0.3 s and under 60 MB, without
+torch.
 """
 
 from __future__ import annotations
