@@ -177,17 +177,17 @@ class TableMachine:
         self._keep(events.bound_fields({"event": event, "backbone": self.name, "rank": self.rank,
                                         "epoch": self.epoch, "seq": self._seq, **fields}))
 
-    def _audit_layers(self, event: str, layers: list[str], **fields: Any) -> None:
+    def _audit_layers(self, event: str, layers: list[str], tensors: int | None = None) -> None:
         """A `layer_ready` or `layers_unchanged` event: the layers (at most `events.LIST_CAP`, the rest counted in
-        `layers_more`) and the readiness counts. The per-bucket hot path: built as a plain record when every value
+        `layers_more`), the bucket's `tensors` (layer_ready) and the readiness counts. The per-bucket hot path: built as a plain record when every value
         is known to be bounded already (`bound_fields` otherwise)."""
         readiness = self.readiness
         shown = layers[:events.LIST_CAP]  # a copy: the caller keeps its list
         self._seq += 1
         record = {"event": event, "backbone": self.name, "rank": self.rank, "epoch": readiness.epoch,
                   "seq": self._seq, "layers": shown, "layers_more": len(layers) - len(shown)}
-        if fields:
-            record.update(fields)
+        if tensors is not None:
+            record["tensors"] = tensors
         record["layers_ready"] = readiness.layers_ready
         record["layers_total"] = readiness.layers_total
         if not self._plain_layer_events:

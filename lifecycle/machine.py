@@ -180,7 +180,7 @@ class BackboneLifecycle(TableMachine):
             except UnknownNames as e:
                 self._raise_unknown(e.names)
             if completed:
-                self._audit_layers("layer_ready", completed, tensors=len(names))
+                self._audit_layers("layer_ready", completed, len(names))
             if self._bucket_moves("weights_loaded", bool(completed)):
                 self._fire("weights_loaded", tensors=len(names))
             return completed
