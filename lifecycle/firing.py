@@ -179,8 +179,8 @@ class TableMachine:
 
     def _audit_layers(self, event: str, layers: list[str], tensors: int | None = None) -> None:
         """A `layer_ready` or `layers_unchanged` event: the layers (at most `events.LIST_CAP`, the rest counted in
-        `layers_more`), the bucket's `tensors` (layer_ready) and the readiness counts. The per-bucket hot path: built as a plain record when every value
-        is known to be bounded already (`bound_fields` otherwise)."""
+        `layers_more`), the bucket's `tensors` (layer_ready) and the readiness counts. The per-bucket hot path:
+        built as a plain record when every value is known to be bounded already (`bound_fields` otherwise)."""
         readiness = self.readiness
         shown = layers[:events.LIST_CAP]  # a copy: the caller keeps its list
         self._seq += 1
