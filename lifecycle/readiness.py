@@ -47,8 +47,9 @@ class LayerReadiness:
     """Readiness bookkeeping for one backbone. Not thread-safe by itself: the lifecycle serialises calls.
 
     In an epoch a tensor is loaded when it was written (`_written`) or declared unchanged (`_unchanged`); the
-    two sets are disjoint. Dirty (written since the last successful refresh) is `_dirty_base` plus this epoch's
-    writes, until a refresh clears it: no per-tensor dirty set on the hot path."""
+    two sets are disjoint. Dirty (written since the last successful refresh) is `_dirty_base`, the write sets of
+    earlier epochs not refreshed yet (`_dirty_epochs`, kept whole: an epoch's end costs nothing per tensor) and this
+    epoch's writes, until a refresh clears it: no per-tensor dirty set on the hot path."""
 
     def __init__(self, names: Iterable[str], layer_key: Callable[[str], str] = layer_of) -> None:
         self.layer_of_name: dict[str, str] = {n: layer_key(n) for n in names}
@@ -61,12 +62,14 @@ class LayerReadiness:
         self.epoch = 0
         self._written: set[str] = set()  # written in this epoch
         self._unchanged: set[str] = set()  # declared unchanged in this epoch (and not written since)
-        self._count: dict[str, int] = dict.fromkeys(self.tensors_of_layer, 0)
+        self._left: dict[str, int] = dict(self._size)  # per layer: tensors not loaded yet in this epoch
         self._complete = 0
-        # written since the last successful refresh (dirty) = `_dirty_base` | this epoch's `_written`, unless a
-        # refresh (or an exact rollback) in this epoch set it (`_epoch_absorbed`). Kept across epochs: an epoch that
-        # ends without a refresh (aborted, or a second begin_reload) leaves its writes to the next refresh.
+        # written since the last successful refresh (dirty) = `_dirty_base` | `_dirty_epochs` | this epoch's
+        # `_written`, unless a refresh (or an exact rollback) in this epoch set it (`_epoch_absorbed`). Kept across
+        # epochs: an epoch that ends without a refresh (aborted, or a second begin_reload) leaves its writes to the
+        # next refresh.
         self._dirty_base: set[str] = set()
+        self._dirty_epochs: list[set[str]] = []
         self._epoch_absorbed = False
         # writes that failed part way in this epoch and were not redone
         self._failed: set[str] = set()
@@ -75,19 +78,29 @@ class LayerReadiness:
         # a write failed part way): they mix two checkpoints, so only a complete write of them ends this; nothing
         # may declare them unchanged (`unchanged_refusals`)
         self.partly_written: set[str] = set()
+        self._layer_get = self.layer_of_name.get
+        self._plain = True  # nothing declared unchanged, no failed write, no refresh in this epoch: the fast path
+
+    def _note_plain(self) -> None:
+        """Recompute `_plain` after a change to what it summarises (off the hot path)."""
+        self._plain = not (self._unchanged or self._failed or self._epoch_absorbed)
 
     # ---- epochs -------------------------------------------------------------------------------------------
     def new_epoch(self) -> int:
         self.close_epoch()
-        if not self._epoch_absorbed:
-            self._dirty_base |= self._written
+        if not self._epoch_absorbed and self._written:
+            self._dirty_epochs.append(self._written)  # a new set follows: this one is never written again
+            if len(self._dirty_epochs) > 4:  # many epochs without a refresh: folded, so memory stays bounded
+                self._dirty_base.update(*self._dirty_epochs)
+                self._dirty_epochs = []
         self.epoch += 1
         self._closed = False
         self._epoch_absorbed = False
         self._written = set()
         self._unchanged = set()
-        self._count = dict.fromkeys(self.tensors_of_layer, 0)
+        self._left = dict(self._size)
         self._complete = 0
+        self._note_plain()
         return self.epoch
 
     def close_epoch(self, restored: Iterable[str] = ()) -> list[str]:
@@ -97,17 +110,20 @@ class LayerReadiness:
         if self._closed:  # an abort closed it already; the next begin_reload closes it again
             return []
         self._closed = True
+        if not self._failed and self._complete == len(self._size):  # every layer complete: none written in part
+            return []
         restored = frozenset(restored)
-        sizes, count, written = self._size, self._count, self._written
+        sizes, left, written = self._size, self._left, self._written
         new = {self.layer_of_name[n] for n in self._failed - restored}
         if self._complete < len(sizes):  # only an incomplete layer can be written in part
             for layer, names in self.tensors_of_layer.items():
-                if 0 < count[layer] < sizes[layer] and layer not in new and any(
+                if 0 < left[layer] < sizes[layer] and layer not in new and any(
                         n in written and n not in restored for n in names):
                     new.add(layer)
         new -= self.partly_written
         self.partly_written.update(new)
         self._failed = set()
+        self._note_plain()
         return sorted(new)
 
     # ---- hot path -----------------------------------------------------------------------------------------
@@ -120,28 +136,33 @@ class LayerReadiness:
         Raises `UnknownNames` (recording nothing) for names this backbone does not have."""
         if not names:
             return []
-        layer = self.layer_of_name.get(names[0])
-        # the common case in C: names of one layer (a superset check, which also says they are known), none
-        # declared unchanged; duplicates and names written before are fine: the count grows by what the set grew by
-        if layer is None or self._unchanged or not self._names_of_layer[layer].issuperset(names):
-            completed = self._mark(names, dirty=True)
-        else:
-            written = self._written
-            before = len(written)
-            written.update(names)
-            added = len(written) - before
-            completed = []
-            if added:
-                count = self._count[layer] = self._count[layer] + added
-                if count == self._size[layer]:
-                    completed = [layer]
-                    self._complete += 1
-                    if self.partly_written:
-                        self.partly_written.discard(layer)  # written in full (nothing may declare it unchanged)
+        layer = self._layer_get(names[0])
+        # the common case in C: names of one layer (a superset check, which also says they are known), nothing
+        # unusual in the epoch (`_plain`); duplicates and names written before are fine: the count goes down by
+        # what the set grew by
+        if not self._plain or layer is None or not self._names_of_layer[layer].issuperset(names):
+            return self._mark_written(names)
+        written = self._written
+        before = len(written)
+        written.update(names)
+        added = len(written) - before
+        if not added:
+            return []
+        left = self._left[layer] = self._left[layer] - added
+        if left:
+            return []
+        self._complete += 1
+        if self.partly_written:
+            self.partly_written.discard(layer)  # written in full (nothing may declare it unchanged)
+        return [layer]
+
+    def _mark_written(self, names: Sequence[str]) -> list[str]:
+        completed = self._mark(names, dirty=True)
         if self._failed:
             self._failed.difference_update(names)  # written again, in full
         if self._epoch_absorbed:  # written after a refresh of this epoch absorbed its writes: dirty again
             self._dirty_base.update(names)
+        self._note_plain()
         return completed
 
     def unknown_free(self, names: Sequence[str]) -> Sequence[str]:
@@ -159,20 +180,21 @@ class LayerReadiness:
     def unmark(self, names: Iterable[str]) -> None:
         """Undo `mark_unchanged(names)` of tensors that were not loaded in this epoch before it (a refused
         finish puts back what it declared)."""
-        count, sizes, unchanged = self._count, self._size, self._unchanged
+        left, unchanged = self._left, self._unchanged
         for name in names:
             if name not in unchanged:
                 continue
             unchanged.discard(name)
             layer = self.layer_of_name[name]
-            if count[layer] == sizes[layer]:
+            if not left[layer]:
                 self._complete -= 1
-            count[layer] -= 1
+            left[layer] += 1
+        self._note_plain()
 
     def _mark(self, names: Sequence[str], *, dirty: bool) -> list[str]:
         """The general case: any names, any layers, written (`dirty`) or declared unchanged."""
         self.unknown_free(names)
-        written, unchanged, count, sizes = self._written, self._unchanged, self._count, self._size
+        written, unchanged, left = self._written, self._unchanged, self._left
         layer_of_name = self.layer_of_name
         completed: list[str] = []
         for name in names:
@@ -185,12 +207,13 @@ class LayerReadiness:
                 continue
             (written if dirty else unchanged).add(name)
             layer = layer_of_name[name]
-            count[layer] += 1
-            if count[layer] == sizes[layer]:
+            left[layer] -= 1
+            if not left[layer]:
                 completed.append(layer)
         self._complete += len(completed)
         if self.partly_written and completed:
             self.partly_written.difference_update(completed)  # written in full (nothing may declare them unchanged)
+        self._note_plain()
         return completed
 
     # ---- queries ------------------------------------------------------------------------------------------
@@ -208,7 +231,8 @@ class LayerReadiness:
 
     def untouched_layers(self) -> list[str]:
         """Layers that received nothing in this epoch."""
-        return [layer for layer, c in self._count.items() if c == 0]
+        sizes = self._size
+        return [layer for layer, n in self._left.items() if n == sizes[layer]]
 
     def unchanged_refusals(self, names: Iterable[str]) -> dict[str, tuple[str, ...]]:
         """Layer -> why its tensors among `names` may not be declared unchanged: the layer is partly written by
@@ -253,14 +277,15 @@ class LayerReadiness:
     def dirty_tensors(self) -> frozenset[str]:
         """Tensors written since the last successful refresh (this epoch or an earlier one that ended without
         a refresh): what a selective refresh must propagate."""
-        if self._epoch_absorbed:
-            return frozenset(self._dirty_base)
-        return frozenset(self._dirty_base.union(self._written))
+        parts = [*self._dirty_epochs, *(() if self._epoch_absorbed else (self._written,))]
+        return frozenset(self._dirty_base.union(*parts))
 
     def clear_dirty(self) -> None:
         """A refresh propagated every dirty tensor into the derived buffers."""
         self._dirty_base = set()
+        self._dirty_epochs = []
         self._epoch_absorbed = True
+        self._plain = False
 
     def mark_dirty(self, names: Iterable[str]) -> None:
         """Tensors possibly written (a write that failed part way) but not loaded: the next refresh rewrites
@@ -269,11 +294,14 @@ class LayerReadiness:
         names = list(names)
         self._dirty_base.update(names)
         self._failed.update(names)
+        self._note_plain()
 
     def restore_dirty(self, names: Iterable[str]) -> None:
         """Set the dirty set back to `names` (after a rollback restored every write since it was taken)."""
         self._dirty_base = set(names)
+        self._dirty_epochs = []
         self._epoch_absorbed = True
+        self._plain = False
 
     def dirty_layers(self) -> list[str]:
         seen = {self.layer_of_name[n] for n in self.dirty_tensors()}
