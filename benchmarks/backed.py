@@ -144,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                f"{reports[True]['_fused_kv_weight'].mode} with {reports[True]['_fused_kv_weight'].backed_sources} "
                "sources made views")
     common.say("\n" + common.end_line(info))
+    common.say(common.noise_note(info))
     out = common.write_json(common.json_path(args, NAME), {
         "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
         "config": {"layers": layers, "hidden_size": hidden, "kv_rows": kv, "fused_kv_bytes": fused},

@@ -155,6 +155,21 @@ def machine_line(info: Mapping[str, Any]) -> str:
             "ms")
 
 
+#: A quiet 2-core machine of this project copies 64 MiB in 4-7 ms; above this the machine was busy.
+QUIET_PROBE_MS = 8.0
+
+
+def noise_note(info: Mapping[str, Any]) -> str:
+    """What the machine's state says about this run's wall-clock figures (the probe and the load average at start
+    and end)."""
+    probe = max(info["probe_copy_64mib_ms_start"], info.get("probe_copy_64mib_ms_end", 0.0))
+    load = max(info["loadavg_start"][0], info.get("loadavg_end", [0.0])[0])
+    if probe <= QUIET_PROBE_MS and load <= (info.get("nproc") or 2):
+        return f"machine quiet (64 MiB copy probe <= {probe} ms, load average <= {load}): wall-clock figures hold"
+    return (f"MACHINE BUSY (64 MiB copy probe up to {probe} ms, quiet: 4-7; load average up to {load}): wall-clock "
+            "ratios are unreliable in this run; CPU-time figures are less affected. Re-run on a quiet machine.")
+
+
 def end_line(info: Mapping[str, Any]) -> str:
     return (f"load average {info['loadavg_start']} at start, {info['loadavg_end']} at end; 64 MiB copy_ probe "
             f"{info['probe_copy_64mib_ms_start']} ms at start, {info['probe_copy_64mib_ms_end']} ms at end")

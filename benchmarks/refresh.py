@@ -238,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
          [f"one pin verification pass ({fixed['pinned_tensors']} pinned tensors)",
           fixed["pin_verification_pass_us"]]]))
     common.say("\n" + common.end_line(info))
+    common.say(common.noise_note(info))
     out = common.write_json(common.json_path(args, NAME), {
         "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info, "device": device,
         "config": {"layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,

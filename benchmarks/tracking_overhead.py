@@ -460,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                + [c["met"] for c in completion] + [o["met"] for o in off])
     common.say(f"\nTARGETS: {sum(targets)} of {len(targets)} met" + ("" if all(targets) else " (see MISSED above)"))
     common.say("\n" + common.end_line(info))
+    common.say(common.noise_note(info))
     out = common.write_json(common.json_path(args, NAME), {
         "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info, "device": args.device,
         "target_overhead": TARGET_OVERHEAD, "rows": rows, "per_tensor": updates, "layer_completion": completion,
