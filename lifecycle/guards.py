@@ -10,6 +10,7 @@ abort time, from what the aborted reload wrote and what its rollback restored.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -114,10 +115,16 @@ def refusal(lc: BackboneLifecycle, trigger: str) -> LifecycleError | None:
 # ---- what `Guard.RECOVERABLE` reads ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ReloadOrigin:
-    """Recorded at `begin_reload`: whether the derived buffers matched the weights then, and the dirty set."""
+    """Recorded at `begin_reload`: whether the derived buffers matched the weights then, and the dirty set, kept as
+    the readiness's parts (sets never changed again: `LayerReadiness.dirty_parts`), so that beginning an epoch costs
+    nothing per tensor; `dirty` joins them when an abort asks."""
 
     current: bool = False
-    dirty: frozenset[str] = frozenset()
+    dirty_parts: tuple[AbstractSet[str], ...] = ()
+
+    @property
+    def dirty(self) -> frozenset[str]:
+        return frozenset().union(*self.dirty_parts)
 
 
 def recovery_verdict(origin: ReloadOrigin, dirty_now: frozenset[str], restored: frozenset[str] | None,

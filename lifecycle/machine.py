@@ -221,7 +221,7 @@ class BackboneLifecycle(TableMachine):
             # derived buffers match the weights at the start of this reload: a rollback to here can be recovered
             self._origin = ReloadOrigin(
                 current=self.usable or (self.quarantined and self.recovery_blocker is None),
-                dirty=self.readiness.dirty_tensors())
+                dirty_parts=self.readiness.dirty_parts())
             self.readiness.new_epoch()
             self.quarantine_reason = None
             self._fire("begin_reload", pinned=self.graphs_pinned, from_state=src.value)
