@@ -141,9 +141,14 @@ def _guard_processing(backbone: LifecycleDraftModel, module: nn.Module,
       through a reference to `process_weights_after_loading` taken before the plugin wrapped it) is skipped:
       the reload processes each layer once, when it completes or at finalize, never a META placeholder."""
     quant_method = getattr(module, "quant_method", None)
-    original = getattr(quant_method, "process_weights_after_loading", None)
-    if original is None:
+    if getattr(quant_method, "process_weights_after_loading", None) is None:
         return
+    # an earlier per-instance wrapper, else the class's method as it is when called (a process-wide replacement,
+    # such as a test's simulated GPU layout, then applies to this layer too)
+    own = quant_method.__dict__.get("process_weights_after_loading")
+
+    def original(layer: nn.Module) -> Any:
+        return own(layer) if own is not None else type(quant_method).process_weights_after_loading(quant_method, layer)
 
     def process_weights_after_loading(layer: nn.Module) -> Any:
         lc = backbone.lifecycle

@@ -1,0 +1,171 @@
+"""The in-process scenario (`python tests/vllm_scenarios.py inprocess WORKDIR [FAMILIES] [LAYOUTS]`): for each
+family the CPU build cannot start an engine with, vLLM's own classes, loader and reload functions
+(`tests/vllm_inprocess.py`), every trainer path (`tests/vllm_trainer_paths.py`), on both weight layouts.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm_inprocess import (
+    CASES,
+    DraftCase,
+    backbone,
+    build,
+    build_target,
+    derived_digests,
+    gpu_weight_layout,
+    identities,
+    setup,
+    share_target,
+    target_reload,
+    transfer_session,
+    vllm_builder_values,
+    weight_digests,
+)
+from vllm_trainer_paths import DRAFT_PATHS, PATHS, buckets, read, write_draft
+
+__all__ = ["INPROCESS_FAMILIES", "run_inprocess"]
+
+INPROCESS_FAMILIES = "qwen3_dspark,dflash2,kimi_k3_dspark"
+
+
+def _try(fn: Callable[[], Any]) -> dict[str, Any]:
+    try:
+        return {"ok": True, "value": fn()}
+    except Exception as e:
+        return {"ok": False, "error": type(e).__name__, "message": str(e)[:1500], "trace": traceback.format_exc()[-1200:]}
+
+
+def run_inprocess(work: Path, families: str = INPROCESS_FAMILIES, layouts: str = "cpu,gpu") -> dict[str, Any]:
+    setup()
+    out: dict[str, Any] = {}
+    for fam in families.split(","):
+        out[fam] = {}
+        for name in layouts.split(","):
+            with gpu_weight_layout() if name == "gpu" else nullcontext():
+                out[fam][name] = _try(lambda c=CASES[fam], n=name: _family(c, work, n))
+    # last: a stock reload that fails half way leaves vLLM's shared modules (the cached RoPE) on META
+    for fam in families.split(","):
+        out[fam]["stock"] = _try(lambda c=CASES[fam]: _stock_bucketed_reload(c, work))
+    return out
+
+
+def _draft_dir(work: Path, case: DraftCase, which: str) -> Path:
+    return work / f"{case.family}{which}"
+
+
+def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
+    target = build_target(work / "target")
+    ref = {}
+    for which in "AB":
+        cold = build(case, _draft_dir(work, case, which), work / "target")
+        ref[which] = {"derived": derived_digests(cold), "weights": weight_digests(cold)}
+    warm = build(case, _draft_dir(work, case, "A"), work / "target")
+    share_target(warm, target)
+    b = backbone(warm)
+    lc = b.lifecycle
+    res: dict[str, Any] = {"cold_state": lc.state.value, "layout": _qkv_shape(warm),
+                           "refs_differ": ref["A"]["derived"] != ref["B"]["derived"]}
+    if layout == "gpu":
+        res["same_as_vllm_builder"] = _same_as_vllm_builder(warm)
+    res["pinned"] = b.capture_graphs()
+    pinned = identities(warm)
+    draft_config = warm.vllm_config.speculative_config.draft_model_config
+    runs, cur = [], "A"
+    for path in PATHS:
+        dest = {"A": "B", "B": "A"}[cur] if path in DRAFT_PATHS else cur
+        folder = _draft_dir(work, case, dest)
+        tensors = read(folder) if path in DRAFT_PATHS else []
+        result = _try(lambda p=path, t=tensors, f=folder: write_draft(
+            warm, draft_config, t, p, session=transfer_session(warm, f), target_reload=target_reload(target)))
+        runs.append({"path": path, "draft": dest, "result": result, **_observe(warm, ref[dest], pinned)})
+        cur = dest
+    res["runs"] = runs
+    res["unfinished"] = _unfinished(warm, work, case, ref, pinned)
+    return res
+
+
+def _observe(model: Any, ref: dict[str, Any], pinned: dict[str, Any]) -> dict[str, Any]:
+    b = backbone(model)
+    lc = b.lifecycle
+    derived, weights = derived_digests(model), weight_digests(model)
+    return {"state": lc.state.value, "epoch": lc.epoch,
+            "derived_differ": sorted(n for n in derived if derived[n] != ref["derived"].get(n)),
+            "weights_differ": sorted(n for n in weights if weights[n] != ref["weights"].get(n)),
+            "moved": sorted(n for n, ident in identities(model).items() if pinned.get(n) != ident),
+            "pin_problems": lc.pinned_changes(), "fused_path": _try(lambda: b.require_usable("draft"))}
+
+
+def _unfinished(model: Any, work: Path, case: DraftCase, ref: dict[str, Any], pinned: dict[str, Any]) -> dict[str, Any]:
+    """Plain load_weights of every bucket, never finished: the draft must refuse; the next
+    process_weights_after_loading from model_loader.utils finishes the epoch."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    b = backbone(model)
+    draft_config = model.vllm_config.speculative_config.draft_model_config
+    dest = "B" if derived_digests(model) == ref["A"]["derived"] else "A"
+    written = _try(lambda: write_draft(model, draft_config, read(_draft_dir(work, case, dest)), "plain_load_weights",
+                                       finalize=False))
+    open_state = {"state": b.lifecycle.state.value, "fused_path": _try(lambda: b.require_usable("draft"))}
+    finish = _try(lambda: process_weights_after_loading(model, draft_config, torch.device("cpu")))
+    return {"draft": dest, "written": written, "open": open_state, "finish": finish,
+            **_observe(model, ref[dest], pinned)}
+
+
+def _qkv_shape(model: Any) -> list[int]:
+    b = backbone(model)
+    attn = b.layers[0].self_attn
+    linear = getattr(attn, "qkv_proj", None) or getattr(attn, "fused_qkv_a_proj", None)
+    return list(linear.weight.shape)
+
+
+def _same_as_vllm_builder(model: Any) -> dict[str, bool]:
+    """Does every buffer and metadata value the lifecycle set equal what vLLM's own builder computes now?"""
+    b = backbone(model)
+    theirs = vllm_builder_values(model)
+    out = {}
+    for name, value in theirs.items():
+        mine = b._buffers.get(name) if name in b._buffers else getattr(b, name, None)
+        if isinstance(value, torch.Tensor) or isinstance(mine, torch.Tensor):
+            out[name] = isinstance(mine, torch.Tensor) and isinstance(value, torch.Tensor) \
+                and mine.shape == value.shape and torch.equal(mine, value)
+        elif isinstance(value, (list, tuple)):
+            out[name] = len(value) == len(mine) and all(x is y or x == y for x, y in zip(value, mine))
+        else:
+            out[name] = mine == value
+    return out
+
+
+def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
+    """vLLM's own class (no lifecycle), reloaded A -> B in buckets, later layers first, through vLLM's layerwise
+    reload: what happens to its derived state."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    stock = build(case, _draft_dir(work, case, "A"), work / "target", stock=True)
+    draft_config = stock.vllm_config.speculative_config.draft_model_config
+
+    def reload() -> int:
+        initialize_layerwise_reload(stock)
+        calls = buckets(read(_draft_dir(work, case, "B")), "buckets_later_layers_first")
+        try:
+            for bucket in calls:
+                stock.load_weights(bucket)
+        finally:
+            finalize_layerwise_reload(stock, draft_config)  # puts back what the failed reload left on META
+        return len(calls)
+
+    out: dict[str, Any] = {"reload": _try(reload)}
+    if case.family == "kimi_k3_dspark":  # built once after the cold load, never rebuilt: compare with B's norms
+        from vllm_trainer_paths import read as read_tensors
+
+        tb = dict(read_tensors(_draft_dir(work, case, "B")))
+        n = len(stock.model.layers)
+        expected = torch.stack([tb[f"layers.{i}.self_attn.kv_a_layernorm.weight"] for i in range(n)])
+        out["norms_equal_B"] = bool(torch.equal(stock.model._context_kv_norm_weights, expected))
+    return out
