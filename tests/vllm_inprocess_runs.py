@@ -39,7 +39,8 @@ def _try(fn: Callable[[], Any]) -> dict[str, Any]:
     try:
         return {"ok": True, "value": fn()}
     except Exception as e:
-        return {"ok": False, "error": type(e).__name__, "message": str(e)[:1500], "trace": traceback.format_exc()[-1200:]}
+        return {"ok": False, "error": type(e).__name__, "message": str(e)[:1500],
+                "trace": traceback.format_exc()[-1200:]}
 
 
 def run_inprocess(work: Path, families: str = INPROCESS_FAMILIES, layouts: str = "cpu,gpu") -> dict[str, Any]:
@@ -136,7 +137,7 @@ def _same_as_vllm_builder(model: Any) -> dict[str, bool]:
             out[name] = isinstance(mine, torch.Tensor) and isinstance(value, torch.Tensor) \
                 and mine.shape == value.shape and torch.equal(mine, value)
         elif isinstance(value, (list, tuple)):
-            out[name] = len(value) == len(mine) and all(x is y or x == y for x, y in zip(value, mine))
+            out[name] = len(value) == len(mine) and all(x is y or x == y for x, y in zip(value, mine, strict=True))
         else:
             out[name] = mine == value
     return out

@@ -98,7 +98,7 @@ def _generate(llm: Any) -> dict[str, Any]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     after = _spec_counters(llm)
-    delta = {k: ([a - b for a, b in zip(v, before[k])] if isinstance(v, list) else v - before[k])
+    delta = {k: ([a - b for a, b in zip(v, before[k], strict=True)] if isinstance(v, list) else v - before[k])
              for k, v in after.items()}
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "proposals": llm.collective_rpc(_proposals)[0],
             "counters": delta}
@@ -113,8 +113,12 @@ def _layout_probe(worker: Any) -> list[int]:
 
 
 def _observe(llm: Any) -> dict[str, Any]:
-    return {"generate": _try(lambda: _generate(llm)), "states": llm.collective_rpc("lifecycle_states"),
-            "digests": llm.collective_rpc("lifecycle_derived_digests"), "verify": llm.collective_rpc("lifecycle_verify")}
+    return {"generate": _try(lambda: _generate(llm)), **_lifecycle(llm)}
+
+
+def _lifecycle(llm: Any) -> dict[str, Any]:
+    return {name: llm.collective_rpc(f"lifecycle_{rpc}") for name, rpc in
+            (("states", "states"), ("digests", "derived_digests"), ("verify", "verify"))}
 
 
 def _paths(llm: Any, work: Path, family: str, start: str = "A") -> list[dict[str, Any]]:
@@ -225,8 +229,7 @@ def _observe_ranks(llm: Any) -> dict[str, Any]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False)
     tokens = _try(lambda: [list(o.outputs[0].token_ids) for o in llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)])
-    return {"tokens": tokens, "states": llm.collective_rpc("lifecycle_states"),
-            "digests": llm.collective_rpc("lifecycle_derived_digests"), "verify": llm.collective_rpc("lifecycle_verify")}
+    return {"tokens": tokens, **_lifecycle(llm)}
 
 
 def _tp_paths(llm: Any, work: Path) -> list[dict[str, Any]]:
