@@ -93,6 +93,7 @@ def _generate(llm: Any) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    llm.reset_prefix_cache()  # as trainers do after a weight update: cached blocks hold the old draft's K/V
     llm.collective_rpc(_record_proposals)
     before = _spec_counters(llm)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False)
@@ -142,7 +143,8 @@ def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu") -> dict[s
 
     method = CASES[family].method
     out: dict[str, Any] = {}
-    for name in layouts.split(","):
+    names = layouts.split(",")
+    for name in names:
         with layout(name):
             llm = _engine(work, f"{family}B", method=method)
             cold_b = _observe(llm)
@@ -152,33 +154,52 @@ def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu") -> dict[s
                                    "layout": llm.collective_rpc(_layout_probe)[0],
                                    "pinned": llm.collective_rpc("lifecycle_pin")}
             res["runs"] = _paths(llm, work, family)
-            res["unfinished"] = _unfinished(llm, work, family)
             res["events"] = llm.collective_rpc("lifecycle_events", kwargs={"last": 1000})
-            _shutdown(llm)
+            res["unfinished"] = _unfinished(llm, work, family, res["runs"][-1]["draft"], last=name == names[-1])
+            if name != names[-1]:
+                _shutdown(llm)
         out[name] = res
     return out
 
 
-def _unfinished(llm: Any, work: Path, family: str) -> dict[str, Any]:
-    """A plain load_weights of every bucket and no process_weights_after_loading: the draft must refuse to draft;
-    the next process_weights_after_loading (from model_loader.utils) finishes the epoch."""
+def _unfinished(llm: Any, work: Path, family: str, cur: str, last: bool) -> dict[str, Any]:
+    """A plain load_weights of every bucket, no process_weights_after_loading: the draft refuses to draft; the
+    next process_weights_after_loading (imported from model_loader.utils) finishes the epoch. With `last`, a
+    second unfinished write is then left open and `generate` must be refused (the engine is not reused after)."""
     from vllm_trainer_paths import run_in_worker
 
-    def finish(worker: Any) -> str:
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    dest = {"A": "B", "B": "A"}[cur]
+    out: dict[str, Any] = {"draft": dest}
+    out["written"] = _try(lambda: llm.collective_rpc(run_in_worker, args=(
+        "plain_load_weights", str(work / f"{family}{dest}")), kwargs={"finalize": False}))
+    out["states_open"] = llm.collective_rpc("lifecycle_states")
+    out["fused_path_open"] = _try(lambda: llm.collective_rpc(_require_usable))
+    out["finish"] = _try(lambda: llm.collective_rpc(_finish_with_process_weights_after_loading))
+    out.update(_observe(llm))
+    if last:
+        llm.collective_rpc(run_in_worker, args=("plain_load_weights", str(work / f"{family}{cur}")),
+                           kwargs={"finalize": False})
+        out["generate_open"] = _try(lambda: _generate(llm))
+    return out
 
-        from lifecycle.vllm.worker import draft_model_of
 
-        process_weights_after_loading(draft_model_of(worker.model_runner),
-                                      worker.vllm_config.speculative_config.draft_model_config, "cpu")
-        return "finished"
+def _require_usable(worker: Any) -> str:
+    from lifecycle.vllm.drafts import backbones_in
+    from lifecycle.vllm.worker import draft_model_of
 
-    state = llm.collective_rpc("lifecycle_states")
-    written = _try(lambda: llm.collective_rpc(run_in_worker, args=("plain_load_weights", str(work / f"{family}B")),
-                                              kwargs={"finalize": False}))
-    return {"before": state, "written": written, "states_open": llm.collective_rpc("lifecycle_states"),
-            "generate_open": _try(lambda: _generate(llm)), "finish": _try(lambda: llm.collective_rpc(finish)),
-            **_observe(llm)}
+    for b in backbones_in(draft_model_of(worker.model_runner)):
+        b.require_usable("draft")
+    return "usable"
+
+
+def _finish_with_process_weights_after_loading(worker: Any) -> str:
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from lifecycle.vllm.worker import draft_model_of
+
+    process_weights_after_loading(draft_model_of(worker.model_runner),
+                                  worker.vllm_config.speculative_config.draft_model_config, "cpu")
+    return "finished"
 
 
 def scenario_noplugin(work: Path) -> dict[str, Any]:

@@ -10,8 +10,9 @@ How each trainer call path reaches the lifecycle:
 - `initialize_layerwise_reload` ... `load_weights` ... `finalize_layerwise_reload` (and vLLM's transfer engines,
   which call the same functions): the wrapped functions in `patches.py` begin and finish the reload epoch.
 - a plain `load_weights` after a completed load (no `initialize_layerwise_reload`): the first write begins a reload
-  epoch, audited (`implicit_reload`, then `begin_reload`), by starting vLLM's own layerwise reload, so each layer
-  is materialised, processed once and copied back into its original storage as in the explicit path; whichever
+  epoch, audited (`implicit_reload`, then `begin_reload`), and starts vLLM's own layerwise reload on the draft's
+  own layers (the modules shared with the target keep serving), so each layer is materialised, processed once
+  and copied back into its original storage as in the explicit path; whichever
   `process_weights_after_loading` runs next (the loader's, `model_loader.utils`' or the model's own hook) finishes
   it. Until then the draft refuses to draft: it never runs on buffers derived from older weights.
 
@@ -72,12 +73,18 @@ class LifecycleDraftModel(DraftBackbone):
         }
         tracked.update(shadows)
         self.init_lifecycle(name, rank=rank, tensors=tracked)
+        owned: list[nn.Module] = []
         for mod_name, module in self.named_modules():
             own = [f"{mod_name}.{leaf}" if mod_name else leaf for leaf in module._parameters]
             own = [n for n in own if n in tracked]
             if own:
                 MODULE_OWNERS[module] = (self, own)
+                owned.append(module)
                 _guard_processing(self, module, shadow_of.get(module))
+        # the outermost modules holding the draft's own checkpoint tensors: what an implicit reload hands to vLLM's
+        # layerwise reload (never the modules shared with the target, nor the RoPE cache vLLM shares between models)
+        inner = {id(d) for m in owned for d in m.modules() if d is not m}
+        self.__dict__["_own_roots"] = [m for m in owned if id(m) not in inner]
 
     @property
     def reload_open(self) -> bool:
@@ -94,13 +101,18 @@ class LifecycleDraftModel(DraftBackbone):
         return super().precompute_and_store_context_kv(*args, **kwargs)  # type: ignore[misc]
 
     # ---- driven by the draft's load_weights and the patched vLLM entry points -------------------------------
-    def before_write(self, begin: Any) -> None:
+    def before_write(self) -> None:
         """A `load_weights` call is about to write. After a completed load (and outside a reload vLLM began),
-        that write begins a reload epoch: `begin()` starts vLLM's layerwise reload, which calls back here."""
+        that write begins a reload epoch, audited, and starts vLLM's layerwise reload on the modules holding the
+        draft's own checkpoint tensors (not on those it shares with the target, which keeps serving meanwhile)."""
         lc = self.lifecycle
-        if lc.usable or lc.quarantined:
-            lc.audit_event("implicit_reload", cause=IMPLICIT_CAUSE, from_state=lc.state.value)
-            begin()
+        if not (lc.usable or lc.quarantined):
+            return
+        lc.audit_event("implicit_reload", cause=IMPLICIT_CAUSE, from_state=lc.state.value)
+        self.begin_reload()
+        initialize = _reload_function("initialize_layerwise_reload")
+        for module in self.__dict__["_own_roots"]:
+            initialize(module)
 
     def after_write(self) -> None:
         # the cold load writes every tracked parameter in place, in one load_weights call
@@ -198,7 +210,7 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
     def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         backbones = backbones_in(self)
         for b in backbones:
-            b.before_write(lambda: _reload_function("initialize_layerwise_reload")(self))
+            b.before_write()
         result = base.load_weights(self, weights)
         for b in backbones:
             b.after_write()
