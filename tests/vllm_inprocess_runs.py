@@ -21,6 +21,7 @@ from vllm_inprocess import (
     derived_digests,
     gpu_weight_layout,
     identities,
+    make_draft,
     setup,
     share_target,
     target_reload,
@@ -30,7 +31,7 @@ from vllm_inprocess import (
 )
 from vllm_trainer_paths import DRAFT_PATHS, PATHS, buckets, read, write_draft
 
-__all__ = ["INPROCESS_FAMILIES", "run_inprocess"]
+__all__ = ["INPROCESS_FAMILIES", "make_checkpoints", "run_inprocess"]
 
 INPROCESS_FAMILIES = "qwen3_dspark,dflash2,kimi_k3_dspark"
 
@@ -43,14 +44,30 @@ def _try(fn: Callable[[], Any]) -> dict[str, Any]:
                 "trace": traceback.format_exc()[-1200:]}
 
 
+def make_checkpoints(work: Path) -> None:
+    """The tiny target, DFlash drafts A and B (lifecycle.vllm.tiny) and every other family's drafts A and B."""
+    from lifecycle.vllm.tiny import make_dflash_draft, make_target
+
+    make_target(work / "target")
+    make_dflash_draft(work / "dflashA", seed=1)
+    make_dflash_draft(work / "dflashB", seed=2)
+    for name, case in CASES.items():
+        if name != "dflash":
+            for which, seed in (("A", 1), ("B", 2)):
+                make_draft(case, _draft_dir(work, case, which), seed, work / "target")
+
+
 def run_inprocess(work: Path, families: str = INPROCESS_FAMILIES, layouts: str = "cpu,gpu") -> dict[str, Any]:
     setup()
+    if not (work / "target").exists():
+        make_checkpoints(work)
     out: dict[str, Any] = {}
     for fam in families.split(","):
         out[fam] = {}
         for name in layouts.split(","):
             with gpu_weight_layout() if name == "gpu" else nullcontext():
                 out[fam][name] = _try(lambda c=CASES[fam], n=name: _family(c, work, n))
+    out["runner_lookup"] = _try(lambda: _runner_lookup(work))
     # last: a stock reload that fails half way leaves vLLM's shared modules (the cached RoPE) on META
     for fam in families.split(","):
         out[fam]["stock"] = _try(lambda c=CASES[fam]: _stock_bucketed_reload(c, work))
@@ -169,4 +186,34 @@ def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
         n = len(stock.model.layers)
         expected = torch.stack([tb[f"layers.{i}.self_attn.kv_a_layernorm.weight"] for i in range(n)])
         out["norms_equal_B"] = bool(torch.equal(stock.model._context_kv_norm_weights, expected))
+    return out
+
+
+def _runner_lookup(work: Path) -> dict[str, Any]:
+    """The worker extension's discovery on each real model-runner class (instances made without __init__: no
+    device), holding an in-process draft as each runner does: V1 in `drafter.model`, V2 in `speculator.model`."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as RunnerV1
+
+    from lifecycle.vllm.worker import LifecycleWorkerExtension
+
+    case = CASES["qwen3_dspark"]
+    draft, target = build(case, _draft_dir(work, case, "A"), work / "target"), torch.nn.Linear(1, 1)
+    v1 = object.__new__(RunnerV1)
+    v1.model, v1.drafter = target, SimpleNamespace(model=draft)
+    v2 = object.__new__(RunnerV2)
+    speculator = object.__new__(DraftModelSpeculator)
+    speculator.model = draft
+    v2.model, v2.speculator = target, speculator
+    out = {}
+    for name, runner in (("v1", v1), ("v2", v2)):
+        worker = type("Worker", (LifecycleWorkerExtension,), {})()  # the extension, as vLLM mixes it in
+        worker.model_runner = runner  # type: ignore[attr-defined]
+        models = worker._lifecycle_models()
+        assert models["draft"] is draft and models["target"] is target
+        out[name] = {"roles": list(models), "runner_class": f"{type(runner).__module__}.{type(runner).__name__}",
+                     "states": worker.lifecycle_states()}
     return out

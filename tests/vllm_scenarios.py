@@ -141,24 +141,39 @@ def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu") -> dict[s
     that runs every trainer path (alternating A <-> B), and a plain load_weights that is never finished."""
     from vllm_inprocess import CASES
 
+    from lifecycle.events import configure_audit
+
     method = CASES[family].method
     out: dict[str, Any] = {}
     names = layouts.split(",")
     for name in names:
         with layout(name):
+            configure_audit(console=False)
             llm = _engine(work, f"{family}B", method=method)
             cold_b = _observe(llm)
             _shutdown(llm)
+            # one audit log per pinned engine: the auditor replays one lifecycle per (rank, backbone)
+            configure_audit(json_path=work / f"audit-{family}-{name}.jsonl", console=False)
             llm = _engine(work, f"{family}A", method=method)
             res: dict[str, Any] = {"cold_B": cold_b, "cold_A": _observe(llm),
                                    "layout": llm.collective_rpc(_layout_probe)[0],
                                    "pinned": llm.collective_rpc("lifecycle_pin")}
             res["runs"] = _paths(llm, work, family)
-            res["events"] = llm.collective_rpc("lifecycle_events", kwargs={"last": 1000})
+            res["partial"] = _partial(llm, work, family)
             res["unfinished"] = _unfinished(llm, work, family, res["runs"][-1]["draft"], last=name == names[-1])
             if name != names[-1]:
                 _shutdown(llm)
         out[name] = res
+    return out
+
+
+def _partial(llm: Any, work: Path, family: str) -> dict[str, Any]:
+    """An incomplete draft payload (layer 1 left out) through the plugin's reload_draft_weights RPC: the draft is
+    quarantined and keeps its last good buffers."""
+    out = {"reload": _try(lambda: llm.collective_rpc("reload_draft_weights", args=(str(work / f"{family}A"),),
+                                                      kwargs={"bucket_size": 4, "exclude_prefixes": ["layers.1."]}))}
+    out.update(_lifecycle(llm))
+    out["fused_path"] = _try(lambda: llm.collective_rpc(_require_usable))
     return out
 
 
