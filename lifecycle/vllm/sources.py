@@ -9,6 +9,7 @@ that cannot run here (vLLM 0.33 is a CUDA-only build).
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import zipfile
 from collections.abc import Callable, Iterator
@@ -71,7 +72,7 @@ class SourceIndex:
             for rel, is_pkg in ((f"{base}.py", False), (f"{base}/__init__.py", True)):
                 text = self._read(rel)
                 if text is not None:
-                    found = (ast.parse(text), is_pkg)
+                    found = (_parse(text), is_pkg)
                     break
             self._parsed[module] = found
         return self._parsed[module]
@@ -189,6 +190,11 @@ class SourceIndex:
                             and target.func.id == "super":
                         todo.append((node.func.attr, owner.name))
         return assigned, accessed
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(text: str) -> ast.Module:
+    return ast.parse(text)  # trees are only read, so one per distinct source text serves every index
 
 
 def _top_level(tree: ast.Module) -> Iterator[ast.stmt]:
