@@ -195,7 +195,7 @@ def _runner_lookup(work: Path) -> dict[str, Any]:
     from types import SimpleNamespace
 
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
-    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as RunnerV1
 
     from lifecycle.vllm.worker import LifecycleWorkerExtension
@@ -205,7 +205,7 @@ def _runner_lookup(work: Path) -> dict[str, Any]:
     v1 = object.__new__(RunnerV1)
     v1.model, v1.drafter = target, SimpleNamespace(model=draft)
     v2 = object.__new__(RunnerV2)
-    speculator = object.__new__(DraftModelSpeculator)
+    speculator = object.__new__(DFlashSpeculator)  # V2's speculator for DFlash and DSpark drafts
     speculator.model = draft
     v2.model, v2.speculator = target, speculator
     out = {}
