@@ -89,6 +89,14 @@ CASES: dict[str, DraftCase] = {
         **_BASE, "architectures": ["DFlash2DraftModel"],
         "dflash_config": {**_BASE["dflash_config"], "conv_kernel_size": 3, "conv_group_size": 16,
                           "selector_rank": 8, "selector_top_k": 4}}, _split_fused),
+    "gemma4_dspark": DraftCase("gemma4_dspark", "dspark", {
+        "model_type": "gemma4_text", "architectures": ["Gemma4DSparkModel"], "vocab_size": VOCAB,
+        "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": 2, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "global_head_dim": HEAD_DIM,
+        "layer_types": ["full_attention"] * 2, "attention_k_eq_v": True, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256, "torch_dtype": "float32", "tie_word_embeddings": False,
+        "target_layer_ids": [0, 1], "markov_rank": 16, "block_size": 4,
+    }, _split_fused),
     "kimi_k3_dspark": DraftCase("kimi_k3_dspark", "dspark", {
         "model_type": "k3_dspark", "architectures": ["K3DSparkModel"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
         "intermediate_size": INTER, "num_hidden_layers": 2, "num_attention_heads": HEADS,

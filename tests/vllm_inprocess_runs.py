@@ -33,7 +33,7 @@ from vllm_trainer_paths import DRAFT_PATHS, PATHS, buckets, read, write_draft
 
 __all__ = ["INPROCESS_FAMILIES", "make_checkpoints", "run_inprocess"]
 
-INPROCESS_FAMILIES = "qwen3_dspark,dflash2,kimi_k3_dspark"
+INPROCESS_FAMILIES = "qwen3_dspark,gemma4_dspark,dflash2,kimi_k3_dspark"
 
 
 def _try(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -139,7 +139,7 @@ def _unfinished(model: Any, work: Path, case: DraftCase, ref: dict[str, Any], pi
 def _qkv_shape(model: Any) -> list[int]:
     b = backbone(model)
     attn = b.layers[0].self_attn
-    linear = getattr(attn, "qkv_proj", None) or getattr(attn, "fused_qkv_a_proj", None)
+    linear = next(getattr(attn, n) for n in ("qkv_proj", "k_proj", "fused_qkv_a_proj") if hasattr(attn, n))
     return list(linear.weight.shape)
 
 
