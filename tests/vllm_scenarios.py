@@ -192,6 +192,9 @@ def _unfinished(llm: Any, work: Path, family: str, cur: str, last: bool) -> dict
     out["finish"] = _try(lambda: llm.collective_rpc(_finish_with_process_weights_after_loading))
     out.update(_observe(llm))
     if last:
+        from lifecycle.events import configure_audit
+
+        configure_audit(console=False)  # the engine's audit log ends here, every epoch finished
         llm.collective_rpc(run_in_worker, args=("plain_load_weights", str(work / f"{family}{cur}")),
                            kwargs={"finalize": False})
         out["generate_open"] = _try(lambda: _generate(llm))
