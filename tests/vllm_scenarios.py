@@ -257,7 +257,7 @@ def scenario_tp2(work: Path) -> dict[str, Any]:
     llm = LLM(**engine_kwargs(work / "target", work / "dflashA"), tensor_parallel_size=2,
               distributed_executor_backend="mp", disable_log_stats=False)
     out: dict[str, Any] = {"cold_A": _observe_ranks(llm), "pinned": llm.collective_rpc("lifecycle_pin")}
-    out["runs"] = [{**r, **_observe_ranks(llm)} for r in _tp_paths(llm, work)]
+    out["runs"] = _tp_paths(llm, work)
     return out
 
 
@@ -278,7 +278,7 @@ def _tp_paths(llm: Any, work: Path) -> list[dict[str, Any]]:
     for path in PATHS:
         dest = {"A": "B", "B": "A"}[cur] if path in DRAFT_PATHS else cur
         runs.append({"path": path, "draft": dest, "result": _try(lambda p=path, d=dest: llm.collective_rpc(
-            run_in_worker, args=(p, str(work / f"dflash{d}"), str(work / "target"))))})
+            run_in_worker, args=(p, str(work / f"dflash{d}"), str(work / "target")))), **_observe_ranks(llm)})
         cur = dest
     return runs
 
