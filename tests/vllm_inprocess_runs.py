@@ -5,8 +5,6 @@ family the CPU build cannot start an engine with, vLLM's own classes, loader and
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -29,19 +27,11 @@ from vllm_inprocess import (
     vllm_builder_values,
     weight_digests,
 )
-from vllm_trainer_paths import DRAFT_PATHS, PATHS, buckets, read, write_draft
+from vllm_trainer_paths import DRAFT_PATHS, PATHS, attempt, buckets, read, write_draft
 
 __all__ = ["INPROCESS_FAMILIES", "make_checkpoints", "run_inprocess"]
 
 INPROCESS_FAMILIES = "qwen3_dspark,gemma4_dspark,dflash2,kimi_k3_dspark"
-
-
-def _try(fn: Callable[[], Any]) -> dict[str, Any]:
-    try:
-        return {"ok": True, "value": fn()}
-    except Exception as e:
-        return {"ok": False, "error": type(e).__name__, "message": str(e)[:1500],
-                "trace": traceback.format_exc()[-1200:]}
 
 
 def make_checkpoints(work: Path) -> None:
@@ -66,11 +56,11 @@ def run_inprocess(work: Path, families: str = INPROCESS_FAMILIES, layouts: str =
         out[fam] = {}
         for name in layouts.split(","):
             with gpu_weight_layout() if name == "gpu" else nullcontext():
-                out[fam][name] = _try(lambda c=CASES[fam], n=name: _family(c, work, n))
-    out["runner_lookup"] = _try(lambda: _runner_lookup(work))
+                out[fam][name] = attempt(lambda c=CASES[fam], n=name: _family(c, work, n))
+    out["runner_lookup"] = attempt(lambda: _runner_lookup(work))
     # last: a stock reload that fails half way leaves vLLM's shared modules (the cached RoPE) on META
     for fam in families.split(","):
-        out[fam]["stock"] = _try(lambda c=CASES[fam]: _stock_bucketed_reload(c, work))
+        out[fam]["stock"] = attempt(lambda c=CASES[fam]: _stock_bucketed_reload(c, work))
     return out
 
 
@@ -100,7 +90,7 @@ def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
         dest = {"A": "B", "B": "A"}[cur] if path in DRAFT_PATHS else cur
         folder = _draft_dir(work, case, dest)
         tensors = read(folder) if path in DRAFT_PATHS else []
-        result = _try(lambda p=path, t=tensors, f=folder: write_draft(
+        result = attempt(lambda p=path, t=tensors, f=folder: write_draft(
             warm, draft_config, t, p, session=transfer_session(warm, f), target_reload=target_reload(target)))
         runs.append({"path": path, "draft": dest, "result": result, **_observe(warm, ref[dest], pinned)})
         cur = dest
@@ -117,7 +107,7 @@ def _observe(model: Any, ref: dict[str, Any], pinned: dict[str, Any]) -> dict[st
             "derived_differ": sorted(n for n in derived if derived[n] != ref["derived"].get(n)),
             "weights_differ": sorted(n for n in weights if weights[n] != ref["weights"].get(n)),
             "moved": sorted(n for n, ident in identities(model).items() if pinned.get(n) != ident),
-            "pin_problems": lc.pinned_changes(), "fused_path": _try(lambda: b.require_usable("draft"))}
+            "pin_problems": lc.pinned_changes(), "fused_path": attempt(lambda: b.require_usable("draft"))}
 
 
 def _unfinished(model: Any, work: Path, case: DraftCase, ref: dict[str, Any], pinned: dict[str, Any]) -> dict[str, Any]:
@@ -128,10 +118,10 @@ def _unfinished(model: Any, work: Path, case: DraftCase, ref: dict[str, Any], pi
     b = backbone(model)
     draft_config = model.vllm_config.speculative_config.draft_model_config
     dest = "B" if derived_digests(model) == ref["A"]["derived"] else "A"
-    written = _try(lambda: write_draft(model, draft_config, read(_draft_dir(work, case, dest)), "plain_load_weights",
+    written = attempt(lambda: write_draft(model, draft_config, read(_draft_dir(work, case, dest)), "plain_load_weights",
                                        finalize=False))
-    open_state = {"state": b.lifecycle.state.value, "fused_path": _try(lambda: b.require_usable("draft"))}
-    finish = _try(lambda: process_weights_after_loading(model, draft_config, torch.device("cpu")))
+    open_state = {"state": b.lifecycle.state.value, "fused_path": attempt(lambda: b.require_usable("draft"))}
+    finish = attempt(lambda: process_weights_after_loading(model, draft_config, torch.device("cpu")))
     return {"draft": dest, "written": written, "open": open_state, "finish": finish,
             **_observe(model, ref[dest], pinned)}
 
@@ -178,7 +168,7 @@ def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
             finalize_layerwise_reload(stock, draft_config)  # puts back what the failed reload left on META
         return len(calls)
 
-    out: dict[str, Any] = {"reload": _try(reload)}
+    out: dict[str, Any] = {"reload": attempt(reload)}
     if case.family == "kimi_k3_dspark":  # built once after the cold load, never rebuilt: compare with B's norms
         from vllm_trainer_paths import read as read_tensors
 

@@ -13,24 +13,17 @@ import gc
 import json
 import os
 import sys
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
+
+from vllm_trainer_paths import attempt
 
 PROMPTS = ([1, 5, 7, 9, 11], [3, 3, 3, 3], [200, 17, 4, 99, 100, 101], [7] * 10)
 MAX_TOKENS = 16
 SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
-
-
-def _try(fn: Callable[[], Any]) -> dict[str, Any]:
-    try:
-        return {"ok": True, "value": fn()}
-    except Exception as e:
-        return {"ok": False, "error": type(e).__name__, "message": str(e)[:2000],
-                "trace": traceback.format_exc()[-1500:]}
 
 
 @contextmanager
@@ -114,7 +107,7 @@ def _layout_probe(worker: Any) -> list[int]:
 
 
 def _observe(llm: Any) -> dict[str, Any]:
-    return {"generate": _try(lambda: _generate(llm)), **_lifecycle(llm)}
+    return {"generate": attempt(lambda: _generate(llm)), **_lifecycle(llm)}
 
 
 def _lifecycle(llm: Any) -> dict[str, Any]:
@@ -129,7 +122,7 @@ def _paths(llm: Any, work: Path, family: str, start: str = "A") -> list[dict[str
     runs, cur = [], start
     for path in PATHS:
         dest = {"A": "B", "B": "A"}[cur] if path in DRAFT_PATHS else cur
-        result = _try(lambda p=path, d=dest: llm.collective_rpc(
+        result = attempt(lambda p=path, d=dest: llm.collective_rpc(
             run_in_worker, args=(p, str(work / f"{family}{d}"), str(work / "target"))))
         runs.append({"path": path, "draft": dest, "result": result, **_observe(llm)})
         cur = dest
@@ -170,10 +163,10 @@ def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu") -> dict[s
 def _partial(llm: Any, work: Path, family: str) -> dict[str, Any]:
     """An incomplete draft payload (layer 1 left out) through the plugin's reload_draft_weights RPC: the draft is
     quarantined and keeps its last good buffers."""
-    out = {"reload": _try(lambda: llm.collective_rpc("reload_draft_weights", args=(str(work / f"{family}A"),),
+    out = {"reload": attempt(lambda: llm.collective_rpc("reload_draft_weights", args=(str(work / f"{family}A"),),
                                                       kwargs={"bucket_size": 4, "exclude_prefixes": ["layers.1."]}))}
     out.update(_lifecycle(llm))
-    out["fused_path"] = _try(lambda: llm.collective_rpc(_require_usable))
+    out["fused_path"] = attempt(lambda: llm.collective_rpc(_require_usable))
     return out
 
 
@@ -185,11 +178,11 @@ def _unfinished(llm: Any, work: Path, family: str, cur: str, last: bool) -> dict
 
     dest = {"A": "B", "B": "A"}[cur]
     out: dict[str, Any] = {"draft": dest}
-    out["written"] = _try(lambda: llm.collective_rpc(run_in_worker, args=(
+    out["written"] = attempt(lambda: llm.collective_rpc(run_in_worker, args=(
         "plain_load_weights", str(work / f"{family}{dest}")), kwargs={"finalize": False}))
     out["states_open"] = llm.collective_rpc("lifecycle_states")
-    out["fused_path_open"] = _try(lambda: llm.collective_rpc(_require_usable))
-    out["finish"] = _try(lambda: llm.collective_rpc(_finish_with_process_weights_after_loading))
+    out["fused_path_open"] = attempt(lambda: llm.collective_rpc(_require_usable))
+    out["finish"] = attempt(lambda: llm.collective_rpc(_finish_with_process_weights_after_loading))
     out.update(_observe(llm))
     if last:
         from lifecycle.events import configure_audit
@@ -197,7 +190,7 @@ def _unfinished(llm: Any, work: Path, family: str, cur: str, last: bool) -> dict
         configure_audit(console=False)  # the engine's audit log ends here, every epoch finished
         llm.collective_rpc(run_in_worker, args=("plain_load_weights", str(work / f"{family}{cur}")),
                            kwargs={"finalize": False})
-        out["generate_open"] = _try(lambda: _generate(llm))
+        out["generate_open"] = attempt(lambda: _generate(llm))
     return out
 
 
@@ -230,19 +223,19 @@ def scenario_noplugin(work: Path) -> dict[str, Any]:
         return [type(worker.model_runner.drafter.model).__name__, inner._fused_kv_weight.data_ptr()]
 
     llm = _engine(work, "dflashA", plugin=False)
-    out: dict[str, Any] = {"generate_before": _try(lambda: _generate(llm))}
-    out["reload"] = _try(lambda: llm.collective_rpc(run_in_worker, args=("buckets_later_layers_first",
+    out: dict[str, Any] = {"generate_before": attempt(lambda: _generate(llm))}
+    out["reload"] = attempt(lambda: llm.collective_rpc(run_in_worker, args=("buckets_later_layers_first",
                                                                           str(work / "dflashB"))))
     out["draft_class"] = llm.collective_rpc(fused_ptr)[0][0]
-    out["generate_after"] = _try(lambda: _generate(llm))
+    out["generate_after"] = attempt(lambda: _generate(llm))
     _shutdown(llm)
     with layout("gpu"):
         llm = _engine(work, "dflashA", plugin=False)
         gpu: dict[str, Any] = {"ptr_before": llm.collective_rpc(fused_ptr)[0][1]}
-        gpu["reload"] = _try(lambda: llm.collective_rpc(run_in_worker, args=("plain_load_weights",
+        gpu["reload"] = attempt(lambda: llm.collective_rpc(run_in_worker, args=("plain_load_weights",
                                                                              str(work / "dflashB"))))
         gpu["ptr_after"] = llm.collective_rpc(fused_ptr)[0][1]
-        gpu["generate_after"] = _try(lambda: _generate(llm))
+        gpu["generate_after"] = attempt(lambda: _generate(llm))
         _shutdown(llm)
     out["gpu_plain"] = gpu
     return out
@@ -266,7 +259,7 @@ def _observe_ranks(llm: Any) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False)
-    tokens = _try(lambda: [list(o.outputs[0].token_ids) for o in llm.generate(
+    tokens = attempt(lambda: [list(o.outputs[0].token_ids) for o in llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)])
     return {"tokens": tokens, **_lifecycle(llm)}
 
@@ -277,7 +270,7 @@ def _tp_paths(llm: Any, work: Path) -> list[dict[str, Any]]:
     runs, cur = [], "A"
     for path in PATHS:
         dest = {"A": "B", "B": "A"}[cur] if path in DRAFT_PATHS else cur
-        runs.append({"path": path, "draft": dest, "result": _try(lambda p=path, d=dest: llm.collective_rpc(
+        runs.append({"path": path, "draft": dest, "result": attempt(lambda p=path, d=dest: llm.collective_rpc(
             run_in_worker, args=(p, str(work / f"dflash{d}"), str(work / "target")))), **_observe_ranks(llm)})
         cur = dest
     return runs

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import random
 import re
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DRAFT_PATHS", "PATHS", "buckets", "run_in_worker", "write_draft"]
+__all__ = ["DRAFT_PATHS", "PATHS", "attempt", "buckets", "run_in_worker", "write_draft"]
 
 PATHS = ("one_call", "buckets_later_layers_first", "one_tensor_per_call", "plain_load_weights", "transfer_session",
          "target_reload")
@@ -31,6 +32,15 @@ PATHS = ("one_call", "buckets_later_layers_first", "one_tensor_per_call", "plain
 DRAFT_PATHS = PATHS[:-1]
 
 Tensors = list[tuple[str, Any]]
+
+
+def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run `fn`; its value, or the error's type, message and the end of its traceback, as plain data."""
+    try:
+        return {"ok": True, "value": fn()}
+    except Exception as e:
+        return {"ok": False, "error": type(e).__name__, "message": str(e)[:2000],
+                "trace": traceback.format_exc()[-1500:]}
 
 
 def read(path: str | Path) -> Tensors:
