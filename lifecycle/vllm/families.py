@@ -232,14 +232,16 @@ FAMILIES: tuple[VLLMDraftFamily, ...] = (
                     "vllm.model_executor.models.qwen3_xpress", "Qwen3XPressForCausalLM", "Qwen3XPressModel",
                     _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS, since="0.33",
                     notes=("the refiner head's transposed copies (`xpress_head._fused_buf`, rebuilt by "
-                           "`build_fused_buffers` at every load_weights) stay vLLM's",)),
+                           "`build_fused_buffers` at every load_weights) stay vLLM's",
+                           "vLLM's load_weights raises unless every call carries `xpress_head.mix.L`")),
     VLLMDraftFamily("dflash2_beam", ("DFlash2BeamDraftModel",), "vllm.models.beam.nvidia.dflash2",
                     "DFlash2BeamForCausalLM", "DFlash2BeamModel", ("build_context_kv_weights",), _beam_derived, {},
                     KV_ROWS, since="0.33"),
     VLLMDraftFamily("muse_spark_dspark", ("MuseSparkDSparkModel",), "vllm.models.muse_spark.common.dspark",
                     "MuseSparkDSparkForCausalLM", "MuseSparkDSparkModel", _DFLASH_BUILDER, _muse_derived,
                     _MUSE_METADATA, Shadow("qkv_proj", lambda a: slice(a.q_size, a.q_size + 2 * a.kv_size),
-                                           ("q_size", "kv_size")), since="0.33"),
+                                           ("q_size", "kv_size")), since="0.33",
+                    notes=("vLLM's load_weights raises unless every call carries `lm_head` and `d2t`",)),
 )
 
 
