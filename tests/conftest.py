@@ -87,3 +87,6 @@ settings.register_profile("nightly", max_examples=2500, stateful_step_count=60, 
 settings.register_profile("dev", max_examples=20, stateful_step_count=20, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+from vllm_runs import vllm_work  # noqa: E402, F401  (session fixture: vLLM checkpoints and in-process runs)

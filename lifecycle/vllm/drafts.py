@@ -1,21 +1,33 @@
-"""Lifecycle-enabled versions of vLLM's DFlash-family draft classes.
+"""Lifecycle-enabled versions of vLLM's draft classes.
 
-vLLM's drafts build their fused buffers with `torch.cat` / `torch.stack` at the end of every `load_weights`
-call (`_build_fused_kv_buffers`). Here that builder only records the precompute metadata (sizes, attention
-layers); the tensors are declared derived buffers (registered, non-persistent, so level-2 sleep keeps them),
-built once after the first load and refreshed in place after every reload, once every layer is ready.
+vLLM's drafts build their fused buffers with `torch.cat` / `torch.stack` in a builder method that runs at the end
+of every `load_weights` call (or, for Kimi K3, in the model's own `process_weights_after_loading`). Here each
+builder the family declares only records the precompute metadata; the tensors are declared derived buffers
+(registered, non-persistent, so level-2 sleep keeps them), built once after the first load and refreshed in place
+after every reload, once every layer is ready.
 
-One more thing differs from a plain PyTorch model: post-processing may change a source's layout. On CPU an
-unquantized linear layer is repacked into a oneDNN handle and its `weight` becomes an empty (0,) parameter;
-quantized layers pack their weights on GPU. So the rows a fused buffer needs are copied, in checkpoint layout,
-into a per-layer shadow (`ckpt_kv_weight`) right before the layer's quant method processes them, and the fused
-buffer is built from the shadows. The shadow costs one more copy of those rows (the size of the fused buffer).
+How each trainer call path reaches the lifecycle:
+- `initialize_layerwise_reload` ... `load_weights` ... `finalize_layerwise_reload` (and vLLM's transfer engines,
+  which call the same functions): the wrapped functions in `patches.py` begin and finish the reload epoch.
+- a plain `load_weights` after a completed load (no `initialize_layerwise_reload`): the first write begins a reload
+  epoch, audited (`implicit_reload`, then `begin_reload`), and starts vLLM's own layerwise reload on the draft's
+  own layers (the modules shared with the target keep serving), so each layer is materialised, processed once
+  and copied back into its original storage as in the explicit path; whichever
+  `process_weights_after_loading` runs next (the loader's, `model_loader.utils`' or the model's own hook) finishes
+  it. Until then the draft refuses to draft: it never runs on buffers derived from older weights.
+
+Post-processing may change a source's layout: on CPU an unquantized linear layer is repacked into a oneDNN handle
+and its `weight` becomes an empty (0,) parameter; quantized layers pack their weights on GPU. So the rows a fused
+buffer needs are copied, in checkpoint layout, into a per-layer shadow (`ckpt_kv_weight`) right before the layer's
+quant method processes them, and the fused buffer is built from the shadows (one more copy of those rows).
 """
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import weakref
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -24,12 +36,16 @@ from torch import nn
 from ..backbone import DraftBackbone
 from .families import SHADOW, VLLMDraftFamily
 
-__all__ = ["MODULE_OWNERS", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
+__all__ = ["IN_VLLM_RELOAD", "MODULE_OWNERS", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
 
 #: module -> (backbone, tracked tensor names of that module): how vLLM's per-module events find the lifecycle.
 MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[LifecycleDraftModel, list[str]]] = (
     weakref.WeakKeyDictionary()
 )
+#: True while vLLM's own reload machinery (`_layerwise_process`, `finalize_layerwise_reload`) processes layers.
+IN_VLLM_RELOAD: contextvars.ContextVar[bool] = contextvars.ContextVar("reload_lifecycle_in_vllm_reload",
+                                                                      default=False)
+IMPLICIT_CAUSE = "load_weights after a completed load, outside initialize_layerwise_reload"
 
 
 # ---- the backbone mixin ------------------------------------------------------------------------------------
@@ -43,38 +59,67 @@ class LifecycleDraftModel(DraftBackbone):
     def enable_lifecycle(self, *, name: str, rank: int) -> None:
         family = self._family
         shadows: dict[str, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            linear, rows = family.shadow_rows(attn)
-            shadow = torch.zeros_like(linear.weight[rows])
-            attn.register_buffer(SHADOW, shadow, persistent=False)
-            shadows[f"layers.{i}.self_attn.{SHADOW}"] = shadow
-            _capture_before_processing(self, linear, rows, shadow, f"layers.{i}.self_attn.{SHADOW}")
+        shadow_of: dict[nn.Module, tuple[slice, torch.Tensor, str]] = {}
+        if family.shadow is not None:
+            for i, layer in enumerate(self.layers):
+                linear, rows = family.shadow.of(layer.self_attn)
+                shadow = torch.zeros_like(linear.weight[rows])
+                layer.self_attn.register_buffer(SHADOW, shadow, persistent=False)
+                shadows[f"layers.{i}.self_attn.{SHADOW}"] = shadow
+                shadow_of[linear] = (rows, shadow, f"layers.{i}.self_attn.{SHADOW}")
         self.derived_buffers = family.derived()
         tracked: dict[str, torch.Tensor] = {
             n: p for n, p in self.named_parameters() if not n.startswith(family.untracked_prefixes)
         }
         tracked.update(shadows)
         self.init_lifecycle(name, rank=rank, tensors=tracked)
+        owned: list[nn.Module] = []
         for mod_name, module in self.named_modules():
             own = [f"{mod_name}.{leaf}" if mod_name else leaf for leaf in module._parameters]
             own = [n for n in own if n in tracked]
             if own:
                 MODULE_OWNERS[module] = (self, own)
+                owned.append(module)
+                _guard_processing(self, module, shadow_of.get(module))
+        # the outermost modules holding the draft's own checkpoint tensors: what an implicit reload hands to vLLM's
+        # layerwise reload (never the modules shared with the target, nor the RoPE cache vLLM shares between models)
+        inner = {id(d) for m in owned for d in m.modules() if d is not m}
+        self.__dict__["_own_roots"] = [m for m in owned if id(m) not in inner]
 
-    # vLLM calls this at the end of every load_weights (once per bucket during a reload). Build nothing here:
-    # record the metadata, and on the first (cold) load report every tracked parameter as loaded.
-    def _build_fused_kv_buffers(self) -> None:
-        self._family.metadata(self)
+    @property
+    def reload_open(self) -> bool:
+        """A reload epoch has begun and is not finished yet (weights may be mid-write)."""
         lc = self.lifecycle
-        if lc.epoch == 0 and lc.awaiting_weights:
-            lc.weights_loaded([n for n in lc.specs if not n.endswith(SHADOW)])
+        return lc.in_reload and lc.can("finish_loading")
+
+    def _record_metadata(self) -> None:
+        """What each declared builder does instead of vLLM's: set the non-tensor precompute metadata."""
+        self._family.set_metadata(self)
 
     def precompute_and_store_context_kv(self, *args: Any, **kwargs: Any) -> None:
         self.require_usable("precompute_and_store_context_kv")  # quarantined or stale: refuse, never garbage
         return super().precompute_and_store_context_kv(*args, **kwargs)  # type: ignore[misc]
 
-    # ---- driven by the patched vLLM entry points ------------------------------------------------------------
+    # ---- driven by the draft's load_weights and the patched vLLM entry points -------------------------------
+    def before_write(self) -> None:
+        """A `load_weights` call is about to write. After a completed load (and outside a reload vLLM began),
+        that write begins a reload epoch, audited, and starts vLLM's layerwise reload on the modules holding the
+        draft's own checkpoint tensors (not on those it shares with the target, which keeps serving meanwhile)."""
+        lc = self.lifecycle
+        if not (lc.usable or lc.quarantined):
+            return
+        lc.audit_event("implicit_reload", cause=IMPLICIT_CAUSE, from_state=lc.state.value)
+        self.begin_reload()
+        initialize = _reload_function("initialize_layerwise_reload")
+        for module in self.__dict__["_own_roots"]:
+            initialize(module)
+
+    def after_write(self) -> None:
+        # the cold load writes every tracked parameter in place, in one load_weights call
+        lc = self.lifecycle
+        if lc.epoch == 0 and lc.awaiting_weights:
+            lc.weights_loaded([n for n in lc.specs if not n.endswith(SHADOW)])
+
     def on_cold_load_processed(self) -> None:
         lc = self.lifecycle
         if lc.epoch == 0 and lc.can("finish_loading"):
@@ -99,19 +144,35 @@ class LifecycleDraftModel(DraftBackbone):
             raise
 
 
-def _capture_before_processing(backbone: LifecycleDraftModel, linear: nn.Module, rows: slice,
-                               shadow: torch.Tensor, name: str) -> None:
-    """Copy `linear.weight[rows]` into `shadow` (the very tensor object, wherever vLLM has moved the buffer
-    registration meanwhile) right before the layer's quant method repacks or empties the weight."""
-    quant_method = linear.quant_method
-    original = quant_method.process_weights_after_loading
+def _guard_processing(backbone: LifecycleDraftModel, module: nn.Module,
+                      shadow: tuple[slice, torch.Tensor, str] | None) -> None:
+    """Wrap the module's quant method's `process_weights_after_loading` (the very object, wherever vLLM moves the
+    parameters meanwhile):
+    - right before a load's processing repacks or empties the weight, copy the shadowed rows in checkpoint layout;
+    - in the middle of a reload, processing that does not come from vLLM's reload machinery (a cold-load pass
+      through a reference to `process_weights_after_loading` taken before the plugin wrapped it) is skipped:
+      the reload processes each layer once, when it completes or at finalize, never a META placeholder."""
+    quant_method = getattr(module, "quant_method", None)
+    if getattr(quant_method, "process_weights_after_loading", None) is None:
+        return
+    # an earlier per-instance wrapper, else the class's method as it is when called (a process-wide replacement,
+    # such as a test's simulated GPU layout, then applies to this layer too)
+    own = quant_method.__dict__.get("process_weights_after_loading")
+
+    def original(layer: nn.Module) -> Any:
+        return own(layer) if own is not None else type(quant_method).process_weights_after_loading(quant_method, layer)
 
     def process_weights_after_loading(layer: nn.Module) -> Any:
-        weight = layer.weight
-        if not weight.is_meta and weight.dim() == 2 and weight[rows].shape == shadow.shape:
-            with torch.no_grad():
-                shadow.copy_(weight[rows])
-            backbone.lifecycle.weights_loaded([name])
+        lc = backbone.lifecycle
+        if backbone.reload_open and not IN_VLLM_RELOAD.get():
+            return None
+        if shadow is not None and lc.can("weights_loaded"):
+            rows, buf, name = shadow
+            weight = layer.weight
+            if not weight.is_meta and weight.dim() == 2 and weight[rows].shape == buf.shape:
+                with torch.no_grad():
+                    buf.copy_(weight[rows])
+                lc.weights_loaded([name])
         return original(layer)
 
     quant_method.process_weights_after_loading = process_weights_after_loading
@@ -119,6 +180,11 @@ def _capture_before_processing(backbone: LifecycleDraftModel, linear: nn.Module,
 
 def backbones_in(model: nn.Module) -> list[LifecycleDraftModel]:
     return [m for m in model.modules() if isinstance(m, LifecycleDraftModel)]
+
+
+def _reload_function(name: str) -> Any:
+    """vLLM's layerwise reload function `name`, looked up now (so the plugin's wrapper, once installed)."""
+    return getattr(importlib.import_module("vllm.model_executor.model_loader.reload.layerwise"), name)
 
 
 # ---- building the registered classes ------------------------------------------------------------------------
@@ -131,15 +197,41 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
     if family.name in _CLASSES:
         return _CLASSES[family.name]
     base = getattr(importlib.import_module(family.module), family.causal_lm)
+    base_hook = getattr(base, "process_weights_after_loading", None)
 
     def __init__(self: nn.Module, *, vllm_config: Any, prefix: str = "") -> None:
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        spec = getattr(vllm_config, "speculative_config", None)
+        self._lifecycle_model_config = getattr(spec, "draft_model_config", None) or vllm_config.model_config
         inner = getattr(self, family.inner_model_attr)
         inner.__class__ = _inner_class(family, type(inner))
         inner.enable_lifecycle(name=f"{family.name}-draft", rank=_rank())
 
-    cls = type(f"Lifecycle{family.causal_lm}", (base,), {"__init__": __init__, "__module__": __name__,
-                                                          "lifecycle_family": family.name})
+    def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        backbones = backbones_in(self)
+        for b in backbones:
+            b.before_write()
+        result = base.load_weights(self, weights)
+        for b in backbones:
+            b.after_write()
+        return result
+
+    def process_weights_after_loading(self: nn.Module) -> None:
+        """vLLM's `process_weights_after_loading` calls this last, whichever reference to it ran: it finishes
+        an open reload epoch (as `finalize_layerwise_reload` would), or builds the buffers after a cold load."""
+        if base_hook is not None:
+            base_hook(self)
+        backbones = backbones_in(self)
+        if any(b.reload_open for b in backbones):
+            _reload_function("finalize_layerwise_reload")(self, self._lifecycle_model_config)
+            return
+        for b in backbones:
+            b.on_cold_load_processed()
+
+    cls = type(f"Lifecycle{family.causal_lm}", (base,), {
+        "__init__": __init__, "load_weights": load_weights,
+        "process_weights_after_loading": process_weights_after_loading,
+        "__module__": __name__, "lifecycle_family": family.name})
     _CLASSES[family.name] = cls
     return cls
 
@@ -150,8 +242,9 @@ _INNER: dict[tuple[str, type], type] = {}
 def _inner_class(family: VLLMDraftFamily, base: type) -> type:
     key = (family.name, base)
     if key not in _INNER:
-        # the lifecycle mixin first, so its _build_fused_kv_buffers / precompute override vLLM's
-        _INNER[key] = type(f"Lifecycle{base.__name__}", (LifecycleDraftModel, base), {"_family": family})
+        # the lifecycle mixin first, so its precompute override wins; the family's builders record metadata only
+        builders = {name: LifecycleDraftModel._record_metadata for name in family.builders}
+        _INNER[key] = type(f"Lifecycle{base.__name__}", (LifecycleDraftModel, base), {"_family": family, **builders})
     return _INNER[key]
 
 

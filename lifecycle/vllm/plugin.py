@@ -6,7 +6,7 @@ import os
 
 from .. import env
 from ..events import AuditSinkError, configure_audit
-from .version import check_vllm_version
+from .version import check_vllm
 
 __all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "activate"]
 
@@ -19,19 +19,20 @@ _active = False
 
 
 def activate() -> None:
-    """Check the vLLM version, route audit events, register the lifecycle-enabled draft classes, and wrap the
-    reload entry points. Safe to call more than once."""
+    """Check that vLLM has every name the plugin relies on (else `UnsupportedVLLMError` naming each, with nothing
+    patched), route audit events, register the lifecycle-enabled draft classes of the families this vLLM has, and
+    wrap the reload entry points. Safe to call more than once."""
     global _active
     if _active:
         return
-    check_vllm_version()
+    version = check_vllm()
     _configure_audit_from_env()
     from vllm import ModelRegistry
 
     from . import patches, transfer
-    from .families import FAMILIES
+    from .capabilities import active_families
 
-    for family in FAMILIES:
+    for family in active_families(version):
         for arch in family.architectures:
             ModelRegistry.register_model(arch, f"lifecycle.vllm.registered:{family.name}")
     patches.install()

@@ -15,7 +15,7 @@ from ..storage import StorageIdentity
 from ..types import capped
 from .drafts import LifecycleDraftModel, backbones_in
 
-__all__ = ["LifecycleWorkerExtension"]
+__all__ = ["LifecycleWorkerExtension", "draft_model_of"]
 
 
 class LifecycleWorkerExtension:
@@ -25,9 +25,9 @@ class LifecycleWorkerExtension:
     def _lifecycle_models(self) -> dict[str, Any]:
         runner = self.model_runner  # type: ignore[attr-defined]
         models = {"target": runner.get_model()}
-        drafter = getattr(runner, "drafter", None)
-        if drafter is not None and getattr(drafter, "model", None) is not None:
-            models["draft"] = drafter.model
+        draft = draft_model_of(runner)
+        if draft is not None:
+            models["draft"] = draft
         return models
 
     def _lifecycle_backbones(self) -> list[tuple[str, LifecycleDraftModel]]:
@@ -113,6 +113,21 @@ class LifecycleWorkerExtension:
         config = self.vllm_config.speculative_config.draft_model_config  # type: ignore[attr-defined]
         finalize_layerwise_reload(draft, config)
         return {"tensors": len(items), "buckets": -(-len(items) // size)}
+
+
+def draft_model_of(runner: Any) -> Any:
+    """The runner's draft model, unwrapped, or None. Both model runners answer `get_draft_model()`: V1 keeps the
+    draft in `runner.drafter.model` (possibly inside a CUDA-graph wrapper), Model Runner V2 (vLLM's GPU default,
+    the only runner for DSpark) in `runner.speculator.model`; the attributes are the fallback for a runner
+    without the method."""
+    get = getattr(runner, "get_draft_model", None)
+    if callable(get):
+        return get()
+    for holder in ("drafter", "speculator"):
+        model = getattr(getattr(runner, holder, None), "model", None)
+        if model is not None:
+            return model.unwrap() if hasattr(model, "unwrap") else model
+    return None
 
 
 def _byte_dtype() -> Any:
