@@ -126,16 +126,44 @@ def scenario_tp2(work: Path) -> dict[str, Any]:
 def scenario_cold(work: Path) -> dict[str, Any]:
     llm = _engine(work, "draftB")
     return {"generate": _try(lambda: _generate(llm)), "states": llm.collective_rpc("lifecycle_states"),
-            "digests": llm.collective_rpc("lifecycle_derived_digests")}
+            "digests": llm.collective_rpc("lifecycle_derived_digests"),
+            "fingerprint": llm.collective_rpc(fingerprint)}
 
 
-def main() -> None:
+def fingerprint(worker: Any) -> dict[str, str]:
+    """sha256 per draft tensor as the model computes with it: every linear layer's effective weight, read as
+    its output on an identity input (exact: one nonzero product per element, in any layout, packed or not),
+    and every other non-empty parameter's bytes. Two engines with equal fingerprints hold the same draft."""
+    import hashlib
+
+    import torch
+
+    def sha(t: torch.Tensor) -> str:
+        t = t.detach().contiguous().cpu()
+        return hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+    draft = worker.model_runner.get_draft_model()
+    out: dict[str, str] = {}
+    with torch.inference_mode():
+        for name, module in draft.named_modules():
+            quant = getattr(module, "quant_method", None)
+            if quant is not None and hasattr(module, "input_size_per_partition"):
+                eye = torch.eye(module.input_size_per_partition, dtype=module.params_dtype)
+                out[f"{name}(x)"] = sha(quant.apply(module, eye))
+                continue
+            for leaf, p in module.named_parameters(recurse=False):
+                if p.numel() and not name.startswith(("embed_tokens", "lm_head", "model.embed_tokens")):
+                    out[f"{name}.{leaf}"] = sha(p)
+    return out
+
+
+def main(namespace: dict[str, Any] | None = None) -> None:
     scenario, work = sys.argv[1], Path(sys.argv[2])
     from lifecycle.vllm.tiny import ENGINE_ENV
 
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
-    result = {"scenario": scenario, **globals()[f"scenario_{scenario}"](work)}
+    result = {"scenario": scenario, **(namespace or globals())[f"scenario_{scenario}"](work)}
     print("SCENARIO_RESULT " + json.dumps(result, default=str), flush=True)
 
 

@@ -16,20 +16,30 @@ from __future__ import annotations
 
 import importlib
 import weakref
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..backbone import DraftBackbone
+from ..derived import DerivedSpec
+from ..errors import LayersNotReadyError
+from ..events import LIST_CAP
+from ..types import capped
 from .families import SHADOW, VLLMDraftFamily
 
-__all__ = ["MODULE_OWNERS", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
+if TYPE_CHECKING:
+    from .epochs import PartialOutcome
+    from .settings import PartialPolicy
+
+__all__ = ["MODULE_OWNERS", "SHADOW_OF", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
 
 #: module -> (backbone, tracked tensor names of that module): how vLLM's per-module events find the lifecycle.
 MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[LifecycleDraftModel, list[str]]] = (
     weakref.WeakKeyDictionary()
 )
+#: linear module -> the name of the shadow its processing fills (a shadow is current only if its linear is).
+SHADOW_OF: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 # ---- the backbone mixin ------------------------------------------------------------------------------------
@@ -39,18 +49,26 @@ class LifecycleDraftModel(DraftBackbone):
     """Mixed into vLLM's inner draft model class (DFlashQwen3Model and its relatives) at construction."""
 
     _family: ClassVar[VLLMDraftFamily]
+    #: this reload's partial policy when the caller chose one (an RPC's `partial=`); None: the engine setting
+    reload_partial: PartialPolicy | None = None
+    #: steps the engine has served without this draft since it stopped being usable (None: drafting)
+    drafting_paused_steps: int | None = None
 
     def enable_lifecycle(self, *, name: str, rank: int) -> None:
         family = self._family
+        sources = [family.shadow_rows(layer.self_attn) for layer in self.layers]
+        quantized = {type(linear.quant_method).__name__ for linear, _ in sources
+                     if not _checkpoint_layout_readable(linear)}
         shadows: dict[str, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            linear, rows = family.shadow_rows(attn)
-            shadow = torch.zeros_like(linear.weight[rows])
-            attn.register_buffer(SHADOW, shadow, persistent=False)
-            shadows[f"layers.{i}.self_attn.{SHADOW}"] = shadow
-            _capture_before_processing(self, linear, rows, shadow, f"layers.{i}.self_attn.{SHADOW}")
-        self.derived_buffers = family.derived()
+        if not quantized:
+            for i, ((linear, rows), layer) in enumerate(zip(sources, self.layers, strict=True)):
+                shadow = torch.zeros_like(linear.weight[rows])
+                layer.self_attn.register_buffer(SHADOW, shadow, persistent=False)
+                shadows[f"layers.{i}.self_attn.{SHADOW}"] = shadow
+                _capture_before_processing(self, linear, rows, shadow, f"layers.{i}.self_attn.{SHADOW}")
+            self.derived_buffers = family.derived()
+        else:
+            self.derived_buffers = _quantized_fallback(self, family, quantized)
         tracked: dict[str, torch.Tensor] = {
             n: p for n, p in self.named_parameters() if not n.startswith(family.untracked_prefixes)
         }
@@ -85,11 +103,22 @@ class LifecycleDraftModel(DraftBackbone):
         if not self.lifecycle.unloaded:
             self.begin_reload()
 
-    def on_reload_finalized(self) -> None:
+    def on_reload_finalized(self, outcome: PartialOutcome | None = None, policy: PartialPolicy = "refuse") -> None:
+        """After vLLM's finalize: finish (every layer ready; with `keep`, tensors that received nothing count
+        as unchanged), run the reload hooks and refresh in place. Any failure quarantines the draft (its last
+        good derived buffers kept) and is raised."""
         lc = self.lifecycle
         if not lc.can("finish_loading"):  # no load of this draft in progress: nothing to finish
             return
         try:
+            if outcome is not None and outcome.unfilled:
+                raise _partly_sent(lc, outcome, policy)
+            if policy == "keep" and outcome is not None and outcome.untouched:
+                kept = [n for n in outcome.untouched if not lc.readiness.is_loaded(n)]
+                lc.weights_unchanged(kept)
+                shown, more = capped(sorted(kept), LIST_CAP)
+                lc.audit_event("partial_reload", policy=policy, kept=shown, kept_more=more,
+                               completed_with_last_values=sorted(outcome.filled))
             self.finalize_loading()
             self.refresh_derived_buffers()
         except Exception as e:
@@ -106,6 +135,8 @@ def _capture_before_processing(backbone: LifecycleDraftModel, linear: nn.Module,
     quant_method = linear.quant_method
     original = quant_method.process_weights_after_loading
 
+    SHADOW_OF[linear] = name
+
     def process_weights_after_loading(layer: nn.Module) -> Any:
         weight = layer.weight
         if not weight.is_meta and weight.dim() == 2 and weight[rows].shape == shadow.shape:
@@ -115,6 +146,43 @@ def _capture_before_processing(backbone: LifecycleDraftModel, linear: nn.Module,
         return original(layer)
 
     quant_method.process_weights_after_loading = process_weights_after_loading
+
+
+def _partly_sent(lc: Any, outcome: PartialOutcome, policy: PartialPolicy) -> LayersNotReadyError:
+    """Tensors that received only part of their elements and could not be completed: named with why."""
+    missing: dict[str, list[str]] = {}
+    for name, why in outcome.unfilled.items():
+        missing.setdefault(lc.readiness.layer_of_name[name], []).append(f"{name} ({why})")
+    err = LayersNotReadyError(f"finish_loading (partial={policy!r})", missing, backbone=lc.name,
+                              state=lc.state.value)
+    lc.record_refusal("finish_loading", err)
+    return err
+
+
+def _checkpoint_layout_readable(linear: nn.Module) -> bool:
+    """The K/V rows can be copied from `linear.weight` in checkpoint layout right before processing: an
+    unquantized layer (a quant method may hold its weight packed, transposed or in fp8 with scales)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    return isinstance(getattr(linear, "quant_method", None), UnquantizedLinearMethod)
+
+
+def _quantized_fallback(backbone: LifecycleDraftModel, family: VLLMDraftFamily, methods: set[str]
+                        ) -> tuple[DerivedSpec, ...]:
+    """A quantized attention projection: the fused buffer read from the shadows is not declared; vLLM's own
+    non-fused path (each projection through its quant method, taken when the fused weight is None) serves,
+    and the lifecycle still guards every reload. A family whose vLLM class has no such path is refused."""
+    if not family.quantized_fallback:
+        raise ValueError(
+            f"reload-lifecycle: the {family.name} draft's attention projections use quantization "
+            f"({', '.join(sorted(methods))}); vLLM's {family.causal_lm} builds its fused K/V weight from the raw "
+            "weight with no path for quantized layers, so it would compute from packed or scaled values. Serve "
+            "this draft unquantized, or disable the plugin (VLLM_PLUGINS without reload_lifecycle)")
+    kept = tuple(s for s in family.derived() if not any(src.endswith(SHADOW) for src in s.sources))
+    for spec in family.derived():
+        if spec not in kept:
+            setattr(backbone, spec.name, None)  # vLLM's test for its non-fused path: `is None`
+    return kept
 
 
 def backbones_in(model: nn.Module) -> list[LifecycleDraftModel]:
@@ -134,12 +202,27 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
 
     def __init__(self: nn.Module, *, vllm_config: Any, prefix: str = "") -> None:
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        # what the draft is made of; modules vLLM attaches later (the target's shared embedding and LM head)
+        # are not reloaded with it (`epochs.keep_shared_modules_live`)
+        self.lifecycle_built_modules = weakref.WeakSet(self.modules())
         inner = getattr(self, family.inner_model_attr)
         inner.__class__ = _inner_class(family, type(inner))
         inner.enable_lifecycle(name=f"{family.name}-draft", rank=_rank())
 
-    cls = type(f"Lifecycle{family.causal_lm}", (base,), {"__init__": __init__, "__module__": __name__,
-                                                          "lifecycle_family": family.name})
+    def load_weights(self: nn.Module, weights: Any) -> Any:
+        # a bucket that fails inside a reload (a bad name or shape, a loader or a source that raises) ends the
+        # epoch here: otherwise modules stay on META and the next reload is refused
+        try:
+            return base.load_weights(self, weights)
+        except BaseException as e:
+            from .epochs import describe, end_failed_epoch, reload_in_progress
+
+            if reload_in_progress(self):
+                end_failed_epoch(self, f"load_weights failed: {describe(e)}")
+            raise
+
+    cls = type(f"Lifecycle{family.causal_lm}", (base,), {"__init__": __init__, "load_weights": load_weights,
+                                                          "__module__": __name__, "lifecycle_family": family.name})
     _CLASSES[family.name] = cls
     return cls
 

@@ -31,6 +31,9 @@ class VLLMDraftFamily:
     derived: Callable[[], tuple[DerivedSpec, ...]]
     metadata: Callable[[nn.Module], None]  # sets vLLM's non-tensor precompute attributes
     untracked_prefixes: tuple[str, ...] = ("embed_tokens.", "mask_embedding", "lm_head.")
+    #: vLLM's class runs each attention projection through its quant method when the fused weight is None
+    #: (DFlash's `_build_context_kv_buffers`); without it a quantized draft is refused at load
+    quantized_fallback: bool = False
 
 
 # ---- per-family declarations -------------------------------------------------------------------------------
@@ -112,12 +115,13 @@ def _laguna_metadata(model: nn.Module) -> None:
 FAMILIES: tuple[VLLMDraftFamily, ...] = (
     VLLMDraftFamily("dflash", ("DFlashDraftModel", "DFlashMuseGlimmerAssistantModel", "MuseGlimmerAssistantModel"),
                     "vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM", "model",
-                    _qkv_kv_rows, _dflash_derived, _dflash_metadata),
+                    _qkv_kv_rows, _dflash_derived, _dflash_metadata, quantized_fallback=True),
     VLLMDraftFamily("dflash2", ("DFlash2DraftModel",), "vllm.model_executor.models.qwen3_dflash2",
-                    "DFlash2Qwen3ForCausalLM", "model", _qkv_kv_rows, _dflash_derived, _dflash_metadata),
+                    "DFlash2Qwen3ForCausalLM", "model", _qkv_kv_rows, _dflash_derived, _dflash_metadata,
+                    quantized_fallback=True),
     VLLMDraftFamily("qwen3_dspark", ("Qwen3DSparkModel", "Qwen3OmniDSparkModel"),
                     "vllm.model_executor.models.qwen3_dspark", "Qwen3DSparkForCausalLM", "model",
-                    _qkv_kv_rows, _dflash_derived, _dflash_metadata),
+                    _qkv_kv_rows, _dflash_derived, _dflash_metadata, quantized_fallback=True),
     VLLMDraftFamily("gemma4_dspark", ("Gemma4DSparkModel",), "vllm.model_executor.models.gemma4_dspark",
                     "Gemma4DSparkForCausalLM", "model", lambda attn: (attn.k_proj, slice(None)),
                     _gemma_derived, _gemma_metadata),

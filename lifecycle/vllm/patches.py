@@ -20,7 +20,12 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
+from . import settings
 from .drafts import MODULE_OWNERS, backbones_in
+from .epochs import describe, end_failed_epoch, keep_shared_modules_live, reload_in_progress, settle_partial
+from .serving import drafting_allowed
 
 __all__ = ["PATCH_POINTS", "install"]
 
@@ -28,8 +33,13 @@ _MARK = "__reload_lifecycle_wrapped__"
 
 
 def _wrap(module_name: str, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
-    module = importlib.import_module(module_name)
-    original = getattr(module, attr, None)
+    owner: Any = importlib.import_module(module_name)
+    *path, name = attr.split(".")  # "Class.method" wraps a method on its class
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return False
+    original = getattr(owner, name, None)
     if original is None:
         return False
     if getattr(original, _MARK, False):
@@ -37,26 +47,52 @@ def _wrap(module_name: str, attr: str, make: Callable[[Callable[..., Any]], Call
     wrapper = functools.wraps(original)(make(original))
     setattr(wrapper, _MARK, True)
     wrapper.__wrapped_original__ = original  # type: ignore[attr-defined]
-    setattr(module, attr, wrapper)
+    setattr(owner, name, wrapper)
     return True
+
+
+def _require_module(model: Any, function: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{function}(model, ...): model must be a torch.nn.Module, got {type(model).__name__}; "
+                        "nothing was changed")
 
 
 def _initialize(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
+        _require_module(model, "initialize_layerwise_reload")
+        if backbones_in(model) and reload_in_progress(model):  # the last reload never reached finalize
+            end_failed_epoch(model, "abandoned: a new reload began before the previous one was finalized")
         for backbone in backbones_in(model):
             backbone.on_reload_begin()
-        return original(model, *args, **kwargs)
+        result = original(model, *args, **kwargs)
+        keep_shared_modules_live(model)
+        return result
 
     return initialize_layerwise_reload
 
 
 def _finalize(original: Callable[..., Any]) -> Callable[..., Any]:
     def finalize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(model, *args, **kwargs)
+        _require_module(model, "finalize_layerwise_reload")
+        backbones = backbones_in(model)
+        if not backbones:
+            return original(model, *args, **kwargs)
+        model_config = args[0] if args else kwargs.get("model_config")
+        try:
+            if not hasattr(model_config, "dtype"):  # vLLM reads it only after processing every other layer
+                raise TypeError("finalize_layerwise_reload(model, model_config): model_config must be the draft's "
+                                f"ModelConfig, got {type(model_config).__name__}")
+            policies = {b: settings.check_partial(b.reload_partial, "partial") for b in backbones}
+            outcomes = settle_partial(model, policies.__getitem__)
+            result = original(model, *args, **kwargs)
+        except BaseException as e:
+            end_failed_epoch(model, f"finalize_layerwise_reload failed: {describe(e)}")
+            raise
         errors = []
-        for backbone in backbones_in(model):
+        for backbone in backbones:
+            backbone.reload_partial = None
             try:
-                backbone.on_reload_finalized()
+                backbone.on_reload_finalized(outcomes.get(backbone), policies[backbone])
             except Exception as e:
                 errors.append(e)
         if errors:
@@ -82,6 +118,15 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
     return layerwise_process
 
 
+def _drafting_gate(original: Callable[..., Any]) -> Callable[..., Any]:
+    # vLLM's own way to run a step without the drafter: when this says False the runner zeroes the step's draft
+    # tokens (the target verifies them, so the output is unchanged) and never calls into the draft model
+    def _input_fits_in_drafter(runner: Any, *args: Any, **kwargs: Any) -> bool:
+        return drafting_allowed(runner) and bool(original(runner, *args, **kwargs))
+
+    return _input_fits_in_drafter
+
+
 def _process_weights_after_loading(original: Callable[..., Any]) -> Callable[..., Any]:
     def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(model, *args, **kwargs)
@@ -104,6 +149,7 @@ PATCH_POINTS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[...,
     ("vllm.model_executor.model_loader.reload.torchao_decorator", "finalize_layerwise_reload", _finalize),
     ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading",
      _process_weights_after_loading),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._input_fits_in_drafter", _drafting_gate),
 )
 
 

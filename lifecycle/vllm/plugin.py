@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from ..events import configure_audit
+from . import settings
 from .version import check_vllm_version
 
 __all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "activate"]
@@ -25,6 +26,8 @@ def activate() -> None:
     if _active:
         return
     check_vllm_version()
+    settings.partial_policy()  # a bad engine-wide setting stops the engine here, naming the variable
+    settings.allowed_root()
     _configure_audit_from_env()
     from vllm import ModelRegistry
 
