@@ -16,6 +16,20 @@ from pathlib import Path
 from typing import Any
 
 PROMPT = [1, 5, 7, 9, 11]
+HERE = Path(__file__).resolve().parent
+
+
+def run_scenario(name: str, work: Path, *, script: str = "vllm_scenarios.py", **env: str) -> dict[str, Any]:
+    """Run one scenario of `script` (tests/) in its own process (one engine) and return its JSON result."""
+    import subprocess
+
+    full_env = {**os.environ, **env, "PYTHONPATH": str(HERE.parent)}
+    proc = subprocess.run([sys.executable, str(HERE / script), name, str(work)], capture_output=True, text=True,
+                          env=full_env, timeout=900, cwd=HERE.parent)
+    for line in proc.stdout.splitlines():
+        if line.startswith("SCENARIO_RESULT "):
+            return json.loads(line.removeprefix("SCENARIO_RESULT "))
+    raise AssertionError(f"scenario {name} printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
 def _engine(work: Path, draft: str, *, plugin: bool = True) -> Any:
@@ -102,6 +116,7 @@ def scenario_warm(work: Path) -> dict[str, Any]:
     out["digests_partial"] = llm.collective_rpc("lifecycle_derived_digests")
     out["events"] = llm.collective_rpc("lifecycle_events", kwargs={"last": 400})
     out["generate_quarantined"] = _try(lambda: _generate(llm))
+    out["events_quarantined"] = llm.collective_rpc("lifecycle_events", kwargs={"last": 10})
     return out
 
 
@@ -152,7 +167,7 @@ def fingerprint(worker: Any) -> dict[str, str]:
                 out[f"{name}(x)"] = sha(quant.apply(module, eye))
                 continue
             for leaf, p in module.named_parameters(recurse=False):
-                if p.numel() and not name.startswith(("embed_tokens", "lm_head", "model.embed_tokens")):
+                if p.numel() and leaf != "mask_embedding":  # not in the checkpoint: uninitialised memory
                     out[f"{name}.{leaf}"] = sha(p)
     return out
 
