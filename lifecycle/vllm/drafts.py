@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from ..backbone import DraftBackbone
-from ..derived import DerivedSpec
 from ..errors import LayersNotReadyError
 from ..events import LIST_CAP
 from ..types import capped
 from .families import SHADOW, VLLMDraftFamily
+from .quantized import attention_prefixes, checkpoint_layout_readable, quantized_fallback
 
 if TYPE_CHECKING:
     from .epochs import PartialOutcome
@@ -58,7 +58,7 @@ class LifecycleDraftModel(DraftBackbone):
         family = self._family
         sources = [family.shadow_rows(layer.self_attn) for layer in self.layers]
         quantized = {type(linear.quant_method).__name__ for linear, _ in sources
-                     if not _checkpoint_layout_readable(linear)}
+                     if not checkpoint_layout_readable(linear)}
         shadows: dict[str, torch.Tensor] = {}
         if not quantized:
             for i, ((linear, rows), layer) in enumerate(zip(sources, self.layers, strict=True)):
@@ -68,10 +68,11 @@ class LifecycleDraftModel(DraftBackbone):
                 _capture_before_processing(self, linear, rows, shadow, f"layers.{i}.self_attn.{SHADOW}")
             self.derived_buffers = family.derived()
         else:
-            self.derived_buffers = _quantized_fallback(self, family, quantized)
-        tracked: dict[str, torch.Tensor] = {
-            n: p for n, p in self.named_parameters() if not n.startswith(family.untracked_prefixes)
-        }
+            self.derived_buffers = quantized_fallback(self, family, quantized)
+        # attention layers' own parameters (quantized KV-cache scales) are vLLM's to process, and it deletes
+        # them once consumed: no derived buffer reads them, so they are not checkpoint tensors of the lifecycle
+        untracked = family.untracked_prefixes + attention_prefixes(self)
+        tracked: dict[str, torch.Tensor] = {n: p for n, p in self.named_parameters() if not n.startswith(untracked)}
         tracked.update(shadows)
         self.init_lifecycle(name, rank=rank, tensors=tracked)
         for mod_name, module in self.named_modules():
@@ -79,6 +80,17 @@ class LifecycleDraftModel(DraftBackbone):
             own = [n for n in own if n in tracked]
             if own:
                 MODULE_OWNERS[module] = (self, own)
+
+    def meta_or_absent(self) -> set[str]:
+        """As the core's, except a parameter slot its quant method emptied after processing (the CPU int8
+        oneDNN kernel keeps the weight in its own handle and sets `weight` to None): that tensor is held by the
+        kernel, not missing. vLLM reports each such layer when it processed all of it."""
+        out = set()
+        for name in super().meta_or_absent():
+            module, leaf = self._tensor_slots.get(name, (None, ""))
+            if module is None or leaf not in module._parameters or module._parameters[leaf] is not None:
+                out.add(name)
+        return out
 
     # vLLM calls this at the end of every load_weights (once per bucket during a reload). Build nothing here:
     # record the metadata, and on the first (cold) load report every tracked parameter as loaded.
@@ -157,32 +169,6 @@ def _partly_sent(lc: Any, outcome: PartialOutcome, policy: PartialPolicy) -> Lay
                               state=lc.state.value)
     lc.record_refusal("finish_loading", err)
     return err
-
-
-def _checkpoint_layout_readable(linear: nn.Module) -> bool:
-    """The K/V rows can be copied from `linear.weight` in checkpoint layout right before processing: an
-    unquantized layer (a quant method may hold its weight packed, transposed or in fp8 with scales)."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-    return isinstance(getattr(linear, "quant_method", None), UnquantizedLinearMethod)
-
-
-def _quantized_fallback(backbone: LifecycleDraftModel, family: VLLMDraftFamily, methods: set[str]
-                        ) -> tuple[DerivedSpec, ...]:
-    """A quantized attention projection: the fused buffer read from the shadows is not declared; vLLM's own
-    non-fused path (each projection through its quant method, taken when the fused weight is None) serves,
-    and the lifecycle still guards every reload. A family whose vLLM class has no such path is refused."""
-    if not family.quantized_fallback:
-        raise ValueError(
-            f"reload-lifecycle: the {family.name} draft's attention projections use quantization "
-            f"({', '.join(sorted(methods))}); vLLM's {family.causal_lm} builds its fused K/V weight from the raw "
-            "weight with no path for quantized layers, so it would compute from packed or scaled values. Serve "
-            "this draft unquantized, or disable the plugin (VLLM_PLUGINS without reload_lifecycle)")
-    kept = tuple(s for s in family.derived() if not any(src.endswith(SHADOW) for src in s.sources))
-    for spec in family.derived():
-        if spec not in kept:
-            setattr(backbone, spec.name, None)  # vLLM's test for its non-fused path: `is None`
-    return kept
 
 
 def backbones_in(model: nn.Module) -> list[LifecycleDraftModel]:

@@ -25,6 +25,7 @@ from torch import nn
 from . import settings
 from .drafts import MODULE_OWNERS, backbones_in
 from .epochs import describe, end_failed_epoch, keep_shared_modules_live, reload_in_progress, settle_partial
+from .quantized import reload_blocker
 from .serving import drafting_allowed
 
 __all__ = ["PATCH_POINTS", "install"]
@@ -60,6 +61,8 @@ def _require_module(model: Any, function: str) -> None:
 def _initialize(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
         _require_module(model, "initialize_layerwise_reload")
+        if backbones_in(model) and (why := reload_blocker(model)) is not None:
+            raise NotImplementedError(f"reload-lifecycle: {why}")
         if backbones_in(model) and reload_in_progress(model):  # the last reload never reached finalize
             end_failed_epoch(model, "abandoned: a new reload began before the previous one was finalized")
         for backbone in backbones_in(model):
