@@ -135,10 +135,15 @@ def test_a_load_weights_that_raises_on_the_first_bucket_rolls_back_exactly(failu
 
 
 def test_an_abandoned_reload_is_ended_by_the_next_one(failures: dict[str, Any]) -> None:
-    """A trainer that dies between initialize_layerwise_reload and finalize: the next reload ends the abandoned
-    epoch (quarantine: its buckets were written) instead of being refused from PARTIALLY_LOADED."""
+    """A trainer that dies between initialize_layerwise_reload and finalize: the engine serves meanwhile without
+    the draft (the modules the draft shares with the target, its embedding, LM head and rotary embedding, stay
+    live: they were on META until finalize, and the target's forward failed), and the next reload ends the
+    abandoned epoch (quarantine: its buckets were written) instead of being refused from PARTIALLY_LOADED."""
     case = failures["abandoned_reload"]
     assert case["call"]["ok"] and case["state"]["state"] == S.PARTIALLY_LOADED.value
+    assert case["generate"]["ok"], case["generate"]
+    paused = next(e for e in case["events"] if e["event"] == "drafting_paused")
+    assert paused["state"] == S.PARTIALLY_LOADED.value
     abort = next(e for e in case["events"] if e.get("trigger") == "abort_reload")
     assert "abandoned" in abort["reason"]
     assert case["retry"]["ok"], case["retry"]

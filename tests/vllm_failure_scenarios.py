@@ -74,7 +74,7 @@ def _draft_state(llm: Any) -> dict[str, Any]:
 
 def _events_since(llm: Any, seq: int) -> list[dict[str, Any]]:
     events = llm.collective_rpc("lifecycle_events", kwargs={"last": 256})[0]
-    keys = ("event", "trigger", "src", "dst", "reason", "rolled_back", "recoverable", "steps_without_draft")
+    keys = ("event", "trigger", "src", "dst", "reason", "rolled_back", "recoverable", "steps_without_draft", "state")
     return [{k: e.get(k) for k in keys} for e in events if e.get("seq", 0) > seq]
 
 
@@ -90,20 +90,14 @@ def _reload(llm: Any, path: Path, **kwargs: Any) -> Any:
     return lambda: llm.collective_rpc("reload_draft_weights", args=(str(path),), kwargs=kwargs)
 
 
-def _case(llm: Any, call: Any, retry: Any, *, fingerprinted: bool = False, serve: bool = True
-          ) -> dict[str, Any]:
+def _case(llm: Any, call: Any, retry: Any, *, fingerprinted: bool = False) -> dict[str, Any]:
     """The failing call, the state it left (and the draft's fingerprint), serving, the corrected retry,
     serving again, and the events."""
-    import inspect
-    import sys
-
-    print(f"case at line {inspect.stack()[1].lineno}", file=sys.stderr, flush=True)
     seen = _last_seq(llm)
     out: dict[str, Any] = {"call": _try(call), "state": _draft_state(llm)}
     if fingerprinted:
         out["fingerprint"] = llm.collective_rpc(fingerprint)
-    if serve:
-        out["generate"] = _served(llm)
+    out["generate"] = _served(llm)
     out["retry"] = _try(retry)
     out["state_after_retry"] = _draft_state(llm)
     out["generate_after_retry"] = _served(llm)
@@ -266,7 +260,7 @@ def scenario_failures(work: Path) -> dict[str, Any]:
     out["abandoned_reload"] = _case(
         llm, lambda: llm.collective_rpc(_verl_style, args=(str(work / "draftA" / "model.safetensors"),
                                                            "initialize_only")),
-        _reload(llm, work / "draftA"), serve=False)  # an open draft reload has the target's shared embedding on META
+        _reload(llm, work / "draftA"))  # generate runs while the reload is still open
 
     # mid-bucket, and a checkpoint that changes while it is read
     out["mid_bucket"] = _case(llm, _reload(llm, work / "bad_shape"), _reload(llm, work / "draftB"),

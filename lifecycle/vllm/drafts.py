@@ -188,9 +188,6 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
 
     def __init__(self: nn.Module, *, vllm_config: Any, prefix: str = "") -> None:
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
-        # what the draft is made of; modules vLLM attaches later (the target's shared embedding and LM head)
-        # are not reloaded with it (`epochs.keep_shared_modules_live`)
-        self.lifecycle_built_modules = weakref.WeakSet(self.modules())
         inner = getattr(self, family.inner_model_attr)
         inner.__class__ = _inner_class(family, type(inner))
         inner.enable_lifecycle(name=f"{family.name}-draft", rank=_rank())

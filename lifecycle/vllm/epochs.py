@@ -25,6 +25,7 @@ is refused: only a restart recovered.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,8 +39,12 @@ if TYPE_CHECKING:
     from .drafts import LifecycleDraftModel
     from .settings import PartialPolicy
 
-__all__ = ["PartialOutcome", "describe", "end_failed_epoch", "keep_shared_modules_live", "reload_in_progress",
-           "settle_partial", "unwind"]
+__all__ = ["ENGINE_MODULES", "PartialOutcome", "describe", "end_failed_epoch", "keep_shared_modules_live",
+           "note_engine_model", "reload_in_progress", "settle_partial", "shared_modules", "unwind"]
+
+
+#: modules of the models the engine loaded that hold no lifecycle draft (the target; `note_engine_model`)
+ENGINE_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 @dataclass
@@ -84,12 +89,10 @@ def unwind(model: nn.Module) -> int:
         return 0
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    waiting_ids = {id(m) for m, _ in waiting}
-    built = getattr(model, "lifecycle_built_modules", None)
-    # initialize_layerwise_reload put every module of `model` in the reload (but the shared ones taken out by
+    skip = {id(m) for m, _ in waiting} | {id(m) for _, m in shared_modules(model)}
+    # initialize_layerwise_reload put every module of `model` in the reload (but the shared ones, taken out by
     # keep_shared_modules_live): one that no longer waits was processed (written into its kernel tensors)
-    written = sum(1 for m in model.modules() if id(m) not in waiting_ids and m in LAYERWISE_INFO
-                  and (built is None or m in built))
+    written = sum(1 for m in model.modules() if id(m) not in skip and m in LAYERWISE_INFO)
     for module, info in waiting:
         _put_back(module, info)
     if hasattr(model, "_original_do_torchao_reload"):
@@ -97,19 +100,27 @@ def unwind(model: nn.Module) -> int:
     return written
 
 
+def note_engine_model(model: nn.Module) -> None:
+    """Remember the modules of a model the engine loaded that holds no lifecycle draft (the target)."""
+    if not backbones_in(model):
+        ENGINE_MODULES.update(model.modules())
+
+
+def shared_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules of a draft that belong to the target too: vLLM shares the embedding and LM head with a draft that
+    has none of its own, and one cached rotary embedding between equal configs."""
+    return [(n, m) for n, m in model.named_modules() if m in ENGINE_MODULES]
+
+
 def keep_shared_modules_live(model: nn.Module) -> list[str]:
-    """Take the modules vLLM attached to a lifecycle draft after building it out of its reload: the proposer
-    shares the target's embedding and LM head with a draft that has none of its own, and a draft reload would
-    otherwise put the TARGET's tensors on META until finalize, so the engine could not serve while a reload is
-    open (between the calls of a weight-transfer session, or after a trainer died mid-reload). Their own weight
-    loaders stay in place, so a payload that carries them still writes them (in place). Returns their names."""
-    built = getattr(model, "lifecycle_built_modules", None)
-    if built is None:
-        return []
+    """Take the modules a draft shares with the target out of the draft's reload: otherwise the TARGET's
+    tensors sit on META until finalize, and the engine cannot serve while a reload is open (between the calls of
+    a weight-transfer session, or after a trainer died mid-reload). Their own weight loaders stay in place, so a
+    payload that carries them still writes them, in place. Returns their names."""
+    waiting = {id(m): info for m, info in _infos(model)}
     taken = []
-    waiting = dict((id(m), info) for m, info in _infos(model))
-    for name, module in model.named_modules():
-        if module not in built and id(module) in waiting:
+    for name, module in shared_modules(model):
+        if id(module) in waiting:
             _put_back(module, waiting[id(module)])
             taken.append(name)
     return taken

@@ -24,7 +24,14 @@ from torch import nn
 
 from . import settings
 from .drafts import MODULE_OWNERS, backbones_in
-from .epochs import describe, end_failed_epoch, keep_shared_modules_live, reload_in_progress, settle_partial
+from .epochs import (
+    describe,
+    end_failed_epoch,
+    keep_shared_modules_live,
+    note_engine_model,
+    reload_in_progress,
+    settle_partial,
+)
 from .quantized import reload_blocker
 from .serving import drafting_allowed
 
@@ -133,6 +140,7 @@ def _drafting_gate(original: Callable[..., Any]) -> Callable[..., Any]:
 def _process_weights_after_loading(original: Callable[..., Any]) -> Callable[..., Any]:
     def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(model, *args, **kwargs)
+        note_engine_model(model)  # the target: a draft reload must leave the modules they share live
         for backbone in backbones_in(model):
             backbone.on_cold_load_processed()
         return result
