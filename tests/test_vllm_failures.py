@@ -283,3 +283,20 @@ def test_partial_refuse_per_call_overrides_the_engine_setting_and_writes_no_garb
     assert case["retry"]["value"][0]["partial"] == "keep"
     (verify,) = gpu_layout["verify"]
     assert all(v["ok"] for v in verify.values())
+
+
+def test_a_bad_engine_wide_setting_stops_the_plugin_before_it_patches_anything(monkeypatch: pytest.MonkeyPatch
+                                                                              ) -> None:
+    """vLLM calls the plugin's entry point unguarded in every process: the engine does not start."""
+    import lifecycle.vllm.plugin as plugin
+
+    monkeypatch.setattr(plugin, "_active", False)
+    monkeypatch.setenv("RELOAD_LIFECYCLE_PARTIAL", "sometimes")
+    with pytest.raises(ValueError, match="RELOAD_LIFECYCLE_PARTIAL='sometimes' is not one of: refuse, keep"):
+        plugin.activate()
+    assert plugin._active is False
+    monkeypatch.setenv("RELOAD_LIFECYCLE_PARTIAL", "keep")
+    monkeypatch.setenv("RELOAD_LIFECYCLE_PATH_ROOT", "relative/folder")
+    with pytest.raises(ValueError, match="RELOAD_LIFECYCLE_PATH_ROOT='relative/folder' must be an absolute path"):
+        plugin.activate()
+    assert plugin._active is False

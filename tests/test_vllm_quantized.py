@@ -98,7 +98,6 @@ def test_an_int8_w8a8_draft_serves_and_its_reload_is_refused_naming_the_method(i
 def test_a_family_without_a_non_fused_path_refuses_a_quantized_draft_at_load() -> None:
     """Laguna DFlash and Gemma4 DSpark read the raw weight in their fused path (vLLM 0.32 has no quantized
     branch there): building one with quantized projections is refused, naming the method."""
-    pytest.importorskip("vllm")
     from lifecycle.vllm.families import FAMILIES
     from lifecycle.vllm.quantized import quantized_fallback
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..types import describe_error as describe
 from .drafts import MODULE_OWNERS, SHADOW_OF, backbones_in
 
 if TYPE_CHECKING:
@@ -140,14 +141,6 @@ def end_failed_epoch(model: nn.Module, reason: str) -> None:
         lc.abort_reload(reason, rollback=(lambda: ()) if exact else None)
         if exact and lc.recovery_blocker is None:
             lc.recover()
-
-
-def describe(e: BaseException) -> str:
-    """`ErrorClass: first line of the reason`, at most 300 characters: a quarantine reason."""
-    text = str(getattr(e, "reason", None) or e).strip()
-    first = text.splitlines()[0] if text else ""
-    out = f"{type(e).__name__}: {first}" if first else type(e).__name__
-    return out if len(out) <= 300 else out[:297] + "..."
 
 
 # ---- a payload that did not send everything ------------------------------------------------------------------
