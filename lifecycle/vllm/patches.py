@@ -68,14 +68,17 @@ def _require_module(model: Any, function: str) -> None:
 def _initialize(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
         _require_module(model, "initialize_layerwise_reload")
-        if backbones_in(model) and (why := reload_blocker(model)) is not None:
+        backbones = backbones_in(model)
+        if not backbones:  # the target, or a model without lifecycle drafts: vLLM's reload as it is
+            return original(model, *args, **kwargs)
+        if (why := reload_blocker(model)) is not None:
             raise NotImplementedError(f"reload-lifecycle: {why}")
-        if backbones_in(model) and reload_in_progress(model):  # the last reload never reached finalize
+        if reload_in_progress(model):  # the last reload never reached finalize
             end_failed_epoch(model, "abandoned: a new reload began before the previous one was finalized")
-        for backbone in backbones_in(model):
+        for backbone in backbones:
             backbone.on_reload_begin()
         result = original(model, *args, **kwargs)
-        keep_shared_modules_live(model)
+        keep_shared_modules_live(model)  # what the draft shares with the target stays live
         return result
 
     return initialize_layerwise_reload
