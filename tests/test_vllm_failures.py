@@ -217,6 +217,17 @@ def test_partial_refuse_quarantines_and_keeps_unsent_layers_unchanged(failures: 
     assert _layer(now, "model.layers.0.") != _layer(b, "model.layers.0.")  # layer 0 came from draft A
 
 
+def test_the_fused_path_of_a_quarantined_draft_refuses_real_work_and_skips_dummy_runs(failures: dict[str, Any]
+                                                                                      ) -> None:
+    """Nothing reaches it while the drafter is paused; if something does, a step that stores context K/V is
+    refused (QuarantinedError), and a dummy run (no slots: what vLLM runs on data-parallel ranks whose drafter it
+    skipped) is skipped instead of failing the engine step."""
+    case = failures["fused_path_while_quarantined"]
+    assert case["state"]["state"] == S.QUARANTINED.value
+    assert case["probe"] == [{"dummy": "None", "real": "QuarantinedError"}]
+    assert_serves_and_retries(case)
+
+
 def test_partial_keep_of_one_layer_equals_a_cold_engine_on_the_merged_weights(failures: dict[str, Any],
                                                                             cold_b: dict[str, Any]) -> None:
     """The engine starts on M = draft B with layer 1 of draft A; a payload of B's layer 1 alone, partial='keep',

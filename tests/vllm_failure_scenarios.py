@@ -90,13 +90,15 @@ def _reload(llm: Any, path: Path, **kwargs: Any) -> Any:
     return lambda: llm.collective_rpc("reload_draft_weights", args=(str(path),), kwargs=kwargs)
 
 
-def _case(llm: Any, call: Any, retry: Any, *, fingerprinted: bool = False) -> dict[str, Any]:
-    """The failing call, the state it left (and the draft's fingerprint), serving, the corrected retry,
-    serving again, and the events."""
+def _case(llm: Any, call: Any, retry: Any, *, fingerprinted: bool = False, probe: Any = None) -> dict[str, Any]:
+    """The failing call, the state it left (and the draft's fingerprint, or what `probe` in the worker says),
+    serving, the corrected retry, serving again, and the events."""
     seen = _last_seq(llm)
     out: dict[str, Any] = {"call": _try(call), "state": _draft_state(llm)}
     if fingerprinted:
         out["fingerprint"] = llm.collective_rpc(fingerprint)
+    if probe is not None:
+        out["probe"] = llm.collective_rpc(probe)
     out["generate"] = _served(llm)
     out["retry"] = _try(retry)
     out["state_after_retry"] = _draft_state(llm)
@@ -183,6 +185,21 @@ def _raise_in_refresh(worker: Any) -> str:
     return "armed"
 
 
+def _fused_path_while_quarantined(worker: Any) -> dict[str, str]:
+    """The fused path of a quarantined draft: a dummy run (no slots) is skipped, a real one refused."""
+    import torch
+
+    b = _backbone(worker)
+    states, positions = torch.zeros(2, 64), torch.zeros(2, dtype=torch.long)
+    out = {"dummy": repr(b.precompute_and_store_context_kv(states, positions))}
+    try:
+        b.precompute_and_store_context_kv(states, positions, torch.zeros(2, dtype=torch.long))
+        out["real"] = "ran"
+    except Exception as e:
+        out["real"] = type(e).__name__
+    return out
+
+
 def _verl_style(worker: Any, path: str, config: str) -> str:
     """initialize -> load_weights -> finalize called directly (veRL); `config`: 'config' (the draft's model
     config), 'none' (no config: a wrong call), 'initialize_only' (the trainer dies before finalize)."""
@@ -222,6 +239,8 @@ def scenario_failures(work: Path) -> dict[str, Any]:
                                          _reload(llm, work / "draftB"), fingerprinted=True)
     out["partial_refuse"] = _case(llm, _reload(llm, work / "draftA", exclude_prefixes=[LAYER1]),
                                   _reload(llm, work / "draftB"), fingerprinted=True)
+    out["fused_path_while_quarantined"] = _case(llm, _reload(llm, work / "draftA", exclude_prefixes=[LAYER1]),
+                                                _reload(llm, work / "draftB"), probe=_fused_path_while_quarantined)
 
     # arguments and paths: refused before the draft is touched
     outside = Path(tempfile.mkdtemp(prefix="outside-root-"))

@@ -101,6 +101,11 @@ class LifecycleDraftModel(DraftBackbone):
             lc.weights_loaded([n for n in lc.specs if not n.endswith(SHADOW)])
 
     def precompute_and_store_context_kv(self, *args: Any, **kwargs: Any) -> None:
+        slots = args[2] if len(args) > 2 else kwargs.get("context_slot_mapping")
+        if slots is None and self.lifecycle.quarantined:
+            # a dummy run stores nothing (vLLM runs one on data-parallel ranks whose drafter it skipped, to
+            # keep them in step): skip it instead of failing the engine step
+            return None
         self.require_usable("precompute_and_store_context_kv")  # quarantined or stale: refuse, never garbage
         return super().precompute_and_store_context_kv(*args, **kwargs)  # type: ignore[misc]
 
