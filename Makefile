@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.gpu_check
 	$(BIN)/python -m benchmarks.gpu_check --device cpu --json benchmarks/results/gpu_check_cpu.json
 	$(BIN)/python benchmarks/rollback_memory.py
+	$(BIN)/python benchmarks/checkpoint_memory.py
 	$(BIN)/python benchmarks/audit_rate.py
 	$(BIN)/python -m benchmarks.hostile_logs $(BENCH_ARGS)
 

@@ -150,10 +150,15 @@ def test_a_plain_write_left_unfinished_refuses_to_draft_until_process_weights_af
     assert draft_of(u["states"])["derived"] == draft_of(dflash[layout]["cold_A"]["states"])["derived"]
 
 
-def test_generation_with_an_unfinished_write_is_refused_by_the_draft_not_the_target(dflash: dict[str, Any]) -> None:
-    refused = dflash[LAYOUTS[-1]]["unfinished"]["generate_open"]
-    assert not refused["ok"] and refused["error"] == "LayersNotReadyError", refused
-    assert "precompute_and_store_context_kv refused" in refused["message"]
+def test_generation_with_an_unfinished_write_is_served_by_the_target_without_the_draft(
+        dflash: dict[str, Any]) -> None:
+    """The draft step used to raise LayersNotReadyError here, failing the request (and, with multiprocessing off,
+    hanging the next generate). Now the plugin tells vLLM the step does not fit in the drafter: the engine serves
+    the target's greedy tokens and the draft proposes nothing until the epoch is finished."""
+    res = dflash[LAYOUTS[-1]]
+    served = ok(res["unfinished"]["generate_open"])
+    assert served["tokens"] == ok(res["cold_A"]["generate"])["tokens"]
+    assert served["proposals"] == []
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -19,7 +19,9 @@ How each trainer call path reaches the lifecycle:
 Post-processing may change a source's layout: on CPU an unquantized linear layer is repacked into a oneDNN handle
 and its `weight` becomes an empty (0,) parameter; quantized layers pack their weights on GPU. So the rows a fused
 buffer needs are copied, in checkpoint layout, into a per-layer shadow (`ckpt_kv_weight`) right before the layer's
-quant method processes them, and the fused buffer is built from the shadows (one more copy of those rows).
+quant method processes them, and the fused buffer is built from the shadows (one more copy of those rows). A
+quantized attention projection holds no rows in checkpoint layout: its draft takes vLLM's own non-fused path
+(`quantized.py`). A load_weights call that fails inside a reload ends the epoch (`epochs.py`).
 """
 
 from __future__ import annotations
@@ -28,15 +30,23 @@ import contextvars
 import importlib
 import weakref
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..backbone import DraftBackbone
+from ..errors import LayersNotReadyError
+from ..events import LIST_CAP
+from ..types import capped
 from .families import SHADOW, VLLMDraftFamily
+from .quantized import attention_prefixes, checkpoint_layout_readable, quantized_fallback
 
-__all__ = ["IN_VLLM_RELOAD", "MODULE_OWNERS", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
+if TYPE_CHECKING:
+    from .epochs import PartialOutcome
+    from .settings import PartialPolicy
+
+__all__ = ["IN_VLLM_RELOAD", "MODULE_OWNERS", "SHADOW_OF", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
 
 #: module -> (backbone, tracked tensor names of that module): how vLLM's per-module events find the lifecycle.
 MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[LifecycleDraftModel, list[str]]] = (
@@ -45,6 +55,8 @@ MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[LifecycleDraftModel, l
 #: True while vLLM's own reload machinery (`_layerwise_process`, `finalize_layerwise_reload`) processes layers.
 IN_VLLM_RELOAD: contextvars.ContextVar[bool] = contextvars.ContextVar("reload_lifecycle_in_vllm_reload",
                                                                       default=False)
+#: linear module -> the name of the shadow its processing fills (a shadow is current only if its linear is).
+SHADOW_OF: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 IMPLICIT_CAUSE = "load_weights after a completed load, outside initialize_layerwise_reload"
 
 
@@ -55,22 +67,33 @@ class LifecycleDraftModel(DraftBackbone):
     """Mixed into vLLM's inner draft model class (DFlashQwen3Model and its relatives) at construction."""
 
     _family: ClassVar[VLLMDraftFamily]
+    #: this reload's partial policy when the caller chose one (an RPC's `partial=`); None: the engine setting
+    reload_partial: PartialPolicy | None = None
+    #: steps the engine has served without this draft since it stopped being usable (None: drafting)
+    drafting_paused_steps: int | None = None
 
     def enable_lifecycle(self, *, name: str, rank: int) -> None:
         family = self._family
+        sources = [family.shadow.of(layer.self_attn) for layer in self.layers] if family.shadow is not None else []
+        quantized = {type(linear.quant_method).__name__ for linear, _ in sources
+                     if not checkpoint_layout_readable(linear)}
         shadows: dict[str, torch.Tensor] = {}
         shadow_of: dict[nn.Module, tuple[slice, torch.Tensor, str]] = {}
-        if family.shadow is not None:
-            for i, layer in enumerate(self.layers):
-                linear, rows = family.shadow.of(layer.self_attn)
+        if quantized:
+            self.derived_buffers = quantized_fallback(self, family, quantized)
+        else:
+            for i, ((linear, rows), layer) in enumerate(zip(sources, self.layers, strict=True)):
                 shadow = torch.zeros_like(linear.weight[rows])
                 layer.self_attn.register_buffer(SHADOW, shadow, persistent=False)
-                shadows[f"layers.{i}.self_attn.{SHADOW}"] = shadow
-                shadow_of[linear] = (rows, shadow, f"layers.{i}.self_attn.{SHADOW}")
-        self.derived_buffers = family.derived()
-        tracked: dict[str, torch.Tensor] = {
-            n: p for n, p in self.named_parameters() if not n.startswith(family.untracked_prefixes)
-        }
+                shadow_name = f"layers.{i}.self_attn.{SHADOW}"
+                shadows[shadow_name] = shadow
+                shadow_of[linear] = (rows, shadow, shadow_name)
+                SHADOW_OF[linear] = shadow_name
+            self.derived_buffers = family.derived()
+        # attention layers' own parameters (quantized KV-cache scales) are vLLM's to process, and it deletes
+        # them once consumed: no derived buffer reads them, so they are not checkpoint tensors of the lifecycle
+        untracked = family.untracked_prefixes + attention_prefixes(self)
+        tracked: dict[str, torch.Tensor] = {n: p for n, p in self.named_parameters() if not n.startswith(untracked)}
         tracked.update(shadows)
         self.init_lifecycle(name, rank=rank, tensors=tracked)
         owned: list[nn.Module] = []
@@ -86,6 +109,17 @@ class LifecycleDraftModel(DraftBackbone):
         inner = {id(d) for m in owned for d in m.modules() if d is not m}
         self.__dict__["_own_roots"] = [m for m in owned if id(m) not in inner]
 
+    def meta_or_absent(self) -> set[str]:
+        """As the core's, except a parameter slot its quant method emptied after processing (the CPU int8
+        oneDNN kernel keeps the weight in its own handle and sets `weight` to None): that tensor is held by the
+        kernel, not missing. vLLM reports each such layer when it processed all of it."""
+        out = set()
+        for name in super().meta_or_absent():
+            module, leaf = self._tensor_slots.get(name, (None, ""))
+            if module is None or leaf not in module._parameters or module._parameters[leaf] is not None:
+                out.add(name)
+        return out
+
     @property
     def reload_open(self) -> bool:
         """A reload epoch has begun and is not finished yet (weights may be mid-write)."""
@@ -97,6 +131,11 @@ class LifecycleDraftModel(DraftBackbone):
         self._family.set_metadata(self)
 
     def precompute_and_store_context_kv(self, *args: Any, **kwargs: Any) -> None:
+        slots = args[2] if len(args) > 2 else kwargs.get("context_slot_mapping")
+        if slots is None and self.lifecycle.quarantined:
+            # a dummy run stores nothing (vLLM runs one on data-parallel ranks whose drafter it skipped, to
+            # keep them in step): skip it instead of failing the engine step
+            return None
         self.require_usable("precompute_and_store_context_kv")  # quarantined or stale: refuse, never garbage
         return super().precompute_and_store_context_kv(*args, **kwargs)  # type: ignore[misc]
 
@@ -130,11 +169,22 @@ class LifecycleDraftModel(DraftBackbone):
         if not self.lifecycle.unloaded:
             self.begin_reload()
 
-    def on_reload_finalized(self) -> None:
+    def on_reload_finalized(self, outcome: PartialOutcome | None = None, policy: PartialPolicy = "refuse") -> None:
+        """After vLLM's finalize: finish (every layer ready; with `keep`, tensors that received nothing count
+        as unchanged), run the reload hooks and refresh in place. Any failure quarantines the draft (its last
+        good derived buffers kept) and is raised."""
         lc = self.lifecycle
         if not lc.can("finish_loading"):  # no load of this draft in progress: nothing to finish
             return
         try:
+            if outcome is not None and outcome.unfilled:
+                raise _partly_sent(lc, outcome, policy)
+            if policy == "keep" and outcome is not None and outcome.untouched:
+                kept = [n for n in outcome.untouched if not lc.readiness.is_loaded(n)]
+                lc.weights_unchanged(kept)
+                shown, more = capped(sorted(kept), LIST_CAP)
+                lc.audit_event("partial_reload", policy=policy, kept=shown, kept_more=more,
+                               completed_with_last_values=sorted(outcome.filled))
             self.finalize_loading()
             self.refresh_derived_buffers()
         except Exception as e:
@@ -178,6 +228,17 @@ def _guard_processing(backbone: LifecycleDraftModel, module: nn.Module,
     quant_method.process_weights_after_loading = process_weights_after_loading
 
 
+def _partly_sent(lc: Any, outcome: PartialOutcome, policy: PartialPolicy) -> LayersNotReadyError:
+    """Tensors that received only part of their elements and could not be completed: named with why."""
+    missing: dict[str, list[str]] = {}
+    for name, why in outcome.unfilled.items():
+        missing.setdefault(lc.readiness.layer_of_name[name], []).append(f"{name} ({why})")
+    err = LayersNotReadyError(f"finish_loading (partial={policy!r})", missing, backbone=lc.name,
+                              state=lc.state.value)
+    lc.record_refusal("finish_loading", err)
+    return err
+
+
 def backbones_in(model: nn.Module) -> list[LifecycleDraftModel]:
     return [m for m in model.modules() if isinstance(m, LifecycleDraftModel)]
 
@@ -209,9 +270,18 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
 
     def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         backbones = backbones_in(self)
-        for b in backbones:
-            b.before_write()
-        result = base.load_weights(self, weights)
+        # a bucket that fails inside a reload (a bad name or shape, a loader or a source that raises) ends the
+        # epoch here: otherwise modules stay on META and the next reload is refused
+        try:
+            for b in backbones:
+                b.before_write()
+            result = base.load_weights(self, weights)
+        except BaseException as e:
+            from .epochs import describe, end_failed_epoch, reload_in_progress
+
+            if reload_in_progress(self):
+                end_failed_epoch(self, f"load_weights failed: {describe(e)}")
+            raise
         for b in backbones:
             b.after_write()
         return result

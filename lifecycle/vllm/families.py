@@ -81,6 +81,10 @@ class VLLMDraftFamily:
     untracked_prefixes: tuple[str, ...] = ("embed_tokens.", "mask_embedding", "lm_head.")
     notes: tuple[str, ...] = field(default=())  # what vLLM derives here that the lifecycle does not (yet) own
 
+    #: vLLM's class runs each attention projection through its quant method when the fused weight is None
+    #: (DFlash's `_build_context_kv_buffers`); without it a quantized draft is refused at load
+    quantized_fallback: bool = False
+
     @property
     def sets(self) -> frozenset[str]:
         """Every attribute the replaced builders set in vLLM: the derived buffers and the metadata."""
@@ -212,13 +216,13 @@ _DFLASH_BUILDER = ("_build_fused_kv_buffers",)
 FAMILIES: tuple[VLLMDraftFamily, ...] = (
     VLLMDraftFamily("dflash", ("DFlashDraftModel", "DFlashMuseGlimmerAssistantModel", "MuseGlimmerAssistantModel"),
                     "vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM", "DFlashQwen3Model",
-                    _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS),
+                    _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS, quantized_fallback=True),
     VLLMDraftFamily("dflash2", ("DFlash2DraftModel",), "vllm.model_executor.models.qwen3_dflash2",
                     "DFlash2Qwen3ForCausalLM", "DFlash2Qwen3Model", _DFLASH_BUILDER, _dflash_derived,
-                    _DFLASH_METADATA, KV_ROWS),
+                    _DFLASH_METADATA, KV_ROWS, quantized_fallback=True),
     VLLMDraftFamily("qwen3_dspark", ("Qwen3DSparkModel", "Qwen3OmniDSparkModel"),
                     "vllm.model_executor.models.qwen3_dspark", "Qwen3DSparkForCausalLM", "Qwen3DSparkModel",
-                    _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS),
+                    _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS, quantized_fallback=True),
     VLLMDraftFamily("gemma4_dspark", ("Gemma4DSparkModel",), "vllm.model_executor.models.gemma4_dspark",
                     "Gemma4DSparkForCausalLM", "Gemma4DSparkModel", _DFLASH_BUILDER, _gemma_derived,
                     {**_GEOMETRY, "_fused_k_bias": NONE}, Shadow("k_proj")),
@@ -230,7 +234,7 @@ FAMILIES: tuple[VLLMDraftFamily, ...] = (
                     _K3_METADATA),
     VLLMDraftFamily("qwen3_xpress", ("Qwen3XPressModel", "DFlashQwen3XPressModel"),
                     "vllm.model_executor.models.qwen3_xpress", "Qwen3XPressForCausalLM", "Qwen3XPressModel",
-                    _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS, since="0.33",
+                    _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS, since="0.33", quantized_fallback=True,
                     notes=("the refiner head's transposed copies (`xpress_head._fused_buf`, rebuilt by "
                            "`build_fused_buffers` at every load_weights) stay vLLM's",
                            "vLLM's load_weights raises unless every call carries `xpress_head.mix.L`")),

@@ -12,6 +12,9 @@
                                            as `finalize_layerwise_reload` would, never by replaying cold-load
                                            processing over layers the reload already processed
 
+  GPUModelRunner._input_fits_in_drafter -> False while a draft is not usable (quarantined, mid-reload): vLLM
+                                           then runs the step without the drafter (the target's tokens only)
+
 `reload_weights`, the native weight-transfer engines and RL trainers all call these names, so one set of
 wrappers covers cold load, target reload, draft reload and the transfer sessions. A reference taken before the
 plugin wrapped a name still reaches the lifecycle: the draft classes' own `load_weights` and
@@ -25,7 +28,20 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
+from . import settings
 from .drafts import IN_VLLM_RELOAD, MODULE_OWNERS, backbones_in
+from .epochs import (
+    describe,
+    end_failed_epoch,
+    keep_shared_modules_live,
+    note_engine_model,
+    reload_in_progress,
+    settle_partial,
+)
+from .quantized import reload_blocker
+from .serving import drafting_allowed
 
 __all__ = ["ENGINE_NAMES", "PATCH_POINTS", "install"]
 
@@ -33,8 +49,13 @@ _MARK = "__reload_lifecycle_wrapped__"
 
 
 def _wrap(module_name: str, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
-    module = importlib.import_module(module_name)
-    original = getattr(module, attr, None)
+    owner: Any = importlib.import_module(module_name)
+    *path, name = attr.split(".")  # "Class.method" wraps a method on its class
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return False
+    original = getattr(owner, name, None)
     if original is None:
         return False
     if getattr(original, _MARK, False):
@@ -42,30 +63,67 @@ def _wrap(module_name: str, attr: str, make: Callable[[Callable[..., Any]], Call
     wrapper = functools.wraps(original)(make(original))
     setattr(wrapper, _MARK, True)
     wrapper.__wrapped_original__ = original  # type: ignore[attr-defined]
-    setattr(module, attr, wrapper)
+    setattr(owner, name, wrapper)
     return True
+
+
+def _require_module(model: Any, function: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{function}(model, ...): model must be a torch.nn.Module, got {type(model).__name__}; "
+                        "nothing was changed")
+
+
+def _in_vllm_reload(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one of vLLM's reload steps with `IN_VLLM_RELOAD` set: a draft's `load_weights` called from inside it is
+    part of vLLM's layerwise reload, not a plain write after a completed load (trainer path iv)."""
+    token = IN_VLLM_RELOAD.set(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        IN_VLLM_RELOAD.reset(token)
 
 
 def _initialize(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
-        for backbone in backbones_in(model):
+        _require_module(model, "initialize_layerwise_reload")
+        backbones = backbones_in(model)
+        if not backbones:  # the target, or a model without lifecycle drafts: vLLM's reload as it is
+            return original(model, *args, **kwargs)
+        if (why := reload_blocker(model)) is not None:
+            raise NotImplementedError(f"reload-lifecycle: {why}")
+        if reload_in_progress(model):  # the last reload never reached finalize
+            end_failed_epoch(model, "abandoned: a new reload began before the previous one was finalized")
+        for backbone in backbones:
             backbone.on_reload_begin()
-        return original(model, *args, **kwargs)
+        result = original(model, *args, **kwargs)
+        keep_shared_modules_live(model)  # what the draft shares with the target stays live
+        return result
 
     return initialize_layerwise_reload
 
 
 def _finalize(original: Callable[..., Any]) -> Callable[..., Any]:
     def finalize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
-        token = IN_VLLM_RELOAD.set(True)
+        _require_module(model, "finalize_layerwise_reload")
+        backbones = backbones_in(model)
+        if not backbones:
+            return _in_vllm_reload(original, model, *args, **kwargs)
+        model_config = args[0] if args else kwargs.get("model_config")
         try:
-            result = original(model, *args, **kwargs)
-        finally:
-            IN_VLLM_RELOAD.reset(token)
+            if not hasattr(model_config, "dtype"):  # vLLM reads it only after processing every other layer
+                raise TypeError("finalize_layerwise_reload(model, model_config): model_config must be the draft's "
+                                f"ModelConfig, got {type(model_config).__name__}")
+            policies = {b: settings.check_partial(b.reload_partial, "partial") for b in backbones}
+            outcomes = settle_partial(model, policies.__getitem__)
+            result = _in_vllm_reload(original, model, *args, **kwargs)
+        except BaseException as e:
+            end_failed_epoch(model, f"finalize_layerwise_reload failed: {describe(e)}")
+            raise
         errors = []
-        for backbone in backbones_in(model):
+        for backbone in backbones:
+            backbone.reload_partial = None
             try:
-                backbone.on_reload_finalized()
+                backbone.on_reload_finalized(outcomes.get(backbone), policies[backbone])
             except Exception as e:
                 errors.append(e)
         if errors:
@@ -80,11 +138,7 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         # vLLM also processes layers that got only part of their elements (at finalize, with the rest
         # uninitialised); only a layer that received everything counts as loaded
         complete = info.load_numel_total is not None and info.load_numel >= info.load_numel_total > 0
-        token = IN_VLLM_RELOAD.set(True)
-        try:
-            result = original(layer, info, *args, **kwargs)
-        finally:
-            IN_VLLM_RELOAD.reset(token)
+        result = _in_vllm_reload(original, layer, info, *args, **kwargs)
         owner = MODULE_OWNERS.get(layer)
         if complete and owner is not None:
             backbone, names = owner
@@ -95,14 +149,24 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
     return layerwise_process
 
 
+def _drafting_gate(original: Callable[..., Any]) -> Callable[..., Any]:
+    # vLLM's own way to run a step without the drafter: when this says False the runner zeroes the step's draft
+    # tokens (the target verifies them, so the output is unchanged) and never calls into the draft model
+    def _input_fits_in_drafter(runner: Any, *args: Any, **kwargs: Any) -> bool:
+        return drafting_allowed(runner) and bool(original(runner, *args, **kwargs))
+
+    return _input_fits_in_drafter
+
+
 def _process_weights_after_loading(original: Callable[..., Any]) -> Callable[..., Any]:
     def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
         backbones = backbones_in(model)
-        if any(b.reload_open for b in backbones):
+        if any(b.reload_open for b in backbones):  # a plain load_weights after the cold load opened an epoch
             model_config = args[0] if args else kwargs["model_config"]
             finalize = importlib.import_module(_LAYERWISE).finalize_layerwise_reload  # the wrapped one
             return finalize(model, model_config)
         result = original(model, *args, **kwargs)
+        note_engine_model(model)  # the target: a draft reload must leave the modules they share live
         for backbone in backbones:
             backbone.on_cold_load_processed()
         return result
@@ -126,6 +190,7 @@ PATCH_POINTS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[...,
     ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading",
      _process_weights_after_loading),
     ("vllm.model_executor.model_loader.utils", "process_weights_after_loading", _process_weights_after_loading),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._input_fits_in_drafter", _drafting_gate),
 )
 
 #: (vLLM module, name, who uses it): the other vLLM names the plugin relies on (checked with PATCH_POINTS).
@@ -143,6 +208,14 @@ ENGINE_NAMES: tuple[tuple[str, str, str], ...] = (
      "transfer (draft sessions)"),
     ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory.register_engine", "transfer"),
     ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory._registry", "transfer"),
+    ("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO", "epochs (unwinding a failed reload)"),
+    ("vllm.model_executor.model_loader.reload.layerwise", "_place_kernel_tensors", "epochs (unwinding)"),
+    ("vllm.model_executor.model_loader.reload.meta", "materialize_layer", "epochs (partial policy keep)"),
+    ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.kernel_tensors", "epochs"),
+    ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.can_load", "epochs"),
+    ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.reset", "epochs"),
+    ("vllm.model_executor.layers.attention", "is_deferred_attention_layer", "quantized, epochs"),
+    ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "quantized, epochs (checkpoint layout)"),
 )
 
 

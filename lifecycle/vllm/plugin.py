@@ -6,6 +6,7 @@ import os
 
 from .. import env
 from ..events import AuditSinkError, configure_audit
+from . import settings
 from .version import check_vllm
 
 __all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "activate"]
@@ -26,6 +27,8 @@ def activate() -> None:
     if _active:
         return
     version = check_vllm()
+    settings.partial_policy()  # a bad engine-wide setting stops the engine here, naming the variable
+    settings.allowed_root()
     _configure_audit_from_env()
     from vllm import ModelRegistry
 

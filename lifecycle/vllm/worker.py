@@ -6,7 +6,6 @@ call them with `llm.collective_rpc("lifecycle_states")` (one answer per worker r
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,6 +13,9 @@ from ..errors import MESSAGE_ITEMS_CAP
 from ..storage import StorageIdentity
 from ..types import capped
 from .drafts import LifecycleDraftModel, backbones_in
+from .epochs import describe, end_failed_epoch
+from .payload import feed, plan_payload
+from .settings import PartialPolicy, check_partial
 
 __all__ = ["LifecycleWorkerExtension", "draft_model_of"]
 
@@ -90,11 +92,19 @@ class LifecycleWorkerExtension:
             out[b.lifecycle.name] = digests
         return out
 
-    def reload_draft_weights(self, weights_path: str, bucket_size: int = 0, shuffle: bool = False,
-                             seed: int = 0, exclude_prefixes: Iterable[str] = ()) -> dict[str, Any]:
-        """Reload the draft from a safetensors folder or file through vLLM's layerwise reload, in buckets of
-        `bucket_size` tensors (0: one bucket), optionally shuffled, leaving out names with `exclude_prefixes`
-        (to test an incomplete payload). vLLM 0.32's `reload_weights` reloads only the target."""
+    def reload_draft_weights(self, weights_path: str, bucket_size: int | None = None, shuffle: bool = False,
+                             seed: int = 0, exclude_prefixes: Iterable[str] = (),
+                             partial: PartialPolicy | None = None) -> dict[str, Any]:
+        """Reload the draft from a safetensors file or folder through vLLM's layerwise reload, in buckets of
+        `bucket_size` tensors (None: one bucket), optionally shuffled, leaving out names that start with one of
+        `exclude_prefixes`. `partial`: what tensors the payload does not send do, 'refuse' (quarantine) or
+        'keep' (they keep their last values); None: the engine's `RELOAD_LIFECYCLE_PARTIAL`. vLLM 0.32's
+        `reload_weights` reloads only the target.
+
+        Every argument and the checkpoint's headers are checked before the draft is touched (an error then
+        changes nothing). A failure after that ends the reload epoch (`lifecycle.vllm.epochs`): rolled back
+        exactly when nothing was written yet, else the draft is quarantined and the engine serves without it;
+        the error is raised either way, and the same call, corrected, works without a restart."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -103,16 +113,20 @@ class LifecycleWorkerExtension:
         draft = self._lifecycle_models().get("draft")
         if draft is None:
             raise RuntimeError("this engine has no draft model (speculative_config is not set)")
-        items = [(n, t) for n, t in _read_safetensors(weights_path) if not n.startswith(tuple(exclude_prefixes))]
-        if shuffle:
-            random.Random(seed).shuffle(items)
-        size = bucket_size or len(items)
-        initialize_layerwise_reload(draft)
-        for i in range(0, len(items), size):
-            draft.load_weights(items[i:i + size])
+        policy = check_partial(partial)
+        payload = plan_payload(weights_path, bucket_size=bucket_size, shuffle=shuffle, seed=seed,
+                               exclude_prefixes=exclude_prefixes)
         config = self.vllm_config.speculative_config.draft_model_config  # type: ignore[attr-defined]
-        finalize_layerwise_reload(draft, config)
-        return {"tensors": len(items), "buckets": -(-len(items) // size)}
+        initialize_layerwise_reload(draft)  # the model is touched from here on
+        try:
+            for backbone in backbones_in(draft):
+                backbone.reload_partial = policy
+            feed(draft, payload)
+            finalize_layerwise_reload(draft, config)
+        except BaseException as e:
+            end_failed_epoch(draft, f"reload_draft_weights failed: {describe(e)}")  # no-op if already ended
+            raise
+        return {"tensors": payload.tensors, "buckets": len(payload.buckets), "partial": policy}
 
 
 def draft_model_of(runner: Any) -> Any:
@@ -134,16 +148,3 @@ def _byte_dtype() -> Any:
     import torch
 
     return torch.uint8
-
-
-def _read_safetensors(path: str) -> list[tuple[str, Any]]:
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    out: list[tuple[str, Any]] = []
-    for f in files:
-        out.extend(load_file(str(f)).items())
-    return out
