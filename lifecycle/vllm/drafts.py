@@ -74,17 +74,19 @@ class LifecycleDraftModel(DraftBackbone):
 
     def enable_lifecycle(self, *, name: str, rank: int) -> None:
         family = self._family
-        sources = [family.shadow.of(layer.self_attn) for layer in self.layers] if family.shadow is not None else []
-        quantized = {type(linear.quant_method).__name__ for linear, _ in sources
+        # (layer index, attention, (linear, rows)) of every shadowed source; none when post-processing keeps them
+        sources = ([(i, layer.self_attn, family.shadow.of(layer.self_attn)) for i, layer in enumerate(self.layers)]
+                   if family.shadow is not None else [])
+        quantized = {type(linear.quant_method).__name__ for _, _, (linear, _) in sources
                      if not checkpoint_layout_readable(linear)}
         shadows: dict[str, torch.Tensor] = {}
         shadow_of: dict[nn.Module, tuple[slice, torch.Tensor, str]] = {}
         if quantized:
             self.derived_buffers = quantized_fallback(self, family, quantized)
         else:
-            for i, ((linear, rows), layer) in enumerate(zip(sources, self.layers, strict=True)):
+            for i, attn, (linear, rows) in sources:
                 shadow = torch.zeros_like(linear.weight[rows])
-                layer.self_attn.register_buffer(SHADOW, shadow, persistent=False)
+                attn.register_buffer(SHADOW, shadow, persistent=False)
                 shadow_name = f"layers.{i}.self_attn.{SHADOW}"
                 shadows[shadow_name] = shadow
                 shadow_of[linear] = (rows, shadow, shadow_name)

@@ -39,9 +39,13 @@ NOT_RELOADABLE: dict[tuple[str, str], str] = {
 
 
 def attention_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The names of the attention layers' OWN parameters (quantized KV-cache scales: vLLM processes and deletes
+    them). Only direct ones: an attention layer may be a whole block (Kimi K3's MLA is the `AttentionLayerBase`
+    itself), whose submodules' weights are checkpoint tensors the derived buffers read."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    return tuple(f"{name}." for name, m in model.named_modules() if name and is_deferred_attention_layer(m))
+    return tuple(f"{name}.{leaf}" for name, m in model.named_modules() if name and is_deferred_attention_layer(m)
+                 for leaf in m._parameters)
 
 
 def checkpoint_layout_readable(linear: nn.Module) -> bool:
