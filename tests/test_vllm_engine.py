@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from lifecycle.states import LifecycleState, possible_destinations
+from lifecycle.vllm.worker import per_backbone
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "tests" / "vllm_scenarios.py"
@@ -96,14 +98,14 @@ def test_bucketed_draft_reload_generates_and_keeps_every_address(warm: dict[str,
     for name, ident in before["derived"].items():
         assert after["derived"][name] == ident, f"{name} moved: {ident} -> {after['derived'][name]}"
     (verify,) = warm["verify"]
-    assert all(v["ok"] and v["checked"] > 0 for v in verify.values())
+    assert all(v["ok"] and v["checked"] > 0 for v in per_backbone(verify).values())
 
 
 def test_reloaded_derived_buffers_equal_a_cold_engine_with_the_new_draft(warm: dict[str, Any],
                                                                           cold_b: dict[str, Any]) -> None:
     assert cold_b["generate"]["ok"]
-    (warm_digests,) = warm["digests"]
-    (cold_digests,) = cold_b["digests"]
+    (warm_digests,) = map(per_backbone, warm["digests"])
+    (cold_digests,) = map(per_backbone, cold_b["digests"])
     differ = {b: [n for n in d if d[n] != cold_digests.get(b, {}).get(n)] for b, d in warm_digests.items()}
     assert warm_digests == cold_digests, f"derived buffers differ from the cold engine's: {differ}"  # sha256
     (cold_rank,) = cold_b["states"]
@@ -116,7 +118,7 @@ def test_target_reload_leaves_the_draft_lifecycle_valid(warm: dict[str, Any]) ->
     assert (after["state"], after["epoch"], after["derived"]) == (before["state"], before["epoch"],
                                                                   before["derived"])
     (verify,) = warm["verify_after_target_reload"]
-    assert all(v["ok"] for v in verify.values())
+    assert all(v["ok"] for v in per_backbone(verify).values())
     assert warm["generate_after_target_reload"]["ok"]
 
 
@@ -131,7 +133,7 @@ def test_native_draft_weight_transfer_session_drives_the_lifecycle(warm: dict[st
     assert after["derived"] == before["derived"]  # same storage identities
     (digests,) = warm["digests_session"]
     expected = expected_dflash_digests(workdir / "draftA")
-    for backbone_digests in digests.values():
+    for backbone_digests in per_backbone(digests).values():
         for name, digest in expected.items():
             assert backbone_digests[name] == digest, name
     assert warm["generate_after_session"]["ok"]
@@ -146,7 +148,7 @@ def test_partial_draft_payload_quarantines_and_builds_nothing_from_meta(warm: di
     assert "layers.1" in draft["quarantine_reason"]
     # the derived buffers kept their last good values (draft A's, from the transfer session), bit for bit
     (good,), (now,) = warm["digests_session"], warm["digests_partial"]
-    for backbone, digests in good.items():
+    for backbone, digests in per_backbone(good).items():
         for name in ("_fused_kv_weight", "_k_norm_weights"):
             assert now[backbone][name] == digests[name]
     # generation with the quarantined draft is refused, not served from garbage
@@ -162,6 +164,9 @@ def test_audit_events_replay_through_the_transition_table(warm: dict[str, Any], 
     from lifecycle.events import SCHEMA_VERSION
 
     assert all("ts" in e and "rank" in e and e["schema"] == SCHEMA_VERSION for e in from_file)
+    host = socket.gethostname()
+    assert all(e["node"] == host for e in from_file) and all(log.name.startswith(f"audit-{host}-") for log in logs)
+    assert all(e["node"] == host for e in events)  # the lifecycle_events RPC names the node too
     transitions = [e for e in from_file if e["event"] == "transition"]
     assert len(transitions) >= 10
     state = LifecycleState.META
@@ -203,7 +208,12 @@ def test_two_tensor_parallel_ranks_each_reload_and_report_their_rank(tp2: dict[s
     drafts = [s for rank_states in tp2["states"] for s in rank_states if s["role"] == "draft"]
     assert sorted(d["rank"] for d in drafts) == [0, 1]
     assert all(d["state"] == "GRAPH_CAPTURED" and d["epoch"] == 1 for d in drafts)
-    assert all(v["ok"] for per_rank in tp2["verify"] for v in per_rank.values())
+    assert all(v["ok"] for per_rank in tp2["verify"] for v in per_backbone(per_rank).values())
+    # every answer names its worker: rank and node, so answers of several nodes merge
+    host = socket.gethostname()
+    assert [(a["rank"], a["node"]) for a in tp2["verify"]] == [(0, host), (1, host)]
+    assert [(a["rank"], a["node"]) for a in tp2["reload"]["value"]] == [(0, host), (1, host)]
+    assert all(d["node"] == host for d in drafts)
     assert tp2["generate_after"]["ok"] and tp2["generate_after"]["value"] == tp2["generate_before"]["value"]
     from lifecycle.audit.replay import audit_logs
 
