@@ -108,7 +108,7 @@ def test_probes_of_nodes_before_start_only_need_the_package() -> None:
     """A node probed by a Ray task (the engine failed before its workers answered): no vLLM loaded the plugin in
     that task, so only the package is checked."""
     check_reports([report(active=False)], driver_version="0.1.0", started=False)
-    with pytest.raises(NodeSetupError, match="node gpu-node-1 \\(10.0.0.11\\), rank\\(s\\) 0: reload-lifecycle is "
+    with pytest.raises(NodeSetupError, match=r"node gpu-node-1 \(10\.0\.0\.11\), rank\(s\) 0: reload-lifecycle is "
                                              "not installed there"):
         check_reports([report(importable=False, version=None)], driver_version="0.1.0", started=False)
 
