@@ -94,8 +94,8 @@ def test_every_worker_writes_an_audit_file_and_the_audit_is_clean(tp2: tuple[str
     for log in sorted(folder.glob("audit-*.jsonl")):
         events = [json.loads(line) for line in log.read_text().splitlines()]
         if events:
-            written[log.name] = {(e["rank"], e["node"]) for e in events}
-    assert sorted(written.values()) == [{(0, HOST)}, {(1, HOST)}], written  # one file per worker, one rank each
+            written[log.name] = sorted({(e["rank"], e["node"]) for e in events})
+    assert sorted(written.values()) == [[(0, HOST)], [(1, HOST)]], written  # one file per worker, one rank each
     assert all(name.startswith(f"audit-{HOST}-") for name in written)
     result = audit_logs([folder], expect_ranks=range(2))
     assert result.status == 0, ([v.as_dict() for v in result.violations], result.input_problems)
