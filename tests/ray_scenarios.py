@@ -22,11 +22,10 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-PROMPT = [1, 5, 7, 9, 11]
+from vllm_scenarios import _try, pinned_reload_on_every_rank  # this script's folder is on sys.path
 
 
 def allow_ray_on_cpu() -> None:
@@ -58,22 +57,6 @@ def _start_ray(hook: Any) -> None:
              runtime_env={"worker_process_setup_hook": hook})
 
 
-def _generate(llm: Any) -> list[int]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
-    return list(llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0].token_ids)
-
-
-def _try(fn: Any) -> dict[str, Any]:
-    try:
-        return {"ok": True, "value": fn()}
-    except Exception as e:
-        return {"ok": False, "error": type(e).__name__, "message": str(e)[:4000],
-                "cause": repr(e.__cause__)[:2000], "trace": traceback.format_exc()[-3000:]}
-
-
 def _engine(work: Path, *, plugin: bool = True) -> Any:
     from vllm import LLM
 
@@ -92,17 +75,8 @@ def scenario_tp2(work: Path, executor: str) -> dict[str, Any]:
     os.environ[AUDIT_DIR_ENV] = str(work / f"audit-ray-{executor}")  # after ray.init: see the module doc
     started = time.perf_counter()
     llm = _engine(work)
-    out: dict[str, Any] = {"start_s": time.perf_counter() - started, "probes": llm.collective_rpc(node_probe),
-                           "executor": type(llm.llm_engine.model_executor).__name__}
-    out["generate_before"] = _try(lambda: _generate(llm))
-    out["pinned"] = llm.collective_rpc("lifecycle_pin")
-    out["reload"] = _try(lambda: llm.collective_rpc(
-        "reload_draft_weights", args=(str(work / "draftB"),), kwargs={"bucket_size": 6, "shuffle": True}))
-    out["states"] = llm.collective_rpc("lifecycle_states")
-    out["verify"] = llm.collective_rpc("lifecycle_verify")
-    out["digests"] = llm.collective_rpc("lifecycle_derived_digests")
-    out["generate_after"] = _try(lambda: _generate(llm))
-    return out
+    return {"start_s": time.perf_counter() - started, "probes": llm.collective_rpc(node_probe),
+            "executor": type(llm.llm_engine.model_executor).__name__, **pinned_reload_on_every_rank(llm, work)}
 
 
 def scenario_bad_node(work: Path, variant: str) -> dict[str, Any]:

@@ -42,12 +42,13 @@ def run(script: str, name: str, work: Path, arg: str = "") -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoints the scenarios load: a target, draft A (cold) and draft B (the reload)."""
     from lifecycle.vllm.tiny import make_dflash_draft, make_target
 
     work = tmp_path_factory.mktemp("vllm-ray")
     make_target(work / "target")
-    make_dflash_draft(work / "draftA", seed=1)
-    make_dflash_draft(work / "draftB", seed=2)
+    for name, seed in (("draftA", 1), ("draftB", 2)):
+        make_dflash_draft(work / name, seed=seed)
     return work
 
 

@@ -38,7 +38,7 @@ def _try(fn: Any) -> dict[str, Any]:
     try:
         return {"ok": True, "value": fn()}
     except Exception as e:
-        return {"ok": False, "error": type(e).__name__, "message": str(e)[:2000],
+        return {"ok": False, "error": type(e).__name__, "message": str(e)[:2000], "cause": repr(e.__cause__)[:2000],
                 "trace": traceback.format_exc()[-1500:]}
 
 
@@ -113,12 +113,19 @@ def scenario_tp2(work: Path) -> dict[str, Any]:
 
     llm = LLM(**engine_kwargs(work / "target", work / "draftA"), tensor_parallel_size=2,
               distributed_executor_backend="mp")
+    return pinned_reload_on_every_rank(llm, work)
+
+
+def pinned_reload_on_every_rank(llm: Any, work: Path) -> dict[str, Any]:
+    """Generate, pin, a shuffled bucketed reload of draft B on every rank, then states, pins, digests and
+    generate again (tests/ray_scenarios.py runs it under Ray)."""
     out: dict[str, Any] = {"generate_before": _try(lambda: _generate(llm))}
     out["pinned"] = llm.collective_rpc("lifecycle_pin")
     out["reload"] = _try(lambda: llm.collective_rpc(
         "reload_draft_weights", args=(str(work / "draftB"),), kwargs={"bucket_size": 6, "shuffle": True}))
     out["states"] = llm.collective_rpc("lifecycle_states")
     out["verify"] = llm.collective_rpc("lifecycle_verify")
+    out["digests"] = llm.collective_rpc("lifecycle_derived_digests")
     out["generate_after"] = _try(lambda: _generate(llm))
     return out
 
