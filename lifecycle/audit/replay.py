@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..states import TRIGGERS, allowed_sources, possible_destinations
+from .coverage import unseen
 from .logstream import InputProblem, Item, LogEvent, iter_events
 from .results import (
     DETAIL_CAP,
@@ -41,7 +42,6 @@ from .results import (
     StreamReplay,
     Violation,
     buffer_key,
-    rank_ranges,
 )
 from .rules import (
     ABORT,
@@ -374,7 +374,12 @@ class Auditor:
                         self._violate(r, "epoch_disagreement", r.last_where,
                                       f"backbone {clip(backbone)}: rank {r.rank} ends at epoch {r.epoch}, rank(s) "
                                       f"{clip(ahead)} at epoch {top}")
-        missing = self._unseen(by_backbone)
+        inputs = list(self._sources)
+        where = inputs[0] if len(inputs) == 1 else f"<{len(inputs)} inputs>"
+        problems, missing = unseen(self.events, {b: {r.rank for r in g} for b, g in by_backbone.items()},
+                                   self.expect_ranks)
+        for message in problems:
+            self.problem(InputProblem(where, None, message))
         return AuditResult(
             inputs=list(self._sources), events=self.events,
             streams=sorted(self.streams.values(), key=lambda r: (r.backbone, r.rank)),
@@ -384,38 +389,6 @@ class Auditor:
             expected_ranks=self.expect_ranks, missing_ranks=missing,
         )
 
-    def _unseen(self, by_backbone: dict[str, list[StreamReplay]]) -> tuple[int, ...]:
-        """What the input should have held and did not, as input problems: any event at all, and with
-        `expect_ranks` every expected rank (for every backbone one of them logged). Returns the expected ranks
-        without a single event."""
-        inputs = list(self._sources)
-        where = inputs[0] if len(inputs) == 1 else f"<{len(inputs)} inputs>"
-        if not self.events:
-            self.problem(InputProblem(where, None, (
-                "no audit events in the input: nothing was audited, so nothing can be called clean (a worker "
-                "that logged nothing? check that RELOAD_LIFECYCLE_AUDIT_DIR reached every worker process)")))
-        expected = self.expect_ranks
-        if expected is None:
-            return ()
-        seen = {r.rank for r in self.streams.values()}
-        missing = tuple(sorted(expected - seen))
-        spec = rank_ranges(expected)
-        if missing and self.events:
-            self.problem(InputProblem(where, None, clip(
-                f"no events of rank(s) {rank_ranges(missing)} (expected ranks {spec}): their logs are missing, "
-                "empty or unreadable; the audit cannot speak for them", DETAIL_CAP)))
-        outside = seen - expected
-        if outside:
-            self.problem(InputProblem(where, None, clip(
-                f"events of rank(s) {rank_ranges(outside)}, outside the expected ranks {spec}: logs of another "
-                "engine mixed in, or the wrong --expect-ranks", DETAIL_CAP)))
-        for backbone, group in sorted(by_backbone.items()):
-            lacking = expected - {r.rank for r in group} - set(missing)
-            if lacking:
-                self.problem(InputProblem(where, None, clip(
-                    f"backbone {backbone}: no events of rank(s) {rank_ranges(lacking)} (expected ranks {spec}), "
-                    "although those ranks logged other backbones", DETAIL_CAP)))
-        return missing
 
 
 def audit_logs(paths: Sequence[str | Path], *, max_details: int = 1000, max_streams: int = MAX_STREAMS,

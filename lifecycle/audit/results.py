@@ -5,15 +5,11 @@ Everything a `StreamReplay` holds is bounded: the layers ready in this epoch (at
 hashes of their names), the derived buffers' addresses (at most `MAX_BUFFERS`, keyed by `buffer_key`), a counter
 of the transitions taken (rows of the table, and at most `MAX_EDGES` illegal ones), the nodes (host names) its
 events came from (at most `MAX_NODES`). A violation's or warning's detail is at most `DETAIL_CAP` characters.
-
->>> rank_ranges([0, 1, 2, 5, 7, 8])
-'0-2, 5, 7-8'
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +18,7 @@ from .logstream import InputProblem
 from .rules import INITIAL, STATE_NAMES
 
 __all__ = ["DETAIL_CAP", "MAX_BUFFERS", "MAX_EDGES", "MAX_LAYERS", "MAX_NODES", "AuditResult", "StreamReplay",
-           "Violation", "buffer_key", "rank_ranges"]
+           "Violation", "buffer_key"]
 
 #: Derived-buffer addresses remembered per stream, at most.
 MAX_BUFFERS = 256
@@ -40,17 +36,6 @@ MAX_NODES = 4
 def buffer_key(name: str) -> str:
     """A derived buffer's name as a bounded key (a long name as its head and a hash of the whole)."""
     return name if len(name) <= 128 else f"{name[:64]}…#{hash(name) & 0xFFFFFFFFFFFF:012x}"
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """Sorted ranks as runs, for people: `0-2, 5`."""
-    runs: list[list[int]] = []
-    for rank in sorted(set(ranks)):
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .results import AuditResult, Violation, rank_ranges
+from .coverage import rank_ranges
+from .results import AuditResult, Violation
 from .rules import VIOLATION_KINDS, WARNING_KINDS
 from .text import clip, printable
 
