@@ -20,7 +20,8 @@
     │   ├── WeightWriteError          a weight write, mid-bucket
     │   └── RefreshInterruptedError   a derived-buffer write, mid-refresh
     ├── StorageDriftError             a pinned storage identity moved behind the lifecycle's back
-    └── UnsupportedVLLMError          the vLLM plugin met a vLLM version it does not know
+    ├── UnsupportedVLLMError          the vLLM plugin met a vLLM version it does not know
+    └── NodeSetupError                a worker node of a Ray engine does not run the plugin
 
 Each class says what state it leaves. Every message names the backbone, the state, and what was expected vs
 found; the bar is PyTorch's cudagraph-trees message: "static input data pointer changed ... from X to Y".
@@ -42,6 +43,7 @@ __all__ = [
     "LayersNotReadyError",
     "LifecycleError",
     "LoadRefusedError",
+    "NodeSetupError",
     "NonFiniteWeightError",
     "PartialWriteError",
     "QuarantinedError",
@@ -323,3 +325,14 @@ class UnsupportedVLLMError(LifecycleError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, backbone=None, state=None)
+
+
+class NodeSetupError(LifecycleError):
+    """A worker of a vLLM engine under Ray runs without the plugin (the package is not installed on its node,
+    cannot be imported there, or `VLLM_PLUGINS` leaves it out): the engine start is refused, naming each such
+    node, rather than serve a draft there without the lifecycle (`lifecycle.vllm.nodes`). `nodes` holds what
+    each failing worker reported. No backbone is involved."""
+
+    def __init__(self, message: str, nodes: Sequence[Mapping[str, object]] = ()) -> None:
+        super().__init__(message, backbone=None, state=None)
+        self.nodes = tuple(dict(n) for n in nodes)

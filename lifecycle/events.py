@@ -7,8 +7,9 @@
 >>> logs[0]["event"], logs[0]["dst"]
 ('transition', 'PARTIALLY_LOADED')
 
-In production `configure_audit(json_path=...)` writes JSON lines (UTC ISO-8601 timestamps, a schema version)
-and, optionally, readable lines to the terminal. Events carry names, counts, shapes and addresses, never
+In production `configure_audit(json_path=...)` writes JSON lines (UTC ISO-8601 timestamps, a schema version,
+the `node` that wrote them: the host name, so logs of several machines merge) and, optionally, readable lines
+to the terminal. Events carry names, counts, shapes and addresses, never
 tensor values; lists (missing tensors) are capped with a count of what was left out.
 
 The audit logger is this module's own: a structlog bound logger with its own processor chain, built by
@@ -40,6 +41,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Mapping, MutableMapping
@@ -67,6 +69,7 @@ __all__ = [
     "configure_audit",
     "emit",
     "emit_record",
+    "host_name",
     "read_events",
     "sink_failures",
 ]
@@ -292,10 +295,12 @@ def _level_number(level: Any, who: str) -> int:
 
 
 def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console: bool = True, level: str = "info",
-                    stream: TextIO | None = None) -> JsonLinesSink | None:
+                    stream: TextIO | None = None, node: str | None = None) -> JsonLinesSink | None:
     """Route audit events: JSON lines to `json_path` (if given) and readable lines to `stream` (stderr by
-    default) if `console`; events below `level` are not written. Returns the file sink (close it, or call again,
-    to release the file). Configures only the audit logger, never structlog's process-wide defaults.
+    default) if `console`; events below `level` are not written. Every written event carries `node`, the
+    machine that wrote it (default: this host's name), so the logs of several nodes can be merged. Returns the
+    file sink (close it, or call again, to release the file). Configures only the audit logger, never
+    structlog's process-wide defaults.
 
     The new route is built whole before it replaces the old one: a `json_path` that cannot be opened raises
     `AuditSinkError` (naming the path) and leaves the previous route in force; the previous sink is closed
@@ -308,6 +313,9 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
         raise TypeError(f"configure_audit: console must be True or False, got {console!r:.80}")
     if stream is not None and not callable(getattr(stream, "write", None)):
         raise TypeError(f"configure_audit: stream must be a text stream with write(), got {type(stream).__name__}")
+    if node is not None and (not isinstance(node, str) or not node or len(node) > STR_CAP):
+        raise ValueError(f"configure_audit: node must be a non-empty name of at most {STR_CAP} characters, "
+                         f"got {node!r:.80}")
     with _configure_lock:
         sink = JsonLinesSink(json_path) if json_path is not None else None  # may raise: nothing changed yet
         logger = None
@@ -322,7 +330,7 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
                 processors.append(sink)
             processors.append(structlog.dev.ConsoleRenderer(colors=_isatty(out)) if console else _drop)
             logger = structlog.make_filtering_bound_logger(number)(
-                structlog.PrintLogger(out), processors=processors, context={})
+                structlog.PrintLogger(out), processors=processors, context={"node": node or host_name()})
         old, _route = _route, _Route(logger, sink, number, [False])
     if old.sink is not None:
         try:
@@ -331,6 +339,11 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
             _say(f"closing the previous audit sink {old.sink.path} failed ({type(e).__name__}: {e}); "
                  "the new route is in force")
     return sink
+
+
+def host_name() -> str:
+    """This machine's name as audit events carry it (`node`)."""
+    return socket.gethostname() or "localhost"
 
 
 def _isatty(stream: Any) -> bool:

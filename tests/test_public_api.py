@@ -82,7 +82,7 @@ def test_errors_are_grouped_under_one_base() -> None:
     grouped = set(GROUPS).union(*GROUPS.values())
     # the rest hang directly under LifecycleError, and each says what state it leaves
     assert {c for c in classes if c not in grouped} == {errors.LifecycleError, errors.StorageDriftError,
-                                                        errors.UnsupportedVLLMError}
+                                                        errors.UnsupportedVLLMError, errors.NodeSetupError}
     assert all(c.__doc__ and len(c.__doc__) > 40 for c in classes)
 
 

@@ -19,6 +19,7 @@ from vllm_runs import run_scenario
 from vllm_trainer_paths import DRAFT_PATHS, PATHS
 
 from lifecycle.states import LifecycleState
+from lifecycle.vllm.worker import per_backbone
 
 GRAPH_CAPTURED = LifecycleState.GRAPH_CAPTURED.value
 LAYOUTS = ("cpu", "gpu")
@@ -115,7 +116,8 @@ def test_trainer_path_on_a_live_engine_equals_a_cold_engine(dflash: dict[str, An
     assert run["digests"] == cold["digests"]  # (b) every derived buffer equals a cold engine on that draft
     draft, pinned = draft_of(run["states"]), draft_of(res["cold_A"]["states"])
     assert draft["derived"] == pinned["derived"]  # (c) same storage identity (data_ptr, shape, stride, ...)
-    assert draft["state"] == GRAPH_CAPTURED and all(v["ok"] and v["checked"] for v in run["verify"][0].values())
+    assert draft["state"] == GRAPH_CAPTURED
+    assert all(v["ok"] and v["checked"] for v in per_backbone(run["verify"][0]).values())
     assert got["proposals"] == want["proposals"]  # (d) the draft tokens proposed, step by step
     assert got["counters"] == want["counters"]  # (d) vLLM's acceptance counters
     epochs = [draft_of(r["states"])["epoch"] for r in res["runs"]]
@@ -131,7 +133,7 @@ def test_an_incomplete_payload_quarantines_and_keeps_the_last_good_buffers(dflas
     draft = draft_of(partial["states"])
     assert draft["state"] == LifecycleState.QUARANTINED.value and "layers.1" in draft["quarantine_reason"]
     good, now = res["runs"][-1]["digests"][0], partial["digests"][0]
-    for backbone, digests in good.items():  # the computed buffers keep their last good values, bit for bit
+    for backbone, digests in per_backbone(good).items():  # computed buffers keep their last good values, bit for bit
         assert [now[backbone][n] for n in ("_fused_kv_weight", "_k_norm_weights")] == \
             [digests[n] for n in ("_fused_kv_weight", "_k_norm_weights")]
     assert partial["fused_path"]["error"] == "QuarantinedError"
@@ -193,7 +195,7 @@ def test_laguna_trainer_path_on_a_live_engine(laguna: dict[str, Any], path: str)
     assert res["cold_A"]["digests"] != res["cold_B"]["digests"]
     draft = draft_of(run["states"])
     assert draft["derived"] == draft_of(res["cold_A"]["states"])["derived"]
-    assert draft["state"] == GRAPH_CAPTURED and all(v["ok"] for v in run["verify"][0].values())
+    assert draft["state"] == GRAPH_CAPTURED and all(v["ok"] for v in per_backbone(run["verify"][0]).values())
     assert set(draft["derived"]) == {"_kv_weights", "_input_layernorm_weights", "_k_norm_weights",
                                      "_rope_cos_sin_cache"}
 
@@ -213,7 +215,7 @@ def test_two_tensor_parallel_ranks_run_every_trainer_path(tp2: dict[str, Any], w
         assert sorted(d["rank"] for d in drafts) == [0, 1]
         assert all(d["state"] == GRAPH_CAPTURED for d in drafts), run["path"]
         assert [d["derived"] for d in drafts] == pinned, f"{run['path']}: a derived buffer moved on some rank"
-        assert all(v["ok"] for per_rank in run["verify"] for v in per_rank.values())
+        assert all(v["ok"] for per_rank in run["verify"] for v in per_backbone(per_rank).values())
         assert digests.setdefault(run["draft"], run["digests"]) == run["digests"], run["path"]
     assert digests["A"] != digests["B"]
     assert [r["path"] for r in tp2["runs"]] == list(PATHS) and len(DRAFT_PATHS) == 5

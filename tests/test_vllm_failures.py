@@ -25,6 +25,7 @@ import torch
 from vllm_basic_scenarios import run_scenario
 
 from lifecycle.states import LifecycleState
+from lifecycle.vllm.worker import per_backbone
 
 S = LifecycleState
 USABLE = S.GRAPH_CAPTURED.value  # the draft's storage was pinned at the start of each scenario
@@ -190,7 +191,7 @@ def test_a_failing_refresh_quarantines(failures: dict[str, Any]) -> None:
 def test_the_engine_ends_every_case_usable_with_every_pinned_address_kept(failures: dict[str, Any]) -> None:
     assert failures["final_state"]["state"] == USABLE and failures["final_state"]["epoch"] >= 20
     (verify,) = failures["verify"]
-    assert all(v["ok"] and v["checked"] > 0 for v in verify.values())
+    assert all(v["ok"] and v["checked"] > 0 for v in per_backbone(verify).values())
 
 
 def test_the_failures_audit_log_replays_clean(failures: dict[str, Any], vllm_workdir: Path) -> None:
@@ -293,7 +294,7 @@ def test_partial_refuse_per_call_overrides_the_engine_setting_and_writes_no_garb
     assert case["fingerprint"] == gpu_layout["keep_k0_fingerprint"]
     assert case["retry"]["value"][0]["partial"] == "keep"
     (verify,) = gpu_layout["verify"]
-    assert all(v["ok"] for v in verify.values())
+    assert all(v["ok"] for v in per_backbone(verify).values())
 
 
 def test_a_bad_engine_wide_setting_stops_the_plugin_before_it_patches_anything(monkeypatch: pytest.MonkeyPatch

@@ -1,7 +1,8 @@
-"""The engine basics the failure and quantized-draft scenarios share (tests/vllm_failure_scenarios.py,
-tests/quantized_drafts.py): one engine on the tiny DFlash target and drafts (`target`, `draftA`, `draftB`, made by
-conftest's `vllm_workdir`), greedy tokens for one prompt, a fingerprint of the draft as the model computes with it,
-and the cold engine on draft B (`cold_b`) they compare with. Each script runs in its own process:
+"""The engine basics the failure, quantized-draft and Ray scenarios share (tests/vllm_failure_scenarios.py,
+tests/quantized_drafts.py, tests/ray_scenarios.py): one engine on the tiny DFlash target and drafts (`target`,
+`draftA`, `draftB`, made by conftest's `vllm_workdir`), greedy tokens for one prompt, a fingerprint of the draft as
+the model computes with it, and the cold engine on draft B (`cold_b`) they compare with. Each script runs in its own
+process:
 
     python tests/vllm_basic_scenarios.py SCENARIO WORKDIR      -> prints one JSON line: {"scenario": ..., ...}
 
@@ -56,6 +57,20 @@ def _try(fn: Any) -> dict[str, Any]:
     except Exception as e:
         return {"ok": False, "error": type(e).__name__, "message": str(e)[:2000],
                 "trace": traceback.format_exc()[-1500:]}
+
+
+def pinned_reload_on_every_rank(llm: Any, work: Path) -> dict[str, Any]:
+    """Generate, pin, a shuffled bucketed reload of draft B on every rank, then states, pins, digests and
+    generate again (tests/ray_scenarios.py runs it under Ray)."""
+    out: dict[str, Any] = {"generate_before": _try(lambda: _generate(llm))}
+    out["pinned"] = llm.collective_rpc("lifecycle_pin")
+    out["reload"] = _try(lambda: llm.collective_rpc(
+        "reload_draft_weights", args=(str(work / "draftB"),), kwargs={"bucket_size": 6, "shuffle": True}))
+    out["states"] = llm.collective_rpc("lifecycle_states")
+    out["verify"] = llm.collective_rpc("lifecycle_verify")
+    out["digests"] = llm.collective_rpc("lifecycle_derived_digests")
+    out["generate_after"] = _try(lambda: _generate(llm))
+    return out
 
 
 def scenario_cold(work: Path) -> dict[str, Any]:

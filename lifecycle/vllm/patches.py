@@ -216,6 +216,8 @@ ENGINE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.reset", "epochs"),
     ("vllm.model_executor.layers.attention", "is_deferred_attention_layer", "quantized, epochs"),
     ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "quantized, epochs (checkpoint layout)"),
+    ("vllm.v1.executor.abstract", "Executor.__init__", "nodes (a Ray executor checks every worker's node)"),
+    ("vllm.v1.executor.abstract", "Executor.collective_rpc", "nodes (the per-node probe)"),
 )
 
 

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import os
+import re
 
 from .. import env
-from ..events import AuditSinkError, configure_audit
+from ..events import AuditSinkError, configure_audit, host_name
 from . import settings
 from .version import check_vllm
 
-__all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "activate"]
+__all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "ENV_PREFIX", "RAY_COPY_PREFIXES_ENV", "activate",
+           "audit_file_name", "forward_switches_to_ray_workers"]
 
-#: A folder: each process writes its audit events to `audit-<pid>.jsonl` there (events carry their rank).
+#: A folder: each process writes its audit events to `audit-<host>-<pid>.jsonl` there (events carry their rank
+#: and node), so the folders of several nodes can be gathered into one and audited together.
 AUDIT_DIR_ENV = "RELOAD_LIFECYCLE_AUDIT_DIR"
 #: A switch (1/true/yes/on): also print readable events to stderr.
 AUDIT_CONSOLE_ENV = "RELOAD_LIFECYCLE_AUDIT_CONSOLE"
+#: The prefix of every switch of this package.
+ENV_PREFIX = "RELOAD_LIFECYCLE_"
+#: vLLM's Ray executor (V1) copies to its workers only the variables vLLM knows, those with vLLM's prefixes and
+#: those with a prefix listed here (comma-separated); the V2 executor copies the driver's whole environment.
+RAY_COPY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 
 _active = False
 
@@ -29,10 +37,11 @@ def activate() -> None:
     version = check_vllm()
     settings.partial_policy()  # a bad engine-wide setting stops the engine here, naming the variable
     settings.allowed_root()
+    forward_switches_to_ray_workers()
     _configure_audit_from_env()
     from vllm import ModelRegistry
 
-    from . import patches, transfer
+    from . import nodes, patches, transfer
     from .capabilities import active_families
 
     for family in active_families(version):
@@ -40,7 +49,28 @@ def activate() -> None:
             ModelRegistry.register_model(arch, f"lifecycle.vllm.registered:{family.name}")
     patches.install()
     transfer.register()
+    nodes.install()  # a Ray engine checks that every worker's node runs this plugin
     _active = True
+
+
+def forward_switches_to_ray_workers() -> None:
+    """Make every `RELOAD_LIFECYCLE_*` switch of this process reach the workers of a Ray engine it starts: add
+    the prefix to the ones vLLM's Ray executors copy (`VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`, kept as the user
+    set it otherwise). Without it, vLLM's V1 Ray executor drops them and no worker writes an audit log."""
+    listed = [p.strip() for p in os.environ.get(RAY_COPY_PREFIXES_ENV, "").split(",") if p.strip()]
+    if ENV_PREFIX not in listed:
+        os.environ[RAY_COPY_PREFIXES_ENV] = ",".join([*listed, ENV_PREFIX])
+
+
+def audit_file_name(pid: int | None = None, host: str | None = None) -> str:
+    """`audit-<host>-<pid>.jsonl`: unique across the nodes whose folders are gathered into one (process ids
+    repeat from machine to machine); the host name kept to letters, digits, '.', '_' and '-'.
+
+    >>> audit_file_name(42, "gpu-node-7.example")
+    'audit-gpu-node-7.example-42.jsonl'
+    """
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", host if host is not None else host_name())[:64] or "host"
+    return f"audit-{host}-{os.getpid() if pid is None else pid}.jsonl"
 
 
 def _configure_audit_from_env() -> None:
@@ -49,7 +79,7 @@ def _configure_audit_from_env() -> None:
     `env.EnvSettingError` naming the variable."""
     folder = env.path(AUDIT_DIR_ENV)
     console = env.flag(AUDIT_CONSOLE_ENV)
-    path = folder / f"audit-{os.getpid()}.jsonl" if folder is not None else None
+    path = folder / audit_file_name() if folder is not None else None
     try:
         configure_audit(json_path=path, console=console)  # neither: events stay in each lifecycle's memory ring
     except AuditSinkError as e:

@@ -1,6 +1,9 @@
 """RPCs for trainers: pass `worker_extension_cls="lifecycle.vllm.worker.LifecycleWorkerExtension"` to `LLM(...)` and
 call them with `llm.collective_rpc("lifecycle_states")` (one answer per worker rank). Every answer is plain data
-(it crosses process boundaries): no tensors.
+(it crosses process boundaries): no tensors. Every answer says which worker gave it, so the answers of several
+nodes can be told apart and merged: a list answer's items each carry `rank` and `node` (the host name); a
+mapping answer carries them as its `rank` and `node` entries beside the per-backbone ones (`per_backbone` drops
+them).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import MESSAGE_ITEMS_CAP
+from ..events import host_name
 from ..storage import StorageIdentity
 from ..types import capped
 from .drafts import LifecycleDraftModel, backbones_in
@@ -17,7 +21,16 @@ from .epochs import describe, end_failed_epoch
 from .payload import feed, plan_payload
 from .settings import PartialPolicy, check_partial
 
-__all__ = ["LifecycleWorkerExtension", "draft_model_of"]
+__all__ = ["WORKER_KEYS", "LifecycleWorkerExtension", "draft_model_of", "per_backbone"]
+
+#: The entries of a mapping answer that name the worker, not a backbone.
+WORKER_KEYS = ("rank", "node")
+
+
+def per_backbone(answer: dict[str, Any]) -> dict[str, Any]:
+    """A mapping answer (`lifecycle_pin`, `lifecycle_verify`, `lifecycle_derived_digests`) without the entries
+    that name the worker: {backbone: ...}."""
+    return {k: v for k, v in answer.items() if k not in WORKER_KEYS}
 
 
 class LifecycleWorkerExtension:
@@ -35,10 +48,15 @@ class LifecycleWorkerExtension:
     def _lifecycle_backbones(self) -> list[tuple[str, LifecycleDraftModel]]:
         return [(role, b) for role, model in self._lifecycle_models().items() for b in backbones_in(model)]
 
+    def _lifecycle_worker(self) -> dict[str, Any]:
+        """Which worker answers: its global rank (vLLM's `WorkerBase.rank`) and its node's host name."""
+        return {"rank": self.rank, "node": host_name()}  # type: ignore[attr-defined]
+
     # ---- RPCs ---------------------------------------------------------------------------------------------
     def lifecycle_states(self) -> list[dict[str, Any]]:
         """State, epoch, readiness, pinning and derived-buffer identities of every lifecycle backbone here."""
         out = []
+        node = host_name()
         for role, b in self._lifecycle_backbones():
             lc = b.lifecycle
             derived = {}
@@ -46,7 +64,8 @@ class LifecycleWorkerExtension:
                 t = b._buffers.get(name)
                 derived[name] = None if t is None else StorageIdentity.of(t).as_log()
             out.append({
-                "role": role, "backbone": lc.name, "rank": lc.rank, "state": lc.state.value, "epoch": lc.epoch,
+                "role": role, "backbone": lc.name, "rank": lc.rank, "node": node, "state": lc.state.value,
+                "epoch": lc.epoch,
                 "layers_ready": lc.readiness.layers_ready, "layers_total": lc.readiness.layers_total,
                 "pinned": len(lc.pinned) if lc.pinned else 0, "quarantine_reason": lc.quarantine_reason,
                 "fallbacks": b.derived_fallbacks, "derived": derived,
@@ -59,20 +78,23 @@ class LifecycleWorkerExtension:
         if type(last) is not int or last < 0:
             raise ValueError(f"lifecycle_events: last must be an int >= 0, got {last!r:.80}")
         events: list[dict[str, Any]] = []
+        node = host_name()
         for _, b in self._lifecycle_backbones():
             kept = b.lifecycle.recent_events
-            events.extend(list(kept)[len(kept) - min(last, len(kept)):])
+            events.extend({**e, "node": node} for e in list(kept)[len(kept) - min(last, len(kept)):])
         return events
 
-    def lifecycle_pin(self) -> dict[str, int]:
+    def lifecycle_pin(self) -> dict[str, Any]:
         """Pin the storage identity of every draft tensor now (what `capture_graphs` does): later reloads must
-        keep every pinned address or refuse. On CUDA, call it after vLLM captured its graphs."""
-        return {b.lifecycle.name: b.capture_graphs() for _, b in self._lifecycle_backbones()
-                if b.lifecycle.can("capture_graphs")}
+        keep every pinned address or refuse. On CUDA, call it after vLLM captured its graphs.
+        {backbone: tensors pinned, "rank", "node"}."""
+        return {**{b.lifecycle.name: b.capture_graphs() for _, b in self._lifecycle_backbones()
+                   if b.lifecycle.can("capture_graphs")}, **self._lifecycle_worker()}
 
     def lifecycle_verify(self) -> dict[str, Any]:
-        """Check every pinned identity against the live tensors. {backbone: {"ok", "checked", "problems"}}."""
-        out: dict[str, Any] = {}
+        """Check every pinned identity against the live tensors. {backbone: {"ok", "checked", "problems"},
+        "rank", "node"}."""
+        out: dict[str, Any] = self._lifecycle_worker()
         for _, b in self._lifecycle_backbones():
             problems = b.lifecycle.pinned_changes()
             shown, more = capped(problems, MESSAGE_ITEMS_CAP)
@@ -80,9 +102,10 @@ class LifecycleWorkerExtension:
                                      "problems": shown, "problems_more": more}
         return out
 
-    def lifecycle_derived_digests(self) -> dict[str, dict[str, str]]:
-        """sha256 of every derived buffer's bytes: compare two engines bit for bit without moving tensors."""
-        out: dict[str, dict[str, str]] = {}
+    def lifecycle_derived_digests(self) -> dict[str, Any]:
+        """sha256 of every derived buffer's bytes: compare two engines bit for bit without moving tensors.
+        {backbone: {buffer: sha256}, "rank", "node"}."""
+        out: dict[str, Any] = self._lifecycle_worker()
         for _, b in self._lifecycle_backbones():
             digests = {}
             for name in b.derived_buffer_names():
@@ -126,7 +149,8 @@ class LifecycleWorkerExtension:
         except BaseException as e:
             end_failed_epoch(draft, f"reload_draft_weights failed: {describe(e)}")  # no-op if already ended
             raise
-        return {"tensors": payload.tensors, "buckets": len(payload.buckets), "partial": policy}
+        return {"tensors": payload.tensors, "buckets": len(payload.buckets), "partial": policy,
+                **self._lifecycle_worker()}
 
 
 def draft_model_of(runner: Any) -> Any:
