@@ -55,7 +55,7 @@ def _try(fn: Any) -> dict[str, Any]:
     try:
         return {"ok": True, "value": fn()}
     except Exception as e:
-        return {"ok": False, "error": type(e).__name__, "message": str(e)[:2000],
+        return {"ok": False, "error": type(e).__name__, "message": str(e)[:2000], "cause": repr(e.__cause__)[:2000],
                 "trace": traceback.format_exc()[-1500:]}
 
 
