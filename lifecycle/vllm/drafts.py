@@ -35,6 +35,7 @@ from torch import nn
 
 from ..backbone import DraftBackbone
 from .families import SHADOW, VLLMDraftFamily
+from .structure import DraftStructure
 
 __all__ = ["IN_VLLM_RELOAD", "MODULE_OWNERS", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
 
@@ -56,7 +57,7 @@ class LifecycleDraftModel(DraftBackbone):
 
     _family: ClassVar[VLLMDraftFamily]
 
-    def enable_lifecycle(self, *, name: str, rank: int) -> None:
+    def enable_lifecycle(self, *, name: str, rank: int, structure: DraftStructure) -> None:
         family = self._family
         shadows: dict[str, torch.Tensor] = {}
         shadow_of: dict[nn.Module, tuple[slice, torch.Tensor, str]] = {}
@@ -72,19 +73,33 @@ class LifecycleDraftModel(DraftBackbone):
             n: p for n, p in self.named_parameters() if not n.startswith(family.untracked_prefixes)
         }
         tracked.update(shadows)
-        self.init_lifecycle(name, rank=rank, tensors=tracked)
-        owned: list[nn.Module] = []
-        for mod_name, module in self.named_modules():
-            own = [f"{mod_name}.{leaf}" if mod_name else leaf for leaf in module._parameters]
-            own = [n for n in own if n in tracked]
-            if own:
-                MODULE_OWNERS[module] = (self, own)
-                owned.append(module)
-                _guard_processing(self, module, shadow_of.get(module))
-        # the outermost modules holding the draft's own checkpoint tensors: what an implicit reload hands to vLLM's
-        # layerwise reload (never the modules shared with the target, nor the RoPE cache vLLM shares between models)
-        inner = {id(d) for m in owned for d in m.modules() if d is not m}
-        self.__dict__["_own_roots"] = [m for m in owned if id(m) not in inner]
+        tracked.update(structure.tensors())  # optional modules, until the first load decides which exist
+        self.__dict__["_structure"] = structure
+        self.init_lifecycle(name, rank=rank, tensors=tracked, slots=structure.outer_slots())
+        for module in self._claim_modules():
+            _guard_processing(self, module, shadow_of.get(module))
+
+    def _claim_modules(self) -> list[nn.Module]:
+        """Record which modules hold which tracked tensors (`MODULE_OWNERS`: how vLLM's per-layer events find the
+        lifecycle) and the outermost ones (what an implicit reload hands to vLLM's layerwise reload: never the
+        ForCausalLM itself, nor the modules shared with the target, nor the RoPE cache vLLM shares between
+        models). Run again once the first load froze the structure. Returns the modules claimed."""
+        tracked = self.lifecycle.specs
+        own: dict[int, tuple[nn.Module, list[str]]] = {}
+        for n, (module, leaf) in self._tensor_slots.items():
+            if n in tracked and leaf in module._parameters:
+                own.setdefault(id(module), (module, []))[1].append(n)
+        for module, _ in list(MODULE_OWNERS.items()):
+            if MODULE_OWNERS[module][0] is self and id(module) not in own:
+                del MODULE_OWNERS[module]
+        for module, names in own.values():
+            MODULE_OWNERS[module] = (self, names)
+        owned = [m for m, _ in own.values()]
+        # a module holding this backbone (the ForCausalLM, which holds d2t) would hand the target's modules too
+        rootable = [m for m in owned if not any(d is self for d in m.modules())]
+        inner = {id(d) for m in rootable for d in m.modules() if d is not m}
+        self.__dict__["_own_roots"] = [m for m in rootable if id(m) not in inner]
+        return owned
 
     @property
     def reload_open(self) -> bool:
@@ -109,32 +124,59 @@ class LifecycleDraftModel(DraftBackbone):
         if not (lc.usable or lc.quarantined):
             return
         lc.audit_event("implicit_reload", cause=IMPLICIT_CAUSE, from_state=lc.state.value)
-        self.begin_reload()
+        self._begin_epoch()
         initialize = _reload_function("initialize_layerwise_reload")
         for module in self.__dict__["_own_roots"]:
             initialize(module)
 
-    def after_write(self) -> None:
-        # the cold load writes every tracked parameter in place, in one load_weights call
+    def after_write(self, modules: Iterable[str] = ()) -> None:
+        """A `load_weights` call returned. The cold load writes every tracked parameter in place (the optional
+        modules' only if it carried them); afterwards, the optional tensors the call carried that are off META
+        count as loaded (d2t sits on the ForCausalLM itself, outside the layers an implicit reload hands to
+        vLLM's layerwise reload, which reports the rest)."""
         lc = self.lifecycle
+        structure: DraftStructure = self.__dict__["_structure"]
         if lc.epoch == 0 and lc.awaiting_weights:
-            lc.weights_loaded([n for n in lc.specs if not n.endswith(SHADOW)])
+            lc.weights_loaded(structure.loaded_at_cold(n for n in lc.specs if not n.endswith(SHADOW)))
+        elif lc.in_reload and lc.can("weights_loaded"):
+            names = [n for m in modules for n in structure.names_of(m) if n in lc.specs
+                     and (t := self.live_tensor(n)) is not None and not t.is_meta]
+            if names:
+                lc.weights_loaded(names)
+
+    def _finish_epoch(self) -> None:
+        """Before a load finishes: the first load freezes the structure; every load runs vLLM's whole-checkpoint
+        checks once, over what it wrote and kept."""
+        structure: DraftStructure = self.__dict__["_structure"]
+        if structure.frozen is None:
+            structure.freeze(self)
+            self._claim_modules()
+        structure.validate(self.lifecycle)
+
+    def _begin_epoch(self) -> None:
+        """Begin a reload epoch; modules the draft shares with the target since its load are kept as they are."""
+        self.begin_reload()
+        shared = self.__dict__["_structure"].shared_now()
+        if shared:
+            self.weights_unchanged(n for m in sorted(shared) for n in self.__dict__["_structure"].names_of(m))
 
     def on_cold_load_processed(self) -> None:
         lc = self.lifecycle
         if lc.epoch == 0 and lc.can("finish_loading"):
+            self._finish_epoch()
             self.finalize_loading()
             self.refresh_derived_buffers()
 
     def on_reload_begin(self) -> None:
         if not self.lifecycle.unloaded:
-            self.begin_reload()
+            self._begin_epoch()
 
     def on_reload_finalized(self) -> None:
         lc = self.lifecycle
         if not lc.can("finish_loading"):  # no load of this draft in progress: nothing to finish
             return
         try:
+            self._finish_epoch()
             self.finalize_loading()
             self.refresh_derived_buffers()
         except Exception as e:
@@ -178,6 +220,14 @@ def _guard_processing(backbone: LifecycleDraftModel, module: nn.Module,
     quant_method.process_weights_after_loading = process_weights_after_loading
 
 
+def _refuse_structure(backbones: list[LifecycleDraftModel], structure: DraftStructure,
+                      bad: dict[str, list[str]]) -> None:
+    lc = backbones[0].lifecycle
+    err = structure.refusal(lc, bad)
+    lc.record_refusal("weights_loaded", err)
+    raise err
+
+
 def backbones_in(model: nn.Module) -> list[LifecycleDraftModel]:
     return [m for m in model.modules() if isinstance(m, LifecycleDraftModel)]
 
@@ -205,15 +255,20 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
         self._lifecycle_model_config = getattr(spec, "draft_model_config", None) or vllm_config.model_config
         inner = getattr(self, family.inner_model_attr)
         inner.__class__ = _inner_class(family, type(inner))
-        inner.enable_lifecycle(name=f"{family.name}-draft", rank=_rank())
+        self.__dict__["_lifecycle_structure"] = structure = DraftStructure(self, inner, family)
+        inner.enable_lifecycle(name=f"{family.name}-draft", rank=_rank(), structure=structure)
 
     def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         backbones = backbones_in(self)
+        structure: DraftStructure = self.__dict__["_lifecycle_structure"]
+        weights = structure.admit(weights, lambda bad: _refuse_structure(backbones, structure, bad))
+        carried = {m for n, _ in weights if (m := structure.module_of(n))} if isinstance(weights, list) else ()
         for b in backbones:
             b.before_write()
-        result = base.load_weights(self, weights)
+        with structure.within_call():  # structure-preserving: vLLM's per-call decisions and checks neutralized
+            result = base.load_weights(self, weights)
         for b in backbones:
-            b.after_write()
+            b.after_write(carried)
         return result
 
     def process_weights_after_loading(self: nn.Module) -> None:
