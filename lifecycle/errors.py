@@ -232,8 +232,9 @@ class FrozenStructureError(LoadRefusedError):
     def __init__(self, tensors: Mapping[str, Sequence[str]], *, backbone: str, state: str) -> None:
         lines = [f"{module}: {', '.join(names)}" for module, names in tensors.items()]
         super().__init__(
-            "bucket refused, it carries tensors for optional submodule(s) this draft's structure does not have "
-            "(decided by its first load, frozen since); nothing of it was written:\n  " + _listing(lines),
+            "bucket refused, it carries tensors for optional submodule(s) this draft does not have or shares with "
+            "the target (its structure was decided by its first load); nothing of it was written:\n  "
+            + _listing(lines),
             backbone=backbone,
             state=state,
         )

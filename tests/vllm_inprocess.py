@@ -236,12 +236,15 @@ def build_target(target_dir: Path | None = None) -> Any:
 def share_target(draft: Any, target: Any) -> None:
     """As vLLM's proposer does: a draft without its own embeddings / lm_head (its first load carried none) uses
     the target's modules."""
-    frozen = draft.__dict__["_lifecycle_structure"].frozen
+    structure = draft.__dict__.get("_lifecycle_structure")
+    own = structure.frozen if structure is not None else {  # stock vLLM: the flags its load_weights set
+        "embed_tokens": getattr(draft, "has_own_embed_tokens", False),
+        "lm_head": getattr(draft, "has_own_lm_head", False)}
     inner = draft.model
-    if hasattr(inner, "embed_tokens") and not frozen.get("embed_tokens"):
+    if hasattr(inner, "embed_tokens") and not own.get("embed_tokens"):
         del inner.embed_tokens
         inner.embed_tokens = target.model.embed_tokens
-    if hasattr(draft, "lm_head") and not frozen.get("lm_head"):
+    if hasattr(draft, "lm_head") and not own.get("lm_head"):
         del draft.lm_head
         draft.lm_head = target.lm_head
 
