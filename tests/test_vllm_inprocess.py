@@ -138,20 +138,20 @@ def test_a_reload_that_leaves_the_optional_submodules_out_is_refused_and_keeps_t
 
 def test_tensors_for_optional_submodules_the_draft_lacks_are_refused_and_stock_vllm_writes_the_target(
         inprocess: dict[str, Any]) -> None:
-    """A Qwen3 DSpark draft whose cold load carried no optional submodule: a bucket with tensors for a
-    confidence head, embeddings, lm_head and d2t is refused before anything is written, each named (no epoch
+    """A Qwen3 DSpark draft whose cold load carried a confidence head and no other optional submodule: a bucket
+    with tensors for embeddings, lm_head and d2t is refused before anything is written, each named (no epoch
     begun, the draft and the target's shared embedding and lm_head unchanged, the refusal audited); stock vLLM
-    writes the embedding into the target's module. A draft whose own embeddings the proposer replaced with the
-    target's after the load: a reload sending them is refused, one without them completes."""
+    writes the embedding into the target's module, and a plain bucketed reload deletes its confidence head. A
+    draft whose own embeddings the proposer replaced with the target's after the load: a reload sending them is
+    refused, one without them completes."""
     res = ok(inprocess["frozen_absent"])
     plain = res["plain"]
     assert plain["result"]["error"] == "FrozenStructureError"
-    for module, name in (("embed_tokens", "embed_tokens.weight"), ("lm_head", "lm_head.weight"),
-                         ("confidence_head", "confidence_head.proj.bias"), ("d2t", "d2t")):
+    for module, name in (("embed_tokens", "embed_tokens.weight"), ("lm_head", "lm_head.weight"), ("d2t", "d2t")):
         assert f"{module} (absent since the first load): {name}" in plain["result"]["message"]
     assert "layers." not in plain["result"]["message"]  # the bucket's real tensors are not named: nothing wrong
     assert (plain["state"], plain["epoch"]) == (LifecycleState.GRAPH_CAPTURED.value, 0)
-    assert plain["structure"] == dict.fromkeys(STRUCTURE["qwen3_dspark"], False)
+    assert plain["structure"] == {**dict.fromkeys(STRUCTURE["qwen3_dspark"], False), "confidence_head": True}
     assert plain["target_unchanged"] and plain["draft_unchanged"]
     (event,) = plain["refused_event"]
     assert (event["error"], event["trigger"]) == ("FrozenStructureError", "weights_loaded")
@@ -159,6 +159,8 @@ def test_tensors_for_optional_submodules_the_draft_lacks_are_refused_and_stock_v
     assert res["then_state"] == LifecycleState.GRAPH_CAPTURED.value
     ok(res["stock"])
     assert res["stock_target_embed_changed"], "stock vLLM no longer writes a draft's embeddings into the target's?"
+    ok(res["stock_plain"])  # silently: the first bucket without confidence_head.* deleted it
+    assert res["stock_confidence_head"] is False
     shared = res["shared_sent"]
     assert shared["error"] == "FrozenStructureError" and "embed_tokens (shared with the target" in shared["message"]
     ok(res["shared_left_out"])
@@ -186,6 +188,10 @@ def test_stock_vllm_fails_the_same_bucketed_reload(inprocess: dict[str, Any], fa
         assert stock["confidence_head"] is False
         ok(plain["reload"])
         assert plain["confidence_head"] is False
+        assert "_v_norm_weights" in plain["moved"]  # torch.ones again at every call: new storage per bucket
+    if fam in ("gemma4_dspark", "dflash2"):  # the builder's torch.cat at every call: new storage per bucket
+        assert {"_fused_k_weight" if fam == "gemma4_dspark" else "_fused_kv_weight", "_k_norm_weights"} <= set(
+            plain["moved"])
 
 
 def test_worker_rpcs_find_the_draft_on_both_model_runners(inprocess: dict[str, Any]) -> None:

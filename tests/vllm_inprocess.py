@@ -27,8 +27,8 @@ import torch
 from lifecycle.loading import write_checkpoint
 from lifecycle.vllm.tiny import ENGINE_ENV, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB
 
-__all__ = ["CASES", "STRUCTURE", "DraftCase", "build", "build_target", "gpu_weight_layout", "make_draft", "setup",
-           "share_target"]
+__all__ = ["CASES", "HEAD", "STRUCTURE", "DraftCase", "build", "build_target", "gpu_weight_layout", "make_draft",
+           "setup", "share_target"]
 
 ENV = {**ENGINE_ENV, "VLLM_KIMI_K3_GEMM_AR": "0"}
 
@@ -117,11 +117,11 @@ CASES: dict[str, DraftCase] = {
 #: Per family, the config that gives a draft every optional submodule the family has (besides its own embeddings
 #: and lm_head, which only depend on the checkpoint carrying them): a confidence head, a reduced output vocabulary
 #: (half the target's, mapped by d2t).
-_HEAD = {"enable_confidence_head": True, "confidence_head_with_markov": True}
+HEAD = {"enable_confidence_head": True, "confidence_head_with_markov": True}
 _REDUCED = {"draft_vocab_size": VOCAB // 2}
 STRUCTURE: dict[str, dict[str, Any]] = {
-    "dflash": _REDUCED, "dflash2": _REDUCED, "laguna_dflash": {}, "qwen3_dspark": {**_HEAD, **_REDUCED},
-    "gemma4_dspark": _HEAD, "kimi_k3_dspark": _HEAD,
+    "dflash": _REDUCED, "dflash2": _REDUCED, "laguna_dflash": {}, "qwen3_dspark": {**HEAD, **_REDUCED},
+    "gemma4_dspark": HEAD, "kimi_k3_dspark": HEAD,
 }
 
 

@@ -6,12 +6,14 @@ family the CPU build cannot start an engine with, vLLM's own classes, loader and
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from vllm_inprocess import (
     CASES,
+    HEAD,
     DraftCase,
     backbone,
     build,
@@ -38,7 +40,7 @@ INPROCESS_FAMILIES = "qwen3_dspark,gemma4_dspark,dflash2,kimi_k3_dspark"
 def make_checkpoints(work: Path) -> None:
     """The tiny target; DFlash drafts A and B without optional submodules (lifecycle.vllm.tiny) and with every one
     (`dflashSA`, `dflashSB`); every other family's drafts A and B with every optional submodule it can have
-    (`DraftCase.with_structure`); a Qwen3 DSpark draft with none (`qwen3_dspark0A`, `qwen3_dspark0B`)."""
+    (`DraftCase.with_structure`); Qwen3 DSpark drafts with a confidence head only (`qwen3_dspark0A`, `...0B`)."""
     from lifecycle.vllm.tiny import make_dflash_draft, make_target
 
     make_target(work / "target")
@@ -49,7 +51,8 @@ def make_checkpoints(work: Path) -> None:
             folder = work / f"dflashS{which}" if name == "dflash" else _draft_dir(work, case, which)
             make_draft(case.with_structure(), folder, seed, work / "target")
             if name == "qwen3_dspark":
-                make_draft(case, work / f"qwen3_dspark0{which}", seed, work / "target")
+                make_draft(replace(case, config={**case.config, **HEAD}), work / f"qwen3_dspark0{which}", seed,
+                           work / "target")
 
 
 def run_inprocess(work: Path, families: str = INPROCESS_FAMILIES, layouts: str = "cpu,gpu") -> dict[str, Any]:
@@ -182,8 +185,11 @@ def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
     with gpu_weight_layout():
         plain = build(case, _draft_dir(work, case, "A"), work / "target", stock=True)
         calls = buckets(read(_draft_dir(work, case, "B")), "buckets_later_layers_first")
+        before = _stock_buffer_ptrs(plain, case.family)
         out["plain_gpu"] = {"reload": attempt(lambda: [plain.load_weights(bucket) for bucket in calls] and None),
                             "confidence_head": _has_confidence_head(plain)}
+        after = _stock_buffer_ptrs(plain, case.family)
+        out["plain_gpu"]["moved"] = sorted(n for n, p in after.items() if before.get(n) != p)
     if case.family == "kimi_k3_dspark":  # built once after the cold load, never rebuilt: compare with B's norms
         from vllm_trainer_paths import read as read_tensors
 
@@ -192,6 +198,14 @@ def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
         expected = torch.stack([tb[f"layers.{i}.self_attn.kv_a_layernorm.weight"] for i in range(n)])
         out["norms_equal_B"] = bool(torch.equal(stock.model._context_kv_norm_weights, expected))
     return out
+
+
+def _stock_buffer_ptrs(model: Any, fam: str) -> dict[str, int]:
+    """Where stock vLLM's builder keeps each tensor the family derives (its declared buffers), now."""
+    from lifecycle.vllm.families import family
+
+    return {s.name: t.data_ptr() for s in family(fam).derived()
+            if isinstance(t := getattr(model.model, s.name, None), torch.Tensor)}
 
 
 def _has_confidence_head(model: Any) -> bool | None:

@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm_inprocess import CASES, backbone, build, build_target, digest, share_target, weight_digests
+from vllm_inprocess import (
+    CASES,
+    backbone,
+    build,
+    build_target,
+    digest,
+    gpu_weight_layout,
+    share_target,
+    weight_digests,
+)
 from vllm_trainer_paths import attempt, buckets, read, write_draft
 
 from lifecycle.vllm.tiny import HIDDEN, VOCAB
@@ -83,18 +92,17 @@ def _target_heads(target: Any) -> dict[str, str]:
 
 
 def frozen_absent(work: Path) -> dict[str, Any]:
-    """A Qwen3 DSpark draft whose first load had no optional submodule (no confidence head, the target's
-    vocabulary, the target's embeddings and lm_head): a bucket that also carries tensors for them is refused
-    before anything is written, naming each (the target's shared modules and the draft unchanged, no epoch
-    begun); stock vLLM writes the embedding into the target's module. Then a draft with its own embeddings that
-    the proposer replaced with the target's after the load (as vLLM does when they are equal): a reload sending
-    them is refused, one without them completes, keeping the draft's copy."""
+    """A Qwen3 DSpark draft whose first load had a confidence head and no other optional submodule (the target's
+    vocabulary, embeddings and lm_head): a bucket that also carries tensors for those is refused before anything
+    is written, naming each (the target's shared modules and the draft unchanged, no epoch begun); stock vLLM
+    writes the embedding into the target's module, and its plain bucketed reload (GPU layout) loses the
+    confidence head. Then a draft with its own embeddings that the proposer replaced with the target's after the
+    load (as vLLM does when they are equal): a reload sending them is refused, one without them completes."""
     case = CASES["qwen3_dspark"]
     target = build_target(work / "target")
     g = torch.Generator().manual_seed(7)
     extra = [("embed_tokens.weight", torch.randn(VOCAB, HIDDEN, generator=g)),
-             ("lm_head.weight", torch.randn(VOCAB, HIDDEN, generator=g)),
-             ("confidence_head.proj.bias", torch.ones(1)), ("d2t", torch.zeros(VOCAB, dtype=torch.long))]
+             ("lm_head.weight", torch.randn(VOCAB, HIDDEN, generator=g)), ("d2t", torch.zeros(VOCAB, dtype=torch.long))]
     tensors_b = read(work / "qwen3_dspark0B")
     out: dict[str, Any] = {}
 
@@ -119,6 +127,11 @@ def frozen_absent(work: Path) -> dict[str, Any]:
     out["stock"] = attempt(lambda: stock.load_weights([extra[0]]))
     out["stock_target_embed_changed"] = _target_heads(target)["embed_tokens"] != heads["embed_tokens"]
     target.model.embed_tokens.weight.data.copy_(saved)
+    with gpu_weight_layout():
+        plain = build(case, work / "qwen3_dspark0A", work / "target", stock=True)
+        calls = buckets(tensors_b, "buckets_later_layers_first")
+        out["stock_plain"] = attempt(lambda: [plain.load_weights(bucket) for bucket in calls] and None)
+        out["stock_confidence_head"] = plain.model.confidence_head is not None
 
     structured = build(case.with_structure(), work / "qwen3_dsparkA", work / "target")
     share_target(structured, target)
