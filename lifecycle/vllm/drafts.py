@@ -35,7 +35,6 @@ from torch import nn
 
 from ..backbone import DraftBackbone
 from .families import SHADOW, VLLMDraftFamily
-from .structure import DraftStructure
 
 __all__ = ["IN_VLLM_RELOAD", "MODULE_OWNERS", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
 
@@ -57,7 +56,7 @@ class LifecycleDraftModel(DraftBackbone):
 
     _family: ClassVar[VLLMDraftFamily]
 
-    def enable_lifecycle(self, *, name: str, rank: int, structure: DraftStructure) -> None:
+    def enable_lifecycle(self, *, name: str, rank: int) -> None:
         family = self._family
         shadows: dict[str, torch.Tensor] = {}
         shadow_of: dict[nn.Module, tuple[slice, torch.Tensor, str]] = {}
@@ -73,33 +72,19 @@ class LifecycleDraftModel(DraftBackbone):
             n: p for n, p in self.named_parameters() if not n.startswith(family.untracked_prefixes)
         }
         tracked.update(shadows)
-        tracked.update(structure.tensors())  # optional modules, until the first load decides which exist
-        self.__dict__["_structure"] = structure
-        self.init_lifecycle(name, rank=rank, tensors=tracked, slots=structure.outer_slots())
-        for module in self._claim_modules():
-            _guard_processing(self, module, shadow_of.get(module))
-
-    def _claim_modules(self) -> list[nn.Module]:
-        """Record which modules hold which tracked tensors (`MODULE_OWNERS`: how vLLM's per-layer events find the
-        lifecycle) and the outermost ones (what an implicit reload hands to vLLM's layerwise reload: never the
-        ForCausalLM itself, nor the modules shared with the target, nor the RoPE cache vLLM shares between
-        models). Run again once the first load froze the structure. Returns the modules claimed."""
-        tracked = self.lifecycle.specs
-        own: dict[int, tuple[nn.Module, list[str]]] = {}
-        for n, (module, leaf) in self._tensor_slots.items():
-            if n in tracked and leaf in module._parameters:
-                own.setdefault(id(module), (module, []))[1].append(n)
-        for module, _ in list(MODULE_OWNERS.items()):
-            if MODULE_OWNERS[module][0] is self and id(module) not in own:
-                del MODULE_OWNERS[module]
-        for module, names in own.values():
-            MODULE_OWNERS[module] = (self, names)
-        owned = [m for m, _ in own.values()]
-        # a module holding this backbone (the ForCausalLM, which holds d2t) would hand the target's modules too
-        rootable = [m for m in owned if not any(d is self for d in m.modules())]
-        inner = {id(d) for m in rootable for d in m.modules() if d is not m}
-        self.__dict__["_own_roots"] = [m for m in rootable if id(m) not in inner]
-        return owned
+        self.init_lifecycle(name, rank=rank, tensors=tracked)
+        owned: list[nn.Module] = []
+        for mod_name, module in self.named_modules():
+            own = [f"{mod_name}.{leaf}" if mod_name else leaf for leaf in module._parameters]
+            own = [n for n in own if n in tracked]
+            if own:
+                MODULE_OWNERS[module] = (self, own)
+                owned.append(module)
+                _guard_processing(self, module, shadow_of.get(module))
+        # the outermost modules holding the draft's own checkpoint tensors: what an implicit reload hands to vLLM's
+        # layerwise reload (never the modules shared with the target, nor the RoPE cache vLLM shares between models)
+        inner = {id(d) for m in owned for d in m.modules() if d is not m}
+        self.__dict__["_own_roots"] = [m for m in owned if id(m) not in inner]
 
     @property
     def reload_open(self) -> bool:
@@ -119,64 +104,43 @@ class LifecycleDraftModel(DraftBackbone):
     def before_write(self) -> None:
         """A `load_weights` call is about to write. After a completed load (and outside a reload vLLM began),
         that write begins a reload epoch, audited, and starts vLLM's layerwise reload on the modules holding the
-        draft's own checkpoint tensors (not on those it shares with the target, which keeps serving meanwhile)."""
+        draft's own checkpoint tensors (not on those it shares with the target, which keeps serving meanwhile).
+        A call the frozen structure refused (`structure.admit`) raises here, before anything is written."""
+        refusal = self.__dict__.pop("_structure_refusal", None)
         lc = self.lifecycle
+        if refusal is not None:
+            lc.record_refusal("weights_loaded", refusal)
+            raise refusal
         if not (lc.usable or lc.quarantined):
             return
         lc.audit_event("implicit_reload", cause=IMPLICIT_CAUSE, from_state=lc.state.value)
-        self._begin_epoch()
+        self.begin_reload()
         initialize = _reload_function("initialize_layerwise_reload")
         for module in self.__dict__["_own_roots"]:
             initialize(module)
 
-    def after_write(self, modules: Iterable[str] = ()) -> None:
-        """A `load_weights` call returned. The cold load writes every tracked parameter in place (the optional
-        modules' only if it carried them); afterwards, the optional tensors the call carried that are off META
-        count as loaded (d2t sits on the ForCausalLM itself, outside the layers an implicit reload hands to
-        vLLM's layerwise reload, which reports the rest)."""
+    def after_write(self) -> None:
+        # the cold load writes every tracked parameter in place, in one load_weights call (an optional module's
+        # only if the call carried it)
         lc = self.lifecycle
-        structure: DraftStructure = self.__dict__["_structure"]
         if lc.epoch == 0 and lc.awaiting_weights:
-            lc.weights_loaded(structure.loaded_at_cold(n for n in lc.specs if not n.endswith(SHADOW)))
-        elif lc.in_reload and lc.can("weights_loaded"):
-            names = [n for m in modules for n in structure.names_of(m) if n in lc.specs
-                     and (t := self.live_tensor(n)) is not None and not t.is_meta]
-            if names:
-                lc.weights_loaded(names)
-
-    def _finish_epoch(self) -> None:
-        """Before a load finishes: the first load freezes the structure; every load runs vLLM's whole-checkpoint
-        checks once, over what it wrote and kept."""
-        structure: DraftStructure = self.__dict__["_structure"]
-        if structure.frozen is None:
-            structure.freeze(self)
-            self._claim_modules()
-        structure.validate(self.lifecycle)
-
-    def _begin_epoch(self) -> None:
-        """Begin a reload epoch; modules the draft shares with the target since its load are kept as they are."""
-        self.begin_reload()
-        shared = self.__dict__["_structure"].shared_now()
-        if shared:
-            self.weights_unchanged(n for m in sorted(shared) for n in self.__dict__["_structure"].names_of(m))
+            lc.weights_loaded(self._structure.loaded_at_cold(n for n in lc.specs if not n.endswith(SHADOW)))
 
     def on_cold_load_processed(self) -> None:
         lc = self.lifecycle
         if lc.epoch == 0 and lc.can("finish_loading"):
-            self._finish_epoch()
             self.finalize_loading()
             self.refresh_derived_buffers()
 
     def on_reload_begin(self) -> None:
         if not self.lifecycle.unloaded:
-            self._begin_epoch()
+            self.begin_reload()
 
     def on_reload_finalized(self) -> None:
         lc = self.lifecycle
         if not lc.can("finish_loading"):  # no load of this draft in progress: nothing to finish
             return
         try:
-            self._finish_epoch()
             self.finalize_loading()
             self.refresh_derived_buffers()
         except Exception as e:
@@ -184,6 +148,93 @@ class LifecycleDraftModel(DraftBackbone):
             if lc.can("abort_reload"):
                 lc.abort_reload(f"{type(e).__name__}: {getattr(e, 'reason', e)}")
             raise
+
+    # ---- the frozen structure (`structure.py`): optional submodules decided by the first load --------------------
+    @property
+    def _structure(self) -> Any:
+        return self.__dict__["_structure"]
+
+    def init_lifecycle(self, name: str | None = None, **kwargs: Any) -> Any:
+        """Track the optional modules' tensors too (those outside this module through slots), until the first
+        load decides which exist."""
+        structure = self._structure
+        kwargs["tensors"] = {**(kwargs.get("tensors") or {}), **structure.tensors()}
+        return super().init_lifecycle(name, slots=structure.outer_slots(), **kwargs)
+
+    def claim_structure(self) -> None:
+        """Claim the tracked optional tensors like the layers' (`MODULE_OWNERS`, guarded processing, the modules
+        an implicit reload hands to vLLM's layerwise reload); run again once the first load froze the structure,
+        which releases the absent ones."""
+        structure, specs = self._structure, self.lifecycle.specs
+        roots: list[nn.Module] = self.__dict__["_own_roots"]
+        for module in structure.modules:
+            for name, owner, _ in structure.slots[module]:
+                entry = MODULE_OWNERS.get(owner)
+                names = [n for n in (entry[1] if entry else []) if n != name] + ([name] if name in specs else [])
+                if names:
+                    MODULE_OWNERS[owner] = (self, names)
+                    if entry is None:  # not claimed with the layers: process it as they are
+                        _guard_processing(self, owner, None)
+                elif entry is not None:
+                    del MODULE_OWNERS[owner]
+                # roots: never a module holding this backbone (the ForCausalLM, which holds d2t)
+                if names and owner not in roots and not any(m is self for m in owner.modules()) \
+                        and not any(owner in r.modules() for r in roots):
+                    roots.append(owner)
+        roots[:] = [r for r in roots if any(m in MODULE_OWNERS for m in r.modules())]
+
+    def begin_reload(self) -> int:
+        """Begin a reload epoch; optional modules the draft shares with the target since its load (the proposer
+        replaced an own copy equal to the target's) are kept: a reload may not write them."""
+        epoch = super().begin_reload()
+        shared = self._structure.shared_now()
+        if shared:
+            self.weights_unchanged(n for m in sorted(shared) for n in self._structure.names_of(m))
+        return epoch
+
+    def finalize_loading(self, *, keep_untouched: bool = False) -> list[str]:
+        """Before a load finishes: the first load freezes the structure; every load runs vLLM's whole-checkpoint
+        checks once, over what it wrote and kept."""
+        structure = self._structure
+        if structure.frozen is None and self.lifecycle.can("weights_loaded"):
+            structure.freeze(self)
+            self.claim_structure()
+        structure.validate(self.lifecycle, keep_untouched=keep_untouched)
+        return super().finalize_loading(keep_untouched=keep_untouched)
+
+    def note_carried(self, modules: Iterable[str]) -> None:
+        """After a later call: the optional tensors it carried count as loaded once off META (d2t sits on the
+        ForCausalLM, outside the layers an implicit reload hands to vLLM's layerwise reload, which reports the
+        rest as each layer completes)."""
+        lc = self.lifecycle
+        if not (lc.in_reload and lc.can("weights_loaded")):
+            return
+        names = [n for m in modules for n in self._structure.names_of(m)
+                 if n in lc.specs and (t := self.live_tensor(n)) is not None and not t.is_meta]
+        if names:
+            lc.weights_loaded(names)
+
+
+def _structure_preserving(load: Any) -> Any:
+    """Wrap a draft class's `load_weights`: its tensors pass the frozen structure first (`structure.admit`; a
+    refusal is raised by the backbone's `before_write`, so a call inside a reload fails like any bad bucket);
+    vLLM's per-call decisions and checks are neutralized around the call (`structure.within_call`)."""
+
+    def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        structure = self.__dict__["_lifecycle_structure"]
+        backbones = backbones_in(self)
+        weights, refusal = structure.admit(weights, backbones[0].lifecycle if backbones else None)
+        for b in backbones:
+            if refusal is not None:
+                b.__dict__["_structure_refusal"] = refusal
+        with structure.within_call():
+            result = load(self, weights)
+        carried = structure.carried(weights)
+        for b in backbones:
+            b.note_carried(carried)
+        return result
+
+    return load_weights
 
 
 def _guard_processing(backbone: LifecycleDraftModel, module: nn.Module,
@@ -220,14 +271,6 @@ def _guard_processing(backbone: LifecycleDraftModel, module: nn.Module,
     quant_method.process_weights_after_loading = process_weights_after_loading
 
 
-def _refuse_structure(backbones: list[LifecycleDraftModel], structure: DraftStructure,
-                      bad: dict[str, list[str]]) -> None:
-    lc = backbones[0].lifecycle
-    err = structure.refusal(lc, bad)
-    lc.record_refusal("weights_loaded", err)
-    raise err
-
-
 def backbones_in(model: nn.Module) -> list[LifecycleDraftModel]:
     return [m for m in model.modules() if isinstance(m, LifecycleDraftModel)]
 
@@ -255,20 +298,19 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
         self._lifecycle_model_config = getattr(spec, "draft_model_config", None) or vllm_config.model_config
         inner = getattr(self, family.inner_model_attr)
         inner.__class__ = _inner_class(family, type(inner))
-        self.__dict__["_lifecycle_structure"] = structure = DraftStructure(self, inner, family)
-        inner.enable_lifecycle(name=f"{family.name}-draft", rank=_rank(), structure=structure)
+        from .structure import DraftStructure
+
+        inner.__dict__["_structure"] = self.__dict__["_lifecycle_structure"] = DraftStructure(self, inner, family)
+        inner.enable_lifecycle(name=f"{family.name}-draft", rank=_rank())
+        inner.claim_structure()
 
     def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         backbones = backbones_in(self)
-        structure: DraftStructure = self.__dict__["_lifecycle_structure"]
-        weights = structure.admit(weights, lambda bad: _refuse_structure(backbones, structure, bad))
-        carried = {m for n, _ in weights if (m := structure.module_of(n))} if isinstance(weights, list) else ()
         for b in backbones:
             b.before_write()
-        with structure.within_call():  # structure-preserving: vLLM's per-call decisions and checks neutralized
-            result = base.load_weights(self, weights)
+        result = base.load_weights(self, weights)
         for b in backbones:
-            b.after_write(carried)
+            b.after_write()
         return result
 
     def process_weights_after_loading(self: nn.Module) -> None:
@@ -287,6 +329,7 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
         "__init__": __init__, "load_weights": load_weights,
         "process_weights_after_loading": process_weights_after_loading,
         "__module__": __name__, "lifecycle_family": family.name})
+    cls.load_weights = _structure_preserving(cls.load_weights)  # type: ignore[attr-defined]
     _CLASSES[family.name] = cls
     return cls
 

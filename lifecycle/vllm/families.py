@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -107,16 +107,17 @@ class VLLMDraftFamily:
     derived: Callable[[], tuple[DerivedSpec, ...]]
     metadata: Mapping[str, Read]  # the non-tensor precompute attributes the builders set
     shadow: Shadow | None = None  # a source post-processing may repack; None: every source stays readable
-    since: str = "0.32"  # the first vLLM release series that has this family
-    inner_model_attr: str = "model"
-    untracked_prefixes: tuple[str, ...] = ("embed_tokens.", "mask_embedding", "lm_head.")
-    notes: tuple[str, ...] = field(default=())  # what vLLM derives here that the lifecycle does not (yet) own
-    optional: tuple[OptionalModule, ...] = ()  # submodules whose presence vLLM decides per load_weights call
+    # what its load_weights decides per call (`structure.py`; set per family in `_STRUCTURE` below):
+    optional: tuple[OptionalModule, ...] = ()  # submodules whose presence vLLM decides from the call's tensors
     checks: tuple[WholeCheckpointCheck, ...] = ()  # vLLM's per-call validations that need a whole checkpoint
     # what the ForCausalLM shows vLLM's load_weights during a call, so its per-call `checks` pass (they run once
     # per epoch at finalize); None: vLLM's checks cannot be suspended (they read the call's names)
     check_view: Callable[[nn.Module], Mapping[str, Any]] | None = None
     check_reads: tuple[str, ...] = ()  # the attribute names vLLM's load_weights reads for its checks
+    since: str = "0.32"  # the first vLLM release series that has this family
+    inner_model_attr: str = "model"
+    untracked_prefixes: tuple[str, ...] = ("embed_tokens.", "mask_embedding", "lm_head.")
+    notes: tuple[str, ...] = field(default=())  # what vLLM derives here that the lifecycle does not (yet) own
 
     @property
     def sets(self) -> frozenset[str]:
@@ -280,43 +281,54 @@ _MUSE_CHECKS = (  # vLLM tests the call's names, not an attribute: not suspended
 FAMILIES: tuple[VLLMDraftFamily, ...] = (
     VLLMDraftFamily("dflash", ("DFlashDraftModel", "DFlashMuseGlimmerAssistantModel", "MuseGlimmerAssistantModel"),
                     "vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM", "DFlashQwen3Model",
-                    _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS, optional=(*_EAGLE_HEADS, D2T)),
+                    _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS),
     VLLMDraftFamily("dflash2", ("DFlash2DraftModel",), "vllm.model_executor.models.qwen3_dflash2",
                     "DFlash2Qwen3ForCausalLM", "DFlash2Qwen3Model", _DFLASH_BUILDER, _dflash_derived,
-                    _DFLASH_METADATA, KV_ROWS, optional=(*_EAGLE_HEADS, D2T)),
+                    _DFLASH_METADATA, KV_ROWS),
     VLLMDraftFamily("qwen3_dspark", ("Qwen3DSparkModel", "Qwen3OmniDSparkModel"),
                     "vllm.model_executor.models.qwen3_dspark", "Qwen3DSparkForCausalLM", "Qwen3DSparkModel",
-                    _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS,
-                    optional=(CONFIDENCE_HEAD_DROPPED, *_EAGLE_HEADS, D2T), checks=_DSPARK_CHECKS,
-                    check_view=lambda m: {"config": _VocabView(m.config, m.target_vocab_size)},
-                    check_reads=("vocab_size", "draft_vocab_size", "target_vocab_size")),
+                    _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS),
     VLLMDraftFamily("gemma4_dspark", ("Gemma4DSparkModel",), "vllm.model_executor.models.gemma4_dspark",
                     "Gemma4DSparkForCausalLM", "Gemma4DSparkModel", _DFLASH_BUILDER, _gemma_derived,
-                    {**_GEOMETRY, "_fused_k_bias": NONE}, Shadow("k_proj"),
-                    optional=(CONFIDENCE_HEAD_DROPPED, *_EAGLE_HEADS)),
+                    {**_GEOMETRY, "_fused_k_bias": NONE}, Shadow("k_proj")),
     VLLMDraftFamily("laguna_dflash", ("DFlashLagunaForCausalLM",), "vllm.model_executor.models.laguna_dflash",
                     "DFlashLagunaForCausalLM", "DFlashLagunaModel", _DFLASH_BUILDER, _laguna_derived,
-                    {**_GEOMETRY, "_kv_biases": NONE}, KV_ROWS, optional=_EAGLE_HEADS),
+                    {**_GEOMETRY, "_kv_biases": NONE}, KV_ROWS),
     VLLMDraftFamily("kimi_k3_dspark", ("K3DSparkModel",), "vllm.models.kimi_k3.nvidia.dspark_mla",
                     "K3DSparkForCausalLM", "K3DSparkModel", ("_build_fused_context_kv_metadata",), _k3_derived,
-                    _K3_METADATA, optional=(CONFIDENCE_HEAD,)),
+                    _K3_METADATA),
     VLLMDraftFamily("qwen3_xpress", ("Qwen3XPressModel", "DFlashQwen3XPressModel"),
                     "vllm.model_executor.models.qwen3_xpress", "Qwen3XPressForCausalLM", "Qwen3XPressModel",
                     _DFLASH_BUILDER, _dflash_derived, _DFLASH_METADATA, KV_ROWS, since="0.33",
                     notes=("the refiner head's transposed copies (`xpress_head._fused_buf`, rebuilt by "
                            "`build_fused_buffers` at every load_weights) stay vLLM's",
-                           "vLLM's load_weights raises unless every call carries `xpress_head.mix.L`"),
-                    optional=_EAGLE_HEADS),
+                           "vLLM's load_weights raises unless every call carries `xpress_head.mix.L`")),
     VLLMDraftFamily("dflash2_beam", ("DFlash2BeamDraftModel",), "vllm.models.beam.nvidia.dflash2",
                     "DFlash2BeamForCausalLM", "DFlash2BeamModel", ("build_context_kv_weights",), _beam_derived, {},
-                    KV_ROWS, since="0.33", optional=_EAGLE_HEADS),
+                    KV_ROWS, since="0.33"),
     VLLMDraftFamily("muse_spark_dspark", ("MuseSparkDSparkModel",), "vllm.models.muse_spark.common.dspark",
                     "MuseSparkDSparkForCausalLM", "MuseSparkDSparkModel", _DFLASH_BUILDER, _muse_derived,
                     _MUSE_METADATA, Shadow("qkv_proj", lambda a: slice(a.q_size, a.q_size + 2 * a.kv_size),
                                            ("q_size", "kv_size")), since="0.33",
-                    notes=("vLLM's load_weights raises unless every call carries `lm_head` and `d2t`",),
-                    optional=(CONFIDENCE_HEAD, LM_HEAD, D2T), checks=_MUSE_CHECKS),
+                    notes=("vLLM's load_weights raises unless every call carries `lm_head` and `d2t`",)),
 )
+
+#: Per family, what its `load_weights` decides from the current call's tensors (read in both releases' sources):
+#: the optional submodules it builds or drops, and the checks only a whole checkpoint passes.
+_STRUCTURE: dict[str, dict[str, Any]] = {
+    "dflash": {"optional": (*_EAGLE_HEADS, D2T)},
+    "dflash2": {"optional": (*_EAGLE_HEADS, D2T)},
+    "qwen3_dspark": {"optional": (CONFIDENCE_HEAD_DROPPED, *_EAGLE_HEADS, D2T), "checks": _DSPARK_CHECKS,
+                     "check_view": lambda m: {"config": _VocabView(m.config, m.target_vocab_size)},
+                     "check_reads": ("vocab_size", "draft_vocab_size", "target_vocab_size")},
+    "gemma4_dspark": {"optional": (CONFIDENCE_HEAD_DROPPED, *_EAGLE_HEADS)},
+    "laguna_dflash": {"optional": _EAGLE_HEADS},
+    "kimi_k3_dspark": {"optional": (CONFIDENCE_HEAD,)},  # embeddings and lm_head: dropped by its mapper by design
+    "qwen3_xpress": {"optional": _EAGLE_HEADS},
+    "dflash2_beam": {"optional": _EAGLE_HEADS},  # never in its checkpoint: frozen absent, refused if sent
+    "muse_spark_dspark": {"optional": (CONFIDENCE_HEAD, LM_HEAD, D2T), "checks": _MUSE_CHECKS},
+}
+FAMILIES = tuple(replace(f, **_STRUCTURE.get(f.name, {})) for f in FAMILIES)
 
 
 def family(name: str) -> VLLMDraftFamily:

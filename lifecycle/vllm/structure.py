@@ -13,8 +13,9 @@ one-tensor-at-a-time reload calls `load_weights` many times, so those decisions 
   reload must write or keep them, and one that moved their storage fails closed;
 - every later call is structure-preserving (`admit`, `within_call`): a tensor for an absent module, or for one
   the draft shares with the target since its load (the proposer replaces an own copy equal to the target's), is
-  refused before anything is written (`FrozenStructureError`); a present module missing from the call is simply
-  not in it (vLLM's per-call drop is undone when the call returns);
+  refused before anything is written (`FrozenStructureError`, raised by the backbone's `before_write`, so inside
+  a reload it fails like any bad bucket); a present module missing from the call is simply not in it (vLLM's
+  per-call drop is undone when the call returns);
 - vLLM's whole-checkpoint checks are suspended during each call (`check_view`) and run once per epoch at
   finalize (`validate`) over what the epoch wrote plus what it kept, with vLLM's own message
   (`IncompleteCheckpointError`, a `ValueError` as vLLM's was).
@@ -23,7 +24,7 @@ one-tensor-at-a-time reload calls `load_weights` many times, so those decisions 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -102,13 +103,13 @@ class DraftStructure:
             return None
         return next((m.name for m in self.modules.values() if m.marker in name), None)
 
-    def admit(self, weights: Weights, refuse: Any) -> Weights:
-        """The call's tensors as vLLM should see them. During the first load: passed through, noting the modules
-        they belong to. Afterwards: collected (vLLM's drafts collect them too) and refused, before anything is
-        written, if one belongs to a module the frozen structure lacks or the draft shares with the target
-        (`refuse(error)` audits and raises)."""
+    def admit(self, weights: Weights, lifecycle: Any) -> tuple[Weights, FrozenStructureError | None]:
+        """The call's tensors as vLLM should see them, and the refusal to raise before anything is written (or
+        None). During the first load: passed through, noting the modules they belong to. Afterwards: collected
+        (vLLM's drafts collect them too) and refused if one belongs to a module the frozen structure lacks or
+        the draft shares with the target."""
         if self.frozen is None:
-            return self._noting(weights)
+            return self._noting(weights), None
         items = list(weights)
         bad: dict[str, list[str]] = {}
         shared = self.shared_now()
@@ -121,9 +122,16 @@ class DraftStructure:
             elif module in shared:
                 bad.setdefault(f"{module} (shared with the target since the first load: writing it would "
                                "change the target)", []).append(name)
-        if bad:
-            refuse(bad)
-        return items
+        if not bad:
+            return items, None
+        return items, FrozenStructureError(bad, backbone=getattr(lifecycle, "name", "?"),
+                                           state=lifecycle.state.value if lifecycle is not None else "?")
+
+    def carried(self, weights: Weights) -> set[str]:
+        """The optional modules a collected call carried tensors for."""
+        if not isinstance(weights, list):
+            return set()
+        return {m for name, _ in weights if (m := self.module_of(name)) is not None}
 
     def _noting(self, weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in weights:
@@ -198,9 +206,6 @@ class DraftStructure:
             if check.applies(self._outer) and not has(check.needs):
                 raise IncompleteCheckpointError(check.message, backbone=lifecycle.name,
                                                 state=lifecycle.state.value, needs=self.names_of(check.needs))
-
-    def refusal(self, lifecycle: Any, bad: Mapping[str, list[str]]) -> FrozenStructureError:
-        return FrozenStructureError(bad, backbone=lifecycle.name, state=lifecycle.state.value)
 
 
 def observe(outer: nn.Module) -> dict[str, Any]:
