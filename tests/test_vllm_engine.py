@@ -223,7 +223,7 @@ def test_optional_submodules_keep_the_cold_structure_on_a_live_engine(
     assert (s["frozen"], s["holds"]) == (cold["frozen"], cold["holds"])
     assert s["digests"] == res[f"cold_{run['draft']}"]["structure"]["digests"]  # equal a cold engine's
     assert s["storage"] == cold["storage"]  # the pinned storage of every optional tensor
-    assert all(v["ok"] and v["checked"] for v in run["verify"][0].values())
+    assert all(v["ok"] and v["checked"] for v in run["verify"][0].values() if isinstance(v, dict))  # per backbone
 
 
 @pytest.mark.parametrize(("fam", "layout"), ENGINE_CASES)
