@@ -6,12 +6,14 @@
     │   ├── LayersNotReadyError       a finish, refresh or forward use needs every layer loaded (off META)
     │   ├── QuarantinedError          forward use after a failed or aborted reload
     │   ├── RecoveryError             `recover()` without an exact rollback to return to
-    │   └── SessionStateError         a reload session used out of order
+    │   ├── SessionStateError         a reload session used out of order
+    │   └── IncompleteCheckpointError a reload epoch lacks what a whole checkpoint must include (also a ValueError)
     ├── LoadRefusedError              the loader refused a bucket or checkpoint before writing any of it
     │   ├── UnknownWeightError        names the backbone does not have
     │   ├── WeightShapeError          a shape or dtype that differs from the parameter's
     │   ├── NonFiniteWeightError      NaN or Inf values (with the finite check on)
-    │   └── CheckpointError           a file that cannot be read, or subset names it lacks
+    │   ├── CheckpointError           a file that cannot be read, or subset names it lacks
+    │   └── FrozenStructureError      tensors for an optional submodule the first load decided is absent
     ├── RefreshRefusedError           a derived buffer cannot be refreshed as declared; no buffer was written
     │   ├── SourceLayoutError         a source is not in the layout its builder expects
     │   ├── StorageReallocationError  the refresh would give a buffer new storage
@@ -39,7 +41,9 @@ __all__ = [
     "MESSAGE_NAME_CAP",
     "CheckpointError",
     "DerivedBuildError",
+    "FrozenStructureError",
     "IllegalTransitionError",
+    "IncompleteCheckpointError",
     "LayersNotReadyError",
     "LifecycleError",
     "LoadRefusedError",
@@ -155,6 +159,17 @@ class SessionStateError(StateError):
     changed."""
 
 
+class IncompleteCheckpointError(StateError, ValueError):
+    """A reload epoch's tensors (those written plus those kept) lack what a whole checkpoint must include: a
+    validation vLLM's draft runs on every `load_weights` call (a reduced vocabulary needs `lm_head` and `d2t`),
+    run once per epoch at finalize instead, with vLLM's own message. The finish is refused; inside vLLM the
+    plugin then quarantines the draft. A `ValueError` too, as vLLM's check raised."""
+
+    def __init__(self, message: str, *, backbone: str, state: str, needs: Sequence[str] = ()) -> None:
+        super().__init__(message, backbone=backbone, state=state)
+        self.needs = tuple(needs)
+
+
 # ---- the loader refused its input: nothing of the bucket was written --------------------------------------------
 class LoadRefusedError(LifecycleError):
     """The loader refused a bucket (or a whole checkpoint, from its header) before writing any of it: nothing of
@@ -209,6 +224,23 @@ class NonFiniteWeightError(LoadRefusedError):
 class CheckpointError(LoadRefusedError):
     """A checkpoint file could not be read (missing, truncated, corrupt header, an unsupported dtype), or a
     subset named tensors it lacks. Refused from the headers, before any of its tensors was written."""
+
+
+class FrozenStructureError(LoadRefusedError):
+    """A bucket carries tensors for an optional submodule (a confidence head, own embeddings or lm_head, a
+    draft-to-target id map) that the first load decided this draft does not have, or that it shares with the
+    target: writing them would change its structure, or the target. Nothing of the bucket was written."""
+
+    def __init__(self, tensors: Mapping[str, Sequence[str]], *, backbone: str, state: str) -> None:
+        lines = [f"{module}: {', '.join(names)}" for module, names in tensors.items()]
+        super().__init__(
+            "bucket refused, it carries tensors for optional submodule(s) this draft does not have or shares with "
+            "the target (its structure was decided by its first load); nothing of it was written:\n  "
+            + _listing(lines),
+            backbone=backbone,
+            state=state,
+        )
+        self.tensors = {k: tuple(v) for k, v in tensors.items()}
 
 
 # ---- a derived buffer cannot be refreshed as declared: no buffer was written ------------------------------------

@@ -87,6 +87,26 @@ class LayerReadiness:
         self._failed = set()
         return sorted(new)
 
+    def forget(self, names: Iterable[str]) -> None:
+        """Stop tracking `names` (optional tensors the first load did not have): the counts are rebuilt from
+        what is loaded in this epoch, and a layer left with no tensors is no layer."""
+        gone = set(names) & self.layer_of_name.keys()
+        if not gone:
+            return
+        for name in gone:
+            del self.layer_of_name[name], self._loaded_epoch[name]
+        self._dirty -= gone
+        self._unchanged -= gone
+        self._failed -= gone
+        tensors: dict[str, list[str]] = {}
+        for name, layer in self.layer_of_name.items():
+            tensors.setdefault(layer, []).append(name)
+        self.tensors_of_layer = {k: tuple(v) for k, v in tensors.items()}
+        self._count = {layer: sum(self._loaded_epoch[n] == self.epoch for n in ns)
+                       for layer, ns in self.tensors_of_layer.items()}
+        self._complete = sum(c == len(self.tensors_of_layer[la]) for la, c in self._count.items())
+        self.partly_written &= self.tensors_of_layer.keys()
+
     # ---- hot path -----------------------------------------------------------------------------------------
     def unknown(self, names: Iterable[str]) -> list[str]:
         known = self.layer_of_name

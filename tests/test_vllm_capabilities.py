@@ -64,6 +64,14 @@ def test_the_requirements_are_the_declarations_themselves() -> None:
      "vllm.models.kimi_k3.nvidia.dspark_mla.K3DSparkModel: class K3DSparkModel not found"),
     ("v1/worker/gpu/model_runner.py", "def get_draft_model(", "def draft_model(",
      "vllm.v1.worker.gpu.model_runner.GPUModelRunner.get_draft_model: attribute not found"),
+    # the frozen structure: an optional submodule, a per-call check's message, what load_weights reads for it
+    ("models/qwen3_dspark.py", "self.confidence_head", "self.acceptance_head",
+     "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkModel.confidence_head: attribute not found"),
+    ("models/qwen3_dspark.py", '"lm_head weights; the full target lm_head cannot be shared."',
+     '"lm_head weights."', "Qwen3DSparkForCausalLM.load_weights: no longer says 'Reduced-vocabulary Qwen3 DSpark "
+     "checkpoints must include lm_head weights; the full target lm_head cannot be shared.'"),
+    ("models/qwen3_dspark.py", "self.target_vocab_size", "self.config.target_vocab",
+     "Qwen3DSparkForCausalLM.target_vocab_size: no longer read by vLLM's builder"),
 ])
 def test_a_vllm_without_a_name_is_refused_naming_it_and_how_to_disable_the_plugin(
         module_file: str, old: str, new: str, named: str) -> None:

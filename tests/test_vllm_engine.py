@@ -32,7 +32,8 @@ def work(vllm_work: tuple[Path, dict[str, Any]]) -> Path:
 
 @pytest.fixture(scope="module")
 def dflash(work: Path) -> dict[str, Any]:
-    return run_scenario("family", work, "dflash", ",".join(LAYOUTS))
+    # drafts with every optional submodule DFlash can have: own embeddings and lm_head, a reduced vocabulary + d2t
+    return run_scenario("family", work, "dflash", ",".join(LAYOUTS), "dflashS")
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +199,59 @@ def test_laguna_trainer_path_on_a_live_engine(laguna: dict[str, Any], path: str)
     assert draft["state"] == GRAPH_CAPTURED and all(v["ok"] for v in per_backbone(run["verify"][0]).values())
     assert set(draft["derived"]) == {"_kv_weights", "_input_layernorm_weights", "_k_norm_weights",
                                      "_rope_cos_sin_cache"}
+
+
+# ---- optional submodules: the structure the cold load decided, kept through every path --------------------------
+OPTIONAL = {"dflash": {"embed_tokens": True, "lm_head": True, "d2t": True},
+            "laguna_dflash": {"embed_tokens": True, "lm_head": True}}
+ENGINE_CASES = [("dflash", layout) for layout in LAYOUTS] + [("laguna_dflash", "cpu")]
+
+
+@pytest.fixture(scope="module")
+def engines(dflash: dict[str, Any], laguna: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {"dflash": dflash, "laguna_dflash": laguna}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("fam", "layout"), ENGINE_CASES)
+def test_optional_submodules_keep_the_cold_structure_on_a_live_engine(
+        engines: dict[str, dict[str, Any]], fam: str, layout: str, path: str) -> None:
+    """Drafts with their own embeddings and lm_head (DFlash: a reduced vocabulary with its d2t map too): after
+    every trainer path, bucketed, one tensor per call (each in its own bucket), plain, the optional tensors last
+    (`buckets_later_layers_first` sends them with the rest), the structure is the cold load's, their tensors
+    equal a cold engine on that draft and keep the pinned storage."""
+    res = engines[fam][layout]
+    cold = res["cold_A"]["structure"]
+    assert cold["frozen"] == OPTIONAL[fam] and cold["holds"] == OPTIONAL[fam]  # own copies, not the target's
+    assert res["cold_A"]["structure"]["digests"] != res["cold_B"]["structure"]["digests"]
+    run = run_of(res, path)
+    ok(run["result"])
+    s = run["structure"]
+    assert (s["frozen"], s["holds"]) == (cold["frozen"], cold["holds"])
+    assert s["digests"] == res[f"cold_{run['draft']}"]["structure"]["digests"]  # equal a cold engine's
+    assert s["storage"] == cold["storage"]  # the pinned storage of every optional tensor
+    assert all(v["ok"] and v["checked"] for v in run["verify"][0].values() if isinstance(v, dict))  # per backbone
+
+
+@pytest.mark.parametrize(("fam", "layout"), ENGINE_CASES)
+def test_a_payload_without_the_optional_submodules_is_refused_and_keeps_them(
+        engines: dict[str, dict[str, Any]], fam: str, layout: str) -> None:
+    """The plugin's reload_draft_weights leaving out embed_tokens, lm_head (and d2t): finalize names them, the
+    draft is quarantined with its structure, their values (those written before) and their storage kept; the
+    next complete reload (the unfinished-write check after it) serves again."""
+    res = engines[fam][layout]
+    left = res["optional_left_out"]
+    assert not left["reload"]["ok"] and left["reload"]["error"] == "LayersNotReadyError"
+    for name in ("embed_tokens.weight", "lm_head.weight", *(("draft_id_to_target_id",) if fam == "dflash" else ())):
+        assert name in left["reload"]["message"]
+    assert draft_of(left["states"])["state"] == LifecycleState.QUARANTINED.value
+    s, before = left["structure"], res["partial"]["structure"]
+    assert (s["frozen"], s["holds"], s["storage"]) == (before["frozen"], before["holds"], before["storage"])
+    assert s["digests"] == before["digests"] != res["cold_B"]["structure"]["digests"]  # kept, not draft B's
+    assert left["fused_path"]["error"] == "QuarantinedError"
+    u = res["unfinished"]
+    assert u["structure"]["digests"] == res[f"cold_{u['draft']}"]["structure"]["digests"]
+    assert u["structure"]["storage"] == res["cold_A"]["structure"]["storage"]
 
 
 # ---- tensor parallelism: every path on two ranks -----------------------------------------------------------------

@@ -18,7 +18,7 @@ import os
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,8 @@ import torch
 from lifecycle.loading import write_checkpoint
 from lifecycle.vllm.tiny import ENGINE_ENV, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB
 
-__all__ = ["CASES", "DraftCase", "build", "build_target", "gpu_weight_layout", "make_draft", "setup",
-           "share_target"]
+__all__ = ["CASES", "HEAD", "STRUCTURE", "DraftCase", "build", "build_target", "gpu_weight_layout", "make_draft",
+           "setup", "share_target"]
 
 ENV = {**ENGINE_ENV, "VLLM_KIMI_K3_GEMM_AR": "0"}
 
@@ -53,6 +53,11 @@ class DraftCase:
     cpu_fixups: tuple[str, ...] = ()  # module name suffixes whose linear must not be repacked on CPU (K3's MLA)
     engine: bool = False  # the CPU build starts an engine with it
     extra: dict[str, Any] = field(default_factory=dict)  # speculative_config extras
+
+    def with_structure(self) -> DraftCase:
+        """The same family with every optional submodule it can have (`STRUCTURE`): a confidence head, its own
+        embeddings and lm_head, a reduced output vocabulary with its d2t map."""
+        return replace(self, config={**self.config, **STRUCTURE[self.family]}, drop=())
 
 
 def _split_fused(name: str, t: torch.Tensor, model: Any) -> list[tuple[str, torch.Tensor]]:
@@ -106,6 +111,17 @@ CASES: dict[str, DraftCase] = {
         "target_layer_ids": [0, 1], "markov_rank": 16, "block_size": 4, "tie_word_embeddings": False,
         "first_k_dense_replace": 2, "n_routed_experts": 0,
     }, _split_fused, cpu_fixups=("kv_b_proj",)),
+}
+
+
+#: Per family, the config that gives a draft every optional submodule the family has (besides its own embeddings
+#: and lm_head, which only depend on the checkpoint carrying them): a confidence head, a reduced output vocabulary
+#: (half the target's, mapped by d2t).
+HEAD = {"enable_confidence_head": True, "confidence_head_with_markov": True}
+_REDUCED = {"draft_vocab_size": VOCAB // 2}
+STRUCTURE: dict[str, dict[str, Any]] = {
+    "dflash": _REDUCED, "dflash2": _REDUCED, "laguna_dflash": {}, "qwen3_dspark": {**HEAD, **_REDUCED},
+    "gemma4_dspark": HEAD, "kimi_k3_dspark": HEAD,
 }
 
 
@@ -218,12 +234,17 @@ def build_target(target_dir: Path | None = None) -> Any:
 
 
 def share_target(draft: Any, target: Any) -> None:
-    """As vLLM's proposer does: a draft without its own embeddings / lm_head uses the target's modules."""
+    """As vLLM's proposer does: a draft without its own embeddings / lm_head (its first load carried none) uses
+    the target's modules."""
+    structure = draft.__dict__.get("_lifecycle_structure")
+    own = structure.frozen if structure is not None else {  # stock vLLM: the flags its load_weights set
+        "embed_tokens": getattr(draft, "has_own_embed_tokens", False),
+        "lm_head": getattr(draft, "has_own_lm_head", False)}
     inner = draft.model
-    if hasattr(inner, "embed_tokens"):
+    if hasattr(inner, "embed_tokens") and not own.get("embed_tokens"):
         del inner.embed_tokens
         inner.embed_tokens = target.model.embed_tokens
-    if hasattr(draft, "lm_head"):
+    if hasattr(draft, "lm_head") and not own.get("lm_head"):
         del draft.lm_head
         draft.lm_head = target.lm_head
 
@@ -239,10 +260,14 @@ def make_draft(case: DraftCase, folder: Path, seed: int, target_dir: Path | None
     g = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        if not name.startswith("model.") and not name.startswith(case.drop):
-            continue
         rel = name.removeprefix("model.")
-        if rel.startswith(case.drop) or not p.dtype.is_floating_point:
+        if rel.startswith(case.drop) or name.startswith(case.drop):
+            continue
+        if rel == "draft_id_to_target_id":  # trainers save it as d2t: target id - draft id, for sorted target ids
+            ids = torch.randperm(VOCAB, generator=g)[:p.shape[0]].sort().values
+            tensors["d2t"] = ids - torch.arange(p.shape[0])
+            continue
+        if not p.dtype.is_floating_point:
             continue
         for ck, t in (case.split or (lambda n, x, m: [(n, x)]))(name, _random_like(p, g), model):
             tensors[ck.removeprefix("model.")] = t.contiguous()

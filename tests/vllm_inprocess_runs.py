@@ -6,12 +6,14 @@ family the CPU build cannot start an engine with, vLLM's own classes, loader and
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from vllm_inprocess import (
     CASES,
+    HEAD,
     DraftCase,
     backbone,
     build,
@@ -27,6 +29,7 @@ from vllm_inprocess import (
     vllm_builder_values,
     weight_digests,
 )
+from vllm_structure_runs import frozen_absent, optional_runs, structure_of
 from vllm_trainer_paths import DRAFT_PATHS, PATHS, attempt, buckets, read, write_draft
 
 __all__ = ["INPROCESS_FAMILIES", "make_checkpoints", "run_inprocess"]
@@ -35,16 +38,21 @@ INPROCESS_FAMILIES = "qwen3_dspark,gemma4_dspark,dflash2,kimi_k3_dspark"
 
 
 def make_checkpoints(work: Path) -> None:
-    """The tiny target, DFlash drafts A and B (lifecycle.vllm.tiny) and every other family's drafts A and B."""
+    """The tiny target; DFlash drafts A and B without optional submodules (lifecycle.vllm.tiny) and with every one
+    (`dflashSA`, `dflashSB`); every other family's drafts A and B with every optional submodule it can have
+    (`DraftCase.with_structure`); Qwen3 DSpark drafts with a confidence head only (`qwen3_dspark0A`, `...0B`)."""
     from lifecycle.vllm.tiny import make_dflash_draft, make_target
 
     make_target(work / "target")
     make_dflash_draft(work / "dflashA", seed=1)
     make_dflash_draft(work / "dflashB", seed=2)
     for name, case in CASES.items():
-        if name != "dflash":
-            for which, seed in (("A", 1), ("B", 2)):
-                make_draft(case, _draft_dir(work, case, which), seed, work / "target")
+        for which, seed in (("A", 1), ("B", 2)):
+            folder = work / f"dflashS{which}" if name == "dflash" else _draft_dir(work, case, which)
+            make_draft(case.with_structure(), folder, seed, work / "target")
+            if name == "qwen3_dspark":
+                make_draft(replace(case, config={**case.config, **HEAD}), work / f"qwen3_dspark0{which}", seed,
+                           work / "target")
 
 
 def run_inprocess(work: Path, families: str = INPROCESS_FAMILIES, layouts: str = "cpu,gpu") -> dict[str, Any]:
@@ -56,11 +64,12 @@ def run_inprocess(work: Path, families: str = INPROCESS_FAMILIES, layouts: str =
         out[fam] = {}
         for name in layouts.split(","):
             with gpu_weight_layout() if name == "gpu" else nullcontext():
-                out[fam][name] = attempt(lambda c=CASES[fam], n=name: _family(c, work, n))
+                out[fam][name] = attempt(lambda f=fam, n=name: _family(CASES[f].with_structure(), work, n))
     out["runner_lookup"] = attempt(lambda: _runner_lookup(work))
+    out["frozen_absent"] = attempt(lambda: frozen_absent(work))
     # last: a stock reload that fails half way leaves vLLM's shared modules (the cached RoPE) on META
     for fam in families.split(","):
-        out[fam]["stock"] = attempt(lambda c=CASES[fam]: _stock_bucketed_reload(c, work))
+        out[fam]["stock"] = attempt(lambda f=fam: _stock_bucketed_reload(CASES[f].with_structure(), work))
     return out
 
 
@@ -79,7 +88,8 @@ def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
     b = backbone(warm)
     lc = b.lifecycle
     res: dict[str, Any] = {"cold_state": lc.state.value, "layout": _qkv_shape(warm),
-                           "refs_differ": ref["A"]["derived"] != ref["B"]["derived"]}
+                           "refs_differ": ref["A"]["derived"] != ref["B"]["derived"],
+                           "cold_structure": structure_of(warm)}
     if layout == "gpu":
         res["same_as_vllm_builder"] = _same_as_vllm_builder(warm)
     res["pinned"] = b.capture_graphs()
@@ -96,6 +106,7 @@ def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
         cur = dest
     res["runs"] = runs
     res["unfinished"] = _unfinished(warm, work, case, ref, pinned)
+    res["optional"] = optional_runs(warm, work, case.family, ref, pinned, res["unfinished"]["draft"], _observe)
     return res
 
 
@@ -103,7 +114,7 @@ def _observe(model: Any, ref: dict[str, Any], pinned: dict[str, Any]) -> dict[st
     b = backbone(model)
     lc = b.lifecycle
     derived, weights = derived_digests(model), weight_digests(model)
-    return {"state": lc.state.value, "epoch": lc.epoch,
+    return {"state": lc.state.value, "epoch": lc.epoch, "structure": structure_of(model),
             "derived_differ": sorted(n for n in derived if derived[n] != ref["derived"].get(n)),
             "weights_differ": sorted(n for n in weights if weights[n] != ref["weights"].get(n)),
             "moved": sorted(n for n, ident in identities(model).items() if pinned.get(n) != ident),
@@ -151,8 +162,10 @@ def _same_as_vllm_builder(model: Any) -> dict[str, bool]:
 
 
 def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
-    """vLLM's own class (no lifecycle), reloaded A -> B in buckets, later layers first, through vLLM's layerwise
-    reload: what happens to its derived state."""
+    """vLLM's own class (no lifecycle), reloaded A -> B in buckets, later layers first (the optional modules come
+    with the rest, last), through vLLM's layerwise reload: what happens to its derived state and its structure.
+    Then the same buckets as plain `load_weights` calls on the GPU layout (no META placeholders in the way):
+    what vLLM's per-call decisions do on their own."""
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     stock = build(case, _draft_dir(work, case, "A"), work / "target", stock=True)
@@ -168,7 +181,15 @@ def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
             finalize_layerwise_reload(stock, draft_config)  # puts back what the failed reload left on META
         return len(calls)
 
-    out: dict[str, Any] = {"reload": attempt(reload)}
+    out: dict[str, Any] = {"reload": attempt(reload), "confidence_head": _has_confidence_head(stock)}
+    with gpu_weight_layout():
+        plain = build(case, _draft_dir(work, case, "A"), work / "target", stock=True)
+        calls = buckets(read(_draft_dir(work, case, "B")), "buckets_later_layers_first")
+        before = _stock_buffer_ptrs(plain, case.family)
+        out["plain_gpu"] = {"reload": attempt(lambda: [plain.load_weights(bucket) for bucket in calls] and None),
+                            "confidence_head": _has_confidence_head(plain)}
+        after = _stock_buffer_ptrs(plain, case.family)
+        out["plain_gpu"]["moved"] = sorted(n for n, p in after.items() if before.get(n) != p)
     if case.family == "kimi_k3_dspark":  # built once after the cold load, never rebuilt: compare with B's norms
         from vllm_trainer_paths import read as read_tensors
 
@@ -177,6 +198,21 @@ def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
         expected = torch.stack([tb[f"layers.{i}.self_attn.kv_a_layernorm.weight"] for i in range(n)])
         out["norms_equal_B"] = bool(torch.equal(stock.model._context_kv_norm_weights, expected))
     return out
+
+
+def _stock_buffer_ptrs(model: Any, fam: str) -> dict[str, int]:
+    """Where stock vLLM's builder keeps each tensor the family derives (its declared buffers), now."""
+    from lifecycle.vllm.families import family
+
+    return {s.name: t.data_ptr() for s in family(fam).derived()
+            if isinstance(t := getattr(model.model, s.name, None), torch.Tensor)}
+
+
+def _has_confidence_head(model: Any) -> bool | None:
+    """Whether the draft still has its confidence head (None: the family builds none for this config)."""
+    if not hasattr(model.model, "confidence_head"):
+        return None
+    return model.model.confidence_head is not None
 
 
 def _runner_lookup(work: Path) -> dict[str, Any]:

@@ -107,7 +107,27 @@ def _layout_probe(worker: Any) -> list[int]:
 
 
 def _observe(llm: Any) -> dict[str, Any]:
-    return {"generate": attempt(lambda: _generate(llm)), **_lifecycle(llm)}
+    return {"generate": attempt(lambda: _generate(llm)), **_lifecycle(llm),
+            "structure": llm.collective_rpc(_structure_probe)[0]}
+
+
+def _structure_probe(worker: Any) -> dict[str, Any]:
+    """The draft's optional submodules: what its first load froze, what it holds now, the storage and sha256 of
+    their tensors (each one the lifecycle tracks)."""
+    from vllm_inprocess import digest
+
+    from lifecycle.vllm.drafts import backbones_in
+    from lifecycle.vllm.structure import observe
+    from lifecycle.vllm.worker import draft_model_of
+
+    draft = draft_model_of(worker.model_runner)
+    (b,) = backbones_in(draft)
+    structure = draft.__dict__["_lifecycle_structure"]
+    live = observe(draft)
+    return {"frozen": b.lifecycle.structure, "holds": {m: v["present"] for m, v in live.items()},
+            "storage": {n: p for v in live.values() for n, p in v["tensors"].items()},
+            "digests": {n: digest(b.live_tensor(n)) for m in structure.modules for n in structure.names_of(m)
+                        if n in b.lifecycle.specs}}
 
 
 def _lifecycle(llm: Any) -> dict[str, Any]:
@@ -115,7 +135,7 @@ def _lifecycle(llm: Any) -> dict[str, Any]:
             (("states", "states"), ("digests", "derived_digests"), ("verify", "verify"))}
 
 
-def _paths(llm: Any, work: Path, family: str, start: str = "A") -> list[dict[str, Any]]:
+def _paths(llm: Any, work: Path, drafts: str, start: str = "A") -> list[dict[str, Any]]:
     """Every trainer path in turn, alternating the draft A -> B -> A ..., observed after each."""
     from vllm_trainer_paths import DRAFT_PATHS, PATHS, run_in_worker
 
@@ -123,37 +143,42 @@ def _paths(llm: Any, work: Path, family: str, start: str = "A") -> list[dict[str
     for path in PATHS:
         dest = {"A": "B", "B": "A"}[cur] if path in DRAFT_PATHS else cur
         result = attempt(lambda p=path, d=dest: llm.collective_rpc(
-            run_in_worker, args=(p, str(work / f"{family}{d}"), str(work / "target"))))
+            run_in_worker, args=(p, str(work / f"{drafts}{d}"), str(work / "target"))))
         runs.append({"path": path, "draft": dest, "result": result, **_observe(llm)})
         cur = dest
     return runs
 
 
-def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu") -> dict[str, Any]:
+def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu", drafts: str = "") -> dict[str, Any]:
     """For each weight layout: a cold engine on draft B (the reference), then a cold engine on draft A, pinned,
-    that runs every trainer path (alternating A <-> B), and a plain load_weights that is never finished."""
+    that runs every trainer path (alternating A <-> B), an incomplete payload, one without the optional
+    submodules, and a plain load_weights that is never finished. `drafts`: the checkpoints' folder prefix
+    (`{drafts}A`, `{drafts}B`; the family's name by default)."""
     from vllm_inprocess import CASES
 
     from lifecycle.events import configure_audit
 
     method = CASES[family].method
+    drafts = drafts or family
     out: dict[str, Any] = {}
     names = layouts.split(",")
     for name in names:
         with layout(name):
             configure_audit(console=False)
-            llm = _engine(work, f"{family}B", method=method)
+            llm = _engine(work, f"{drafts}B", method=method)
             cold_b = _observe(llm)
             _shutdown(llm)
             # one audit log per pinned engine: the auditor replays one lifecycle per (rank, backbone)
             configure_audit(json_path=work / f"audit-{family}-{name}.jsonl", console=False)
-            llm = _engine(work, f"{family}A", method=method)
+            llm = _engine(work, f"{drafts}A", method=method)
             res: dict[str, Any] = {"cold_B": cold_b, "cold_A": _observe(llm),
                                    "layout": llm.collective_rpc(_layout_probe)[0],
                                    "pinned": llm.collective_rpc("lifecycle_pin")}
-            res["runs"] = _paths(llm, work, family)
-            res["partial"] = _partial(llm, work, family)
-            res["unfinished"] = _unfinished(llm, work, family, res["runs"][-1]["draft"], last=name == names[-1])
+            res["runs"] = _paths(llm, work, drafts)
+            res["partial"] = _partial(llm, work, drafts)
+            # B: the partial payload above wrote draft A's optional tensors, so keeping them is visible
+            res["optional_left_out"] = _optional_left_out(llm, work, drafts, "B")
+            res["unfinished"] = _unfinished(llm, work, drafts, res["runs"][-1]["draft"], last=name == names[-1])
             if name != names[-1]:
                 _shutdown(llm)
         out[name] = res
@@ -166,6 +191,19 @@ def _partial(llm: Any, work: Path, family: str) -> dict[str, Any]:
     out = {"reload": attempt(lambda: llm.collective_rpc("reload_draft_weights", args=(str(work / f"{family}A"),),
                                                       kwargs={"bucket_size": 4, "exclude_prefixes": ["layers.1."]}))}
     out.update(_lifecycle(llm))
+    out["structure"] = llm.collective_rpc(_structure_probe)[0]
+    out["fused_path"] = attempt(lambda: llm.collective_rpc(_require_usable))
+    return out
+
+
+def _optional_left_out(llm: Any, work: Path, drafts: str, dest: str) -> dict[str, Any]:
+    """A draft payload without the optional submodules (embeddings, lm_head, d2t), through the plugin's
+    reload_draft_weights RPC: the draft is quarantined naming them, and keeps its structure and their values."""
+    out = {"draft": dest, "reload": attempt(lambda: llm.collective_rpc(
+        "reload_draft_weights", args=(str(work / f"{drafts}{dest}"),),
+        kwargs={"bucket_size": 4, "exclude_prefixes": ["embed_tokens.", "lm_head.", "d2t"]}))}
+    out.update(_lifecycle(llm))
+    out["structure"] = llm.collective_rpc(_structure_probe)[0]
     out["fused_path"] = attempt(lambda: llm.collective_rpc(_require_usable))
     return out
 

@@ -22,8 +22,8 @@ DISABLE_HINT = ("disable the plugin with VLLM_PLUGINS set to the comma-separated
                 "`reload_lifecycle` (an empty value loads none), or uninstall reload-lifecycle")
 
 # kinds of requirement
-MODULE, NAME, METHOD, ATTRIBUTE, SETS, READS, SETS_ONLY = (
-    "module", "name", "method", "attribute", "builder sets", "builder reads", "builder sets only")
+MODULE, NAME, METHOD, ATTRIBUTE, SETS, READS, SETS_ONLY, RAISES = (
+    "module", "name", "method", "attribute", "builder sets", "builder reads", "builder sets only", "raises")
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,13 @@ class Requirement:
     name: str  # "function", "Class", "Class.attribute"
     user: str
     builders: tuple[str, ...] = ()  # for the builder kinds: the methods whose effects are checked
+    text: str = ""  # RAISES: the message the method's source must hold
 
     def __str__(self) -> str:
         where = f"{self.module}.{self.name}" if self.name else self.module
         via = f" (in {', '.join(self.builders)})" if self.builders else ""
-        return f"{where}: {self.kind}{via}, used by {self.user}"
+        what = f" {self.text!r}" if self.text else ""
+        return f"{where}: {self.kind}{what}{via}, used by {self.user}"
 
 
 def series_tuple(version: str) -> tuple[int, int] | None:
@@ -74,6 +76,20 @@ def requirements(version: str | None = None) -> list[Requirement]:
         reqs += [Requirement(SETS, fam.module, f"{fam.inner}.{a}", who, fam.builders) for a in sorted(fam.sets)]
         reqs += [Requirement(READS, fam.module, f"{fam.inner}.{a}", who, fam.builders) for a in sorted(fam.reads)]
         reqs.append(Requirement(SETS_ONLY, fam.module, fam.inner, who, fam.builders))
+        reqs += _structure_requirements(fam, who)
+    return reqs
+
+
+def _structure_requirements(fam: VLLMDraftFamily, who: str) -> list[Requirement]:
+    """What the frozen structure (`structure.py`) relies on: each optional submodule's attribute, each per-call
+    check's message in the ForCausalLM's `load_weights`, and the attributes that load_weights reads for them."""
+    inner_prefix = f"{fam.inner_model_attr}."
+    reqs = [Requirement(ATTRIBUTE, fam.module, f"{fam.inner}.{m.path.removeprefix(inner_prefix)}"
+                        if m.path.startswith(inner_prefix) else f"{fam.causal_lm}.{m.path}", who)
+            for m in fam.optional]
+    load = f"{fam.causal_lm}.load_weights"
+    reqs += [Requirement(RAISES, fam.module, load, who, text=c.message) for c in fam.checks]
+    reqs += [Requirement(READS, fam.module, f"{fam.causal_lm}.{a}", who, ("load_weights",)) for a in fam.check_reads]
     return reqs
 
 
@@ -114,6 +130,11 @@ def _problem(index: SourceIndex, r: Requirement, fam: VLLMDraftFamily | None) ->
         return f"class {cls_name} not found"
     if r.kind == METHOD:
         return None if index.method(cls, attr) is not None else "method not found"
+    if r.kind == RAISES:
+        found = index.method(cls, attr)
+        if found is None:
+            return "method not found"
+        return None if r.text in index.strings(found[1]) else f"no longer says {r.text!r}"
     if r.kind in (ATTRIBUTE, NAME):
         return None if index.has_attribute(cls, attr) else "attribute not found"
     if any(index.method(cls, b) is None for b in r.builders):

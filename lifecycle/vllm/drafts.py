@@ -145,8 +145,13 @@ class LifecycleDraftModel(DraftBackbone):
     def before_write(self) -> None:
         """A `load_weights` call is about to write. After a completed load (and outside a reload vLLM began),
         that write begins a reload epoch, audited, and starts vLLM's layerwise reload on the modules holding the
-        draft's own checkpoint tensors (not on those it shares with the target, which keeps serving meanwhile)."""
+        draft's own checkpoint tensors (not on those it shares with the target, which keeps serving meanwhile).
+        A call the frozen structure refused (`structure.admit`) raises here, before anything is written."""
+        refusal = self.__dict__.pop("_structure_refusal", None)
         lc = self.lifecycle
+        if refusal is not None:
+            lc.record_refusal("weights_loaded", refusal)
+            raise refusal
         if not (lc.usable or lc.quarantined):
             return
         lc.audit_event("implicit_reload", cause=IMPLICIT_CAUSE, from_state=lc.state.value)
@@ -156,10 +161,11 @@ class LifecycleDraftModel(DraftBackbone):
             initialize(module)
 
     def after_write(self) -> None:
-        # the cold load writes every tracked parameter in place, in one load_weights call
+        # the cold load writes every tracked parameter in place, in one load_weights call (an optional module's
+        # only if the call carried it)
         lc = self.lifecycle
         if lc.epoch == 0 and lc.awaiting_weights:
-            lc.weights_loaded([n for n in lc.specs if not n.endswith(SHADOW)])
+            lc.weights_loaded(self._structure.loaded_at_cold(n for n in lc.specs if not n.endswith(SHADOW)))
 
     def on_cold_load_processed(self) -> None:
         lc = self.lifecycle
@@ -194,6 +200,93 @@ class LifecycleDraftModel(DraftBackbone):
             if lc.can("abort_reload"):
                 lc.abort_reload(f"{type(e).__name__}: {getattr(e, 'reason', e)}")
             raise
+
+    # ---- the frozen structure (`structure.py`): optional submodules decided by the first load --------------------
+    @property
+    def _structure(self) -> Any:
+        return self.__dict__["_structure"]
+
+    def init_lifecycle(self, name: str | None = None, **kwargs: Any) -> Any:
+        """Track the optional modules' tensors too (those outside this module through slots), until the first
+        load decides which exist."""
+        structure = self._structure
+        kwargs["tensors"] = {**(kwargs.get("tensors") or {}), **structure.tensors()}
+        return super().init_lifecycle(name, slots=structure.outer_slots(), **kwargs)
+
+    def claim_structure(self) -> None:
+        """Claim the tracked optional tensors like the layers' (`MODULE_OWNERS`, guarded processing, the modules
+        an implicit reload hands to vLLM's layerwise reload); run again once the first load froze the structure,
+        which releases the absent ones."""
+        structure, specs = self._structure, self.lifecycle.specs
+        roots: list[nn.Module] = self.__dict__["_own_roots"]
+        for module in structure.modules:
+            for name, owner, _ in structure.slots[module]:
+                entry = MODULE_OWNERS.get(owner)
+                names = [n for n in (entry[1] if entry else []) if n != name] + ([name] if name in specs else [])
+                if names:
+                    MODULE_OWNERS[owner] = (self, names)
+                    if entry is None:  # not claimed with the layers: process it as they are
+                        _guard_processing(self, owner, None)
+                elif entry is not None:
+                    del MODULE_OWNERS[owner]
+                # roots: never a module holding this backbone (the ForCausalLM, which holds d2t)
+                if names and owner not in roots and not any(m is self for m in owner.modules()) \
+                        and not any(owner in r.modules() for r in roots):
+                    roots.append(owner)
+        roots[:] = [r for r in roots if any(m in MODULE_OWNERS for m in r.modules())]
+
+    def begin_reload(self) -> int:
+        """Begin a reload epoch; optional modules the draft shares with the target since its load (the proposer
+        replaced an own copy equal to the target's) are kept: a reload may not write them."""
+        epoch = super().begin_reload()
+        shared = self._structure.shared_now()
+        if shared:
+            self.weights_unchanged(n for m in sorted(shared) for n in self._structure.names_of(m))
+        return epoch
+
+    def finalize_loading(self, *, keep_untouched: bool = False) -> list[str]:
+        """Before a load finishes: the first load freezes the structure; every load runs vLLM's whole-checkpoint
+        checks once, over what it wrote and kept."""
+        structure = self._structure
+        if structure.frozen is None and self.lifecycle.can("weights_loaded"):
+            structure.freeze(self)
+            self.claim_structure()
+        structure.validate(self.lifecycle, keep_untouched=keep_untouched)
+        return super().finalize_loading(keep_untouched=keep_untouched)
+
+    def note_carried(self, modules: Iterable[str]) -> None:
+        """After a later call: the optional tensors it carried count as loaded once off META (d2t sits on the
+        ForCausalLM, outside the layers an implicit reload hands to vLLM's layerwise reload, which reports the
+        rest as each layer completes)."""
+        lc = self.lifecycle
+        if not (lc.in_reload and lc.can("weights_loaded")):
+            return
+        names = [n for m in modules for n in self._structure.names_of(m)
+                 if n in lc.specs and (t := self.live_tensor(n)) is not None and not t.is_meta]
+        if names:
+            lc.weights_loaded(names)
+
+
+def _structure_preserving(load: Any) -> Any:
+    """Wrap a draft class's `load_weights`: its tensors pass the frozen structure first (`structure.admit`; a
+    refusal is raised by the backbone's `before_write`, so a call inside a reload fails like any bad bucket);
+    vLLM's per-call decisions and checks are neutralized around the call (`structure.within_call`)."""
+
+    def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        structure = self.__dict__["_lifecycle_structure"]
+        backbones = backbones_in(self)
+        weights, refusal = structure.admit(weights, backbones[0].lifecycle if backbones else None)
+        for b in backbones:
+            if refusal is not None:
+                b.__dict__["_structure_refusal"] = refusal
+        with structure.within_call():
+            result = load(self, weights)
+        carried = structure.carried(weights)
+        for b in backbones:
+            b.note_carried(carried)
+        return result
+
+    return load_weights
 
 
 def _guard_processing(backbone: LifecycleDraftModel, module: nn.Module,
@@ -268,7 +361,11 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
         self._lifecycle_model_config = getattr(spec, "draft_model_config", None) or vllm_config.model_config
         inner = getattr(self, family.inner_model_attr)
         inner.__class__ = _inner_class(family, type(inner))
+        from .structure import DraftStructure
+
+        inner.__dict__["_structure"] = self.__dict__["_lifecycle_structure"] = DraftStructure(self, inner, family)
         inner.enable_lifecycle(name=f"{family.name}-draft", rank=_rank())
+        inner.claim_structure()
 
     def load_weights(self: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         backbones = backbones_in(self)
@@ -304,6 +401,7 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
         "__init__": __init__, "load_weights": load_weights,
         "process_weights_after_loading": process_weights_after_loading,
         "__module__": __name__, "lifecycle_family": family.name})
+    cls.load_weights = _structure_preserving(cls.load_weights)  # type: ignore[attr-defined]
     _CLASSES[family.name] = cls
     return cls
 

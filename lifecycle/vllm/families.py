@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,7 +18,8 @@ from torch import nn
 
 from ..derived import DerivedSpec, alias, concat, custom, stack
 
-__all__ = ["FAMILIES", "SHADOW", "Read", "Shadow", "VLLMDraftFamily", "family"]
+__all__ = ["FAMILIES", "SHADOW", "OptionalModule", "Read", "Shadow", "VLLMDraftFamily", "WholeCheckpointCheck",
+           "family"]
 
 #: The per-layer buffer holding a source's rows in checkpoint layout, captured before post-processing.
 SHADOW = "ckpt_kv_weight"
@@ -64,6 +65,36 @@ KV_ROWS = Shadow("qkv_proj", lambda attn: slice(attn.q_size, None), ("q_size",))
 
 
 @dataclass(frozen=True)
+class OptionalModule:
+    """A submodule a draft may or may not have, whose presence vLLM's `load_weights` reads off the tensors of
+    the CURRENT call (`structure.py` decides it once, at the first load, and freezes it)."""
+
+    name: str  # what the structure calls it: confidence_head, embed_tokens, lm_head, d2t
+    marker: str  # vLLM's test on a checkpoint name: `marker in name`
+    path: str  # attribute path from the ForCausalLM (`model.` = the inner model)
+    dropped_per_call: bool = False  # vLLM sets it to None in a call that lacks its tensors
+    shareable: bool = False  # vLLM's proposer may replace it with the target's module after the load
+
+
+@dataclass(frozen=True)
+class WholeCheckpointCheck:
+    """A validation vLLM's `load_weights` runs on every call that only a whole checkpoint can pass: run once
+    per reload epoch at finalize instead (over what the epoch wrote plus what it kept), with vLLM's message."""
+
+    message: str  # vLLM's text, word for word (the capability check finds it in vLLM's load_weights)
+    needs: str  # the optional module the checkpoint must include
+    applies: Callable[[nn.Module], bool]  # on the ForCausalLM: does the rule hold for this draft?
+
+
+CONFIDENCE_HEAD = OptionalModule("confidence_head", "confidence_head", "model.confidence_head")
+CONFIDENCE_HEAD_DROPPED = OptionalModule("confidence_head", "confidence_head", "model.confidence_head",
+                                         dropped_per_call=True)
+EMBED_TOKENS = OptionalModule("embed_tokens", "embed_tokens", "model.embed_tokens", shareable=True)
+LM_HEAD = OptionalModule("lm_head", "lm_head", "lm_head", shareable=True)
+D2T = OptionalModule("d2t", "d2t", "draft_id_to_target_id")
+
+
+@dataclass(frozen=True)
 class VLLMDraftFamily:
     """One vLLM draft family: where its classes live and what their builders derive."""
 
@@ -76,6 +107,13 @@ class VLLMDraftFamily:
     derived: Callable[[], tuple[DerivedSpec, ...]]
     metadata: Mapping[str, Read]  # the non-tensor precompute attributes the builders set
     shadow: Shadow | None = None  # a source post-processing may repack; None: every source stays readable
+    # what its load_weights decides per call (`structure.py`; set per family in `_STRUCTURE` below):
+    optional: tuple[OptionalModule, ...] = ()  # submodules whose presence vLLM decides from the call's tensors
+    checks: tuple[WholeCheckpointCheck, ...] = ()  # vLLM's per-call validations that need a whole checkpoint
+    # what the ForCausalLM shows vLLM's load_weights during a call, so its per-call `checks` pass (they run once
+    # per epoch at finalize); None: vLLM's checks cannot be suspended (they read the call's names)
+    check_view: Callable[[nn.Module], Mapping[str, Any]] | None = None
+    check_reads: tuple[str, ...] = ()  # the attribute names vLLM's load_weights reads for its checks
     since: str = "0.32"  # the first vLLM release series that has this family
     inner_model_attr: str = "model"
     untracked_prefixes: tuple[str, ...] = ("embed_tokens.", "mask_embedding", "lm_head.")
@@ -212,6 +250,37 @@ _MUSE_METADATA: dict[str, Read] = {
 }
 
 _DFLASH_BUILDER = ("_build_fused_kv_buffers",)
+_EAGLE_HEADS = (EMBED_TOKENS, LM_HEAD)  # process_eagle_weight: has_own_* set by the names of each call
+
+
+def _reduced_vocab(m: nn.Module) -> bool:
+    return m.config.draft_vocab_size < m.target_vocab_size
+
+
+class _VocabView:
+    """The draft's config as vLLM's Qwen3 DSpark `load_weights` sees it during one call: input and output
+    vocabularies equal to the target's, so its per-call vocabulary checks pass (they run at finalize)."""
+
+    def __init__(self, config: Any, vocab: int) -> None:
+        self.__dict__.update(_config=config, vocab_size=vocab, draft_vocab_size=vocab)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_config"], name)
+
+
+_DSPARK_CHECKS = (
+    WholeCheckpointCheck("Qwen3 DSpark checkpoints whose input vocab_size is larger than the target vocabulary "
+                         "must include embed_tokens weights.", "embed_tokens",
+                         lambda m: m.config.vocab_size > m.target_vocab_size),
+    WholeCheckpointCheck("Reduced-vocabulary Qwen3 DSpark checkpoints must include lm_head weights; the full "
+                         "target lm_head cannot be shared.", "lm_head", _reduced_vocab),
+    WholeCheckpointCheck("Reduced-vocabulary Qwen3 DSpark checkpoints must include a d2t mapping so sampled draft "
+                         "ids can be converted to target ids.", "d2t", _reduced_vocab),
+)
+_MUSE_CHECKS = (  # vLLM tests the call's names, not an attribute: not suspended (see README)
+    WholeCheckpointCheck("Muse Spark DSpark requires its own lm_head", "lm_head", lambda m: True),
+    WholeCheckpointCheck("Muse Spark DSpark requires a d2t vocabulary mapping", "d2t", lambda m: True),
+)
 
 FAMILIES: tuple[VLLMDraftFamily, ...] = (
     VLLMDraftFamily("dflash", ("DFlashDraftModel", "DFlashMuseGlimmerAssistantModel", "MuseGlimmerAssistantModel"),
@@ -247,6 +316,23 @@ FAMILIES: tuple[VLLMDraftFamily, ...] = (
                                            ("q_size", "kv_size")), since="0.33",
                     notes=("vLLM's load_weights raises unless every call carries `lm_head` and `d2t`",)),
 )
+
+#: Per family, what its `load_weights` decides from the current call's tensors (read in both releases' sources):
+#: the optional submodules it builds or drops, and the checks only a whole checkpoint passes.
+_STRUCTURE: dict[str, dict[str, Any]] = {
+    "dflash": {"optional": (*_EAGLE_HEADS, D2T)},
+    "dflash2": {"optional": (*_EAGLE_HEADS, D2T)},
+    "qwen3_dspark": {"optional": (CONFIDENCE_HEAD_DROPPED, *_EAGLE_HEADS, D2T), "checks": _DSPARK_CHECKS,
+                     "check_view": lambda m: {"config": _VocabView(m.config, m.target_vocab_size)},
+                     "check_reads": ("vocab_size", "draft_vocab_size", "target_vocab_size")},
+    "gemma4_dspark": {"optional": (CONFIDENCE_HEAD_DROPPED, *_EAGLE_HEADS)},
+    "laguna_dflash": {"optional": _EAGLE_HEADS},
+    "kimi_k3_dspark": {"optional": (CONFIDENCE_HEAD,)},  # embeddings and lm_head: dropped by its mapper by design
+    "qwen3_xpress": {"optional": _EAGLE_HEADS},
+    "dflash2_beam": {"optional": _EAGLE_HEADS},  # never in its checkpoint: frozen absent, refused if sent
+    "muse_spark_dspark": {"optional": (CONFIDENCE_HEAD, LM_HEAD, D2T), "checks": _MUSE_CHECKS},
+}
+FAMILIES = tuple(replace(f, **_STRUCTURE.get(f.name, {})) for f in FAMILIES)
 
 
 def family(name: str) -> VLLMDraftFamily:

@@ -161,6 +161,11 @@ class SourceIndex:
                 return True
         return False
 
+    @staticmethod
+    def strings(fn: ast.AST) -> set[str]:
+        """Every string literal in a function (implicitly joined literals are one)."""
+        return {n.value for n in ast.walk(fn) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
     def builder_effects(self, cls: ClassRef, builders: tuple[str, ...]) -> tuple[set[str], set[str]]:
         """(attributes assigned on self, attribute names accessed) by `builders` and every method of the class
         they call on self (or through super()), as the class's MRO resolves them."""
