@@ -116,8 +116,9 @@ def shared_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def keep_shared_modules_live(model: nn.Module) -> list[str]:
     """Take the modules a draft shares with the target out of the draft's reload: otherwise the TARGET's
     tensors sit on META until finalize, and the engine cannot serve while a reload is open (between the calls of
-    a weight-transfer session, or after a trainer died mid-reload). Their own weight loaders stay in place, so a
-    payload that carries them still writes them, in place. Returns their names."""
+    a weight-transfer session, or after a trainer died mid-reload). A payload that carries tensors of them is refused
+    before anything is written (the draft's structure, frozen at cold load, shares them: `structure.py`), so the
+    target's weights are never written by a draft reload. Returns their names."""
     waiting = {id(m): info for m, info in _infos(model)}
     taken = []
     for name, module in shared_modules(model):
