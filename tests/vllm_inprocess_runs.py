@@ -185,11 +185,15 @@ def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
     with gpu_weight_layout():
         plain = build(case, _draft_dir(work, case, "A"), work / "target", stock=True)
         calls = buckets(read(_draft_dir(work, case, "B")), "buckets_later_layers_first")
-        before = _stock_buffer_ptrs(plain, case.family)
+        # The cold tensors are held so their storage stays allocated: a new allocation cannot reuse the address
+        # and pass for "in place".
+        before = _stock_buffers(plain, case.family)
         out["plain_gpu"] = {"reload": attempt(lambda: [plain.load_weights(bucket) for bucket in calls] and None),
                             "confidence_head": _has_confidence_head(plain)}
-        after = _stock_buffer_ptrs(plain, case.family)
-        out["plain_gpu"]["moved"] = sorted(n for n, p in after.items() if before.get(n) != p)
+        after = _stock_buffers(plain, case.family)
+        out["plain_gpu"]["moved"] = sorted(
+            n for n, t in after.items() if n not in before or before[n].data_ptr() != t.data_ptr())
+        del before, after
     if case.family == "kimi_k3_dspark":  # built once after the cold load, never rebuilt: compare with B's norms
         from vllm_trainer_paths import read as read_tensors
 
@@ -200,11 +204,11 @@ def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
     return out
 
 
-def _stock_buffer_ptrs(model: Any, fam: str) -> dict[str, int]:
-    """Where stock vLLM's builder keeps each tensor the family derives (its declared buffers), now."""
+def _stock_buffers(model: Any, fam: str) -> dict[str, torch.Tensor]:
+    """The tensors stock vLLM's builder holds for what the family derives (its declared buffers), now."""
     from lifecycle.vllm.families import family
 
-    return {s.name: t.data_ptr() for s in family(fam).derived()
+    return {s.name: t for s in family(fam).derived()
             if isinstance(t := getattr(model.model, s.name, None), torch.Tensor)}
 
 
