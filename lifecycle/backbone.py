@@ -50,10 +50,12 @@ class DraftBackbone(nn.Module):
     derived_buffers: ClassVar[tuple[DerivedSpec, ...]] = ()
 
     def init_lifecycle(self, name: str | None = None, *, rank: int = 0, locked: bool = False,
-                       tensors: Mapping[str, torch.Tensor] | None = None) -> BackboneLifecycle:
+                       tensors: Mapping[str, torch.Tensor] | None = None,
+                       slots: Mapping[str, tuple[nn.Module, str]] | None = None) -> BackboneLifecycle:
         """Register every derived buffer as an (empty) non-persistent buffer and build the state machine from
         the checkpoint tensors this module expects: its state_dict (parameters and persistent buffers), or
-        `tensors` when the caller knows better (vLLM drafts share their embeddings with the target)."""
+        `tensors` when the caller knows better (vLLM drafts share their embeddings with the target). `slots`:
+        name -> (module, attribute) of tracked tensors held outside this module (a vLLM draft's lm_head)."""
         # the class declares every buffer; this backbone keeps those its `enabled=` predicates accept
         self.derived_buffers = tuple(s for s in self.derived_buffers if s.is_enabled(self))
         for spec in self.derived_buffers:
@@ -68,6 +70,7 @@ class DraftBackbone(nn.Module):
             for mod_name, mod in self.named_modules(remove_duplicate=False)
             for leaf in (*mod._parameters, *mod._buffers)
         }
+        self._tensor_slots.update(slots or {})
         # the checkpoint tensors with their slots, in one list: the readiness check walks it once per scan
         self._checkpoint_slots: list[tuple[str, nn.Module | None, str]] = [
             (n, *self._tensor_slots.get(n, (None, ""))) for n in tensor_specs]
@@ -108,6 +111,16 @@ class DraftBackbone(nn.Module):
                     raise ValueError(f"{type(self).__name__}: {n} is a source of two backed buffers ({backed_by[n]}, "
                                      f"{spec.name}); a tensor can be a view of one of them only")
                 backed_by[n] = spec.name
+
+    def freeze_structure(self, modules: Mapping[str, bool], absent: Iterable[str]) -> None:
+        """The first load decided which optional submodules this backbone has (`modules`: name -> present):
+        the lifecycle records it (once, in epoch 0) and stops tracking and pinning the tensors of the absent ones
+        (`absent`)."""
+        absent = set(absent)
+        self.lifecycle.freeze_structure(modules, absent)
+        for name in absent:
+            self._tensor_slots.pop(name, None)
+        self._checkpoint_slots = [s for s in self._checkpoint_slots if s[0] not in absent]
 
     # ---- accessors --------------------------------------------------------------------------------------------
     @property

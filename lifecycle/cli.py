@@ -4,8 +4,9 @@
     reload-lifecycle demo [--engine torch|vllm] [--model NAME] [--layers N] [--out DIR] [--seed S]
                           [--bucket-size K] [--device cpu|cuda] [-v]
     reload-lifecycle diagram [--format mermaid|dot|markdown] [--state STATE] [-o FILE]
-    reload-lifecycle audit LOG [LOG ...] [--json] [--max-details N] [--max-streams N]
+    reload-lifecycle audit LOG [LOG ...] [--json] [--max-details N] [--max-streams N] [--expect-ranks N]
     reload-lifecycle report LOG [LOG ...] -o report.html [--title T] [--max-epochs N] [--max-streams N]
+                            [--expect-ranks N]
 
 Every numeric option is checked against its range and a bad value is a usage error (exit status 2), as is an
 output path that cannot be written.
@@ -23,12 +24,14 @@ from .audit.replay import MAX_STREAMS
 from .audit.traces import MAX_EPOCHS
 from .states import LifecycleState
 
-__all__ = ["MAX_EPOCHS_LIMIT", "TITLE_CAP", "build_parser", "main"]
+__all__ = ["MAX_EPOCHS_LIMIT", "MAX_RANKS", "TITLE_CAP", "build_parser", "expected_ranks", "main"]
 
 #: `report --max-epochs` at most: the report's size grows with it.
 MAX_EPOCHS_LIMIT = MAX_EPOCHS
 #: Characters of a report title at most.
 TITLE_CAP = 200
+#: `--expect-ranks` names at most this many ranks (and none above it).
+MAX_RANKS = 65536
 
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -46,6 +49,34 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def expected_ranks(text: str) -> frozenset[int]:
+    """`--expect-ranks`: `N` (ranks 0 to N-1), or ranks and runs separated by commas (`4-7`, `2,3`, `5,`).
+
+    >>> sorted(expected_ranks("3")), sorted(expected_ranks("4-6,9")), sorted(expected_ranks("5,"))
+    ([0, 1, 2], [4, 5, 6, 9], [5])
+    """
+    usage = (f"must be N (ranks 0 to N-1, N from 1 to {MAX_RANKS}) or ranks and runs separated by commas "
+             f"(4-7,9; each below {MAX_RANKS}), got {text[:40]!r}")
+    try:
+        if text.strip().isdigit():
+            count = int(text)
+            if not 1 <= count <= MAX_RANKS:
+                raise ValueError
+            return frozenset(range(count))
+        ranks: set[int] = set()
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            low, _, high = part.partition("-")
+            first, last = int(low), int(high or low)
+            if not 0 <= first <= last < MAX_RANKS:
+                raise ValueError
+            ranks.update(range(first, last + 1))
+        if not ranks:
+            raise ValueError
+        return frozenset(ranks)
+    except ValueError:
+        raise argparse.ArgumentTypeError(usage) from None
 
 
 def _title(text: str) -> str:
@@ -91,7 +122,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from .audit.replay import audit_logs
     from .audit.views import render_json, render_text
 
-    result = audit_logs(args.logs, max_details=args.max_details, max_streams=args.max_streams)
+    result = audit_logs(args.logs, max_details=args.max_details, max_streams=args.max_streams,
+                        expect_ranks=args.expect_ranks)
     sys.stdout.write((render_json(result) if args.json else render_text(result, show=args.max_details)) + "\n")
     return result.status
 
@@ -104,7 +136,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return _usage_error("report", f"-o {args.output}: is a directory; give the HTML file to write")
     try:
         result = write_report(args.logs, args.output, title=args.title, max_epochs=args.max_epochs,
-                              max_streams=args.max_streams)
+                              max_streams=args.max_streams, expect_ranks=args.expect_ranks)
     except OSError as e:
         return _usage_error("report", f"-o {args.output}: cannot write the report: {e.strerror or e}")
     print(f"wrote {args.output}")
@@ -162,15 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     logs_help = "JSON-lines audit logs: files, directories (their *.jsonl, *.jsonl.N, *.ndjson, *.log), - for stdin"
     streams_help = (f"(rank, backbone) streams replayed, at most (default {MAX_STREAMS}); events of further streams "
                     "are counted as not audited (exit status 2)")
+    ranks_help = ("the ranks whose logs the input must hold: N (ranks 0 to N-1, e.g. the world size) or a list "
+                  "such as 4-7 (pipeline parallel: the last stage's ranks hold the draft); a rank without events, "
+                  "or a backbone some of them lack, is an input problem naming it (exit status 2)")
     audit = sub.add_parser(
         "audit",
         help="replay audit logs (any number of ranks) through the transition table and report every violation",
         description=(
             "Streams the logs (merged by timestamp), replays each (rank, backbone) through the transition table in "
             "lifecycle/states.py and reports every violation: illegal_transition, state_mismatch, "
-            "event_out_of_state, not_ready, storage_drift, unfinished_epoch, ends_mid_reload, epoch_disagreement, "
-            "epoch_jump, out_of_order, missing_events (see README). A corrupt line is reported with file:line and "
-            "the rest is audited. Exit status: 0 clean, 1 violations, 2 unreadable input."
+            "event_out_of_state, not_ready, storage_drift, ends_mid_reload, epoch_disagreement, epoch_jump, "
+            "out_of_order, missing_events; and warnings (abandoned_epoch) that do not change the exit status (see "
+            "README). A corrupt line is reported with file:line and the rest is audited. Input without events, and "
+            "expected ranks without events (--expect-ranks), are input problems. Exit status: 0 clean, "
+            "1 violations, 2 unreadable or incomplete input."
         ),
     )
     audit.add_argument("logs", nargs="+", metavar="LOG", help=logs_help)
@@ -178,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--max-details", type=int_in(0, 1_000_000), default=200,
                        help="violations and input problems listed one by one, at most (all are counted; default 200)")
     audit.add_argument("--max-streams", type=int_in(1, 1_000_000), default=MAX_STREAMS, help=streams_help)
+    audit.add_argument("--expect-ranks", type=expected_ranks, default=None, metavar="N", help=ranks_help)
     audit.set_defaults(func=_cmd_audit)
 
     report = sub.add_parser(
@@ -198,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"reload epochs drawn per (rank, backbone), the latest ones (1 to {MAX_EPOCHS_LIMIT}; "
                              "default 12)")
     report.add_argument("--max-streams", type=int_in(1, 1_000_000), default=MAX_STREAMS, help=streams_help)
+    report.add_argument("--expect-ranks", type=expected_ranks, default=None, metavar="N", help=ranks_help)
     report.set_defaults(func=_cmd_report)
     return parser
 

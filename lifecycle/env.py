@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["FALSE_SPELLINGS", "TRUE_SPELLINGS", "EnvSettingError", "flag", "path"]
+__all__ = ["FALSE_SPELLINGS", "TRUE_SPELLINGS", "EnvSettingError", "choice", "flag", "path"]
 
 #: Case-insensitive, surrounding blanks ignored.
 TRUE_SPELLINGS = ("1", "true", "yes", "on")
@@ -59,3 +59,13 @@ def path(name: str) -> Path | None:
     if raw is None or not raw.strip():
         return None
     return Path(raw)
+
+
+def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+    """One of `allowed` (any case, surrounding blanks ignored); unset or blank gives `default`; anything else
+    raises `EnvSettingError` naming the variable and what it accepts."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower() or default
+    if value not in allowed:
+        raise EnvSettingError(name, raw, f"is not one of: {', '.join(allowed)}")
+    return value

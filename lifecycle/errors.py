@@ -6,12 +6,14 @@
     │   ├── LayersNotReadyError       a finish, refresh or forward use needs every layer loaded (off META)
     │   ├── QuarantinedError          forward use after a failed or aborted reload
     │   ├── RecoveryError             `recover()` without an exact rollback to return to
-    │   └── SessionStateError         a reload session used out of order
+    │   ├── SessionStateError         a reload session used out of order
+    │   └── IncompleteCheckpointError a reload epoch lacks what a whole checkpoint must include (also a ValueError)
     ├── LoadRefusedError              the loader refused a bucket or checkpoint before writing any of it
     │   ├── UnknownWeightError        names the backbone does not have
     │   ├── WeightShapeError          a shape or dtype that differs from the parameter's
     │   ├── NonFiniteWeightError      NaN or Inf values (with the finite check on)
-    │   └── CheckpointError           a file that cannot be read, or subset names it lacks
+    │   ├── CheckpointError           a file that cannot be read, or subset names it lacks
+    │   └── FrozenStructureError      tensors for an optional submodule the first load decided is absent
     ├── RefreshRefusedError           a derived buffer cannot be refreshed as declared; no buffer was written
     │   ├── SourceLayoutError         a source is not in the layout its builder expects
     │   ├── StorageReallocationError  the refresh would give a buffer new storage
@@ -20,7 +22,8 @@
     │   ├── WeightWriteError          a weight write, mid-bucket
     │   └── RefreshInterruptedError   a derived-buffer write, mid-refresh
     ├── StorageDriftError             a pinned storage identity moved behind the lifecycle's back
-    └── UnsupportedVLLMError          the vLLM plugin met a vLLM version it does not know
+    ├── UnsupportedVLLMError          the vLLM plugin met a vLLM version it does not know
+    └── NodeSetupError                a worker node of a Ray engine does not run the plugin
 
 Each class says what state it leaves. Every message names the backbone, the state, and what was expected vs
 found; the bar is PyTorch's cudagraph-trees message: "static input data pointer changed ... from X to Y".
@@ -38,10 +41,13 @@ __all__ = [
     "MESSAGE_NAME_CAP",
     "CheckpointError",
     "DerivedBuildError",
+    "FrozenStructureError",
     "IllegalTransitionError",
+    "IncompleteCheckpointError",
     "LayersNotReadyError",
     "LifecycleError",
     "LoadRefusedError",
+    "NodeSetupError",
     "NonFiniteWeightError",
     "PartialWriteError",
     "QuarantinedError",
@@ -153,6 +159,17 @@ class SessionStateError(StateError):
     changed."""
 
 
+class IncompleteCheckpointError(StateError, ValueError):
+    """A reload epoch's tensors (those written plus those kept) lack what a whole checkpoint must include: a
+    validation vLLM's draft runs on every `load_weights` call (a reduced vocabulary needs `lm_head` and `d2t`),
+    run once per epoch at finalize instead, with vLLM's own message. The finish is refused; inside vLLM the
+    plugin then quarantines the draft. A `ValueError` too, as vLLM's check raised."""
+
+    def __init__(self, message: str, *, backbone: str, state: str, needs: Sequence[str] = ()) -> None:
+        super().__init__(message, backbone=backbone, state=state)
+        self.needs = tuple(needs)
+
+
 # ---- the loader refused its input: nothing of the bucket was written --------------------------------------------
 class LoadRefusedError(LifecycleError):
     """The loader refused a bucket (or a whole checkpoint, from its header) before writing any of it: nothing of
@@ -207,6 +224,23 @@ class NonFiniteWeightError(LoadRefusedError):
 class CheckpointError(LoadRefusedError):
     """A checkpoint file could not be read (missing, truncated, corrupt header, an unsupported dtype), or a
     subset named tensors it lacks. Refused from the headers, before any of its tensors was written."""
+
+
+class FrozenStructureError(LoadRefusedError):
+    """A bucket carries tensors for an optional submodule (a confidence head, own embeddings or lm_head, a
+    draft-to-target id map) that the first load decided this draft does not have, or that it shares with the
+    target: writing them would change its structure, or the target. Nothing of the bucket was written."""
+
+    def __init__(self, tensors: Mapping[str, Sequence[str]], *, backbone: str, state: str) -> None:
+        lines = [f"{module}: {', '.join(names)}" for module, names in tensors.items()]
+        super().__init__(
+            "bucket refused, it carries tensors for optional submodule(s) this draft does not have or shares with "
+            "the target (its structure was decided by its first load); nothing of it was written:\n  "
+            + _listing(lines),
+            backbone=backbone,
+            state=state,
+        )
+        self.tensors = {k: tuple(v) for k, v in tensors.items()}
 
 
 # ---- a derived buffer cannot be refreshed as declared: no buffer was written ------------------------------------
@@ -317,8 +351,20 @@ class StorageDriftError(LifecycleError):
 
 # ---- engine integration -----------------------------------------------------------------------------------------
 class UnsupportedVLLMError(LifecycleError):
-    """The vLLM plugin refused a vLLM version it was not built against: it patched nothing and registered no
-    draft class (`lifecycle.vllm.version.check_vllm_version`). No backbone is involved."""
+    """The vLLM plugin refused a vLLM that lacks a name it relies on (each missing name is listed, with how to
+    disable the plugin): it patched nothing and registered no draft class (`lifecycle.vllm.version.check_vllm`).
+    No backbone is involved."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, backbone=None, state=None)
+
+
+class NodeSetupError(LifecycleError):
+    """A worker of a vLLM engine under Ray runs without the plugin (the package is not installed on its node,
+    cannot be imported there, or `VLLM_PLUGINS` leaves it out): the engine start is refused, naming each such
+    node, rather than serve a draft there without the lifecycle (`lifecycle.vllm.nodes`). `nodes` holds what
+    each failing worker reported. No backbone is involved."""
+
+    def __init__(self, message: str, nodes: Sequence[Mapping[str, object]] = ()) -> None:
+        super().__init__(message, backbone=None, state=None)
+        self.nodes = tuple(dict(n) for n in nodes)

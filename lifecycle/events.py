@@ -7,8 +7,9 @@
 >>> logs[0]["event"], logs[0]["dst"]
 ('transition', 'PARTIALLY_LOADED')
 
-In production `configure_audit(json_path=...)` writes JSON lines (UTC ISO-8601 timestamps, a schema version)
-and, optionally, readable lines to the terminal. Events carry names, counts, shapes and addresses, never
+In production `configure_audit(json_path=...)` writes JSON lines (UTC ISO-8601 timestamps, a schema version,
+the `node` that wrote them: the host name, so logs of several machines merge) and, optionally, readable lines
+to the terminal. Events carry names, counts, shapes and addresses, never
 tensor values; lists (missing tensors) are capped with a count of what was left out.
 
 The audit logger is this module's own: a structlog bound logger with its own processor chain, built by
@@ -41,6 +42,7 @@ import json
 import json.encoder
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -70,6 +72,7 @@ __all__ = [
     "emit",
     "emit_record",
     "enabled",
+    "host_name",
     "read_events",
     "sink_failures",
     "timestamp",
@@ -280,20 +283,23 @@ class JsonLinesSink:
             self._write(data)
         return event_dict
 
-    def write_record(self, record: Mapping[str, Any], level: str) -> None:
-        """Write a bounded record as the processor chain would (`level`, `ts`, `schema` added after its fields,
-        in that order), without the chain: the route of a JSON file alone takes this path."""
-        if "level" in record or "ts" in record or "schema" in record:  # never from a lifecycle: the chain's way
-            self(None, level, {**record, "level": level, "ts": timestamp(), "schema": record.get("schema",
-                                                                                                 SCHEMA_VERSION)})
+    def write_record(self, record: Mapping[str, Any], level: str, node: str) -> None:
+        """Write a bounded record as the processor chain would (`node` first, as the chain binds it; `level`,
+        `ts`, `schema` added after its fields, in that order), without the chain: the route of a JSON file alone
+        takes this path."""
+        if ("level" in record or "ts" in record or "schema" in record or "node" in record
+                or not record):  # never from a lifecycle: the chain's way
+            self(None, level, {"node": node, **record, "level": level, "ts": timestamp(),
+                               "schema": record.get("schema", SCHEMA_VERSION)})
             return
         try:
             line = _encode(record)
         except (TypeError, ValueError) as e:
             self._failed(e)
             return
-        # the three fields appended to the encoded object: the same line as encoding the extended dict
-        self._write(f'{line[:-1]},"level":"{level}","ts":"{timestamp()}","schema":{SCHEMA_VERSION}}}\n'.encode())
+        # node before and the three fields after the encoded object's own: the same line as encoding the dict
+        self._write(f'{{"node":{_encode(node)},{line[1:-1]},"level":"{level}","ts":"{timestamp()}",'
+                    f'"schema":{SCHEMA_VERSION}}}\n'.encode())
 
     def _write(self, data: bytes) -> None:
         with self._lock:
@@ -358,6 +364,7 @@ class _Route:
     level: int
     failed_once: list[bool]  # a failure outside the sink (the console) was reported already
     json_only: bool = False  # a JSON file and no console: records go straight to the sink (`write_record`)
+    node: str = ""  # what every written event carries as `node` (the chain binds it; `write_record` is told)
 
 
 _route = _Route(None, None, _LEVEL_NUMBERS["info"], [False])
@@ -371,10 +378,12 @@ def _level_number(level: Any, who: str) -> int:
 
 
 def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console: bool = True, level: str = "info",
-                    stream: TextIO | None = None) -> JsonLinesSink | None:
+                    stream: TextIO | None = None, node: str | None = None) -> JsonLinesSink | None:
     """Route audit events: JSON lines to `json_path` (if given) and readable lines to `stream` (stderr by
-    default) if `console`; events below `level` are not written. Returns the file sink (close it, or call again,
-    to release the file). Configures only the audit logger, never structlog's process-wide defaults.
+    default) if `console`; events below `level` are not written. Every written event carries `node`, the
+    machine that wrote it (default: this host's name), so the logs of several nodes can be merged. Returns the
+    file sink (close it, or call again, to release the file). Configures only the audit logger, never
+    structlog's process-wide defaults.
 
     The new route is built whole before it replaces the old one: a `json_path` that cannot be opened raises
     `AuditSinkError` (naming the path) and leaves the previous route in force; the previous sink is closed
@@ -387,6 +396,10 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
         raise TypeError(f"configure_audit: console must be True or False, got {console!r:.80}")
     if stream is not None and not callable(getattr(stream, "write", None)):
         raise TypeError(f"configure_audit: stream must be a text stream with write(), got {type(stream).__name__}")
+    if node is not None and (not isinstance(node, str) or not node or len(node) > STR_CAP):
+        raise ValueError(f"configure_audit: node must be a non-empty name of at most {STR_CAP} characters, "
+                         f"got {node!r:.80}")
+    node_name = node or host_name()
     with _configure_lock:
         sink = JsonLinesSink(json_path) if json_path is not None else None  # may raise: nothing changed yet
         logger = None
@@ -401,8 +414,9 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
                 processors.append(sink)
             processors.append(structlog.dev.ConsoleRenderer(colors=_isatty(out)) if console else _drop)
             logger = structlog.make_filtering_bound_logger(number)(
-                structlog.PrintLogger(out), processors=processors, context={})
-        old, _route = _route, _Route(logger, sink, number, [False], json_only=sink is not None and not console)
+                structlog.PrintLogger(out), processors=processors, context={"node": node_name})
+        old, _route = _route, _Route(logger, sink, number, [False], json_only=sink is not None and not console,
+                                     node=node_name)
     if old.sink is not None:
         try:
             old.sink.close()
@@ -410,6 +424,11 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
             _say(f"closing the previous audit sink {old.sink.path} failed ({type(e).__name__}: {e}); "
                  "the new route is in force")
     return sink
+
+
+def host_name() -> str:
+    """This machine's name as audit events carry it (`node`)."""
+    return socket.gethostname() or "localhost"
 
 
 def _isatty(stream: Any) -> bool:
@@ -477,7 +496,7 @@ def emit_record(record: Mapping[str, Any], level: str = "info") -> None:
             for processor in capture:
                 event_dict = processor(None, level, event_dict)
         elif route.json_only:
-            route.sink.write_record(record, level)  # type: ignore[union-attr]
+            route.sink.write_record(record, level, route.node)  # type: ignore[union-attr]
         else:
             getattr(route.logger, level)(**record)
     except structlog.DropEvent:

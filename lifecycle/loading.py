@@ -18,23 +18,22 @@ as one `weights_loaded` call. Buckets can come in any order, with duplicates, or
 
 from __future__ import annotations
 
-import math
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from . import events
+from .checkpoint import IndexEntry, check_paths, checkpoint_index, iter_buckets
 from .errors import (
     MESSAGE_ITEMS_CAP,
     CheckpointError,
@@ -68,12 +67,6 @@ __all__ = [
     "write_tensor",
 ]
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
 BucketBy = Literal["layer"] | int
 Subset = Iterable[str] | Callable[[str], bool] | None
 #: Writes one validated tensor into the module: (module, name, value, device). `write_tensor` by default; a
@@ -81,13 +74,6 @@ Subset = Iterable[str] | Callable[[str], bool] | None
 Writer = Callable[[nn.Module, str, torch.Tensor, "torch.device | str"], None]
 #: Called with a bucket's names after it was validated and before its first write (a rollback snapshot).
 BeforeWrite = Callable[[Sequence[str]], None]
-
-
-@dataclass(frozen=True)
-class IndexEntry:
-    path: Path
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 @dataclass
@@ -106,8 +92,7 @@ class LoadReport:
 
     @property
     def nbytes(self) -> int:
-        return sum(math.prod(e.shape) * e.dtype.itemsize
-                   for bucket in self._plan[:self.buckets] for e in map(self._index.__getitem__, bucket))
+        return sum(e.nbytes for bucket in self._plan[:self.buckets] for e in map(self._index.__getitem__, bucket))
 
 
 @dataclass(frozen=True)
@@ -118,16 +103,6 @@ class LoadProgress:
     tensors_total: int
     layers_ready: int
     layers_total: int
-
-
-def _check_paths(paths: object) -> None:
-    """A checkpoint path, or a sequence of them (str or os.PathLike); anything else is a TypeError naming it."""
-    ok = (str, PathLike)
-    if isinstance(paths, ok) or (isinstance(paths, Sequence) and not isinstance(paths, (bytes, bytearray))
-                                  and paths and all(isinstance(p, ok) for p in paths)):
-        return
-    raise TypeError(f"checkpoint paths must be a str or os.PathLike, or a non-empty sequence of them; got "
-                    f"{type(paths).__name__} {paths!r:.80}")
 
 
 def _check_plan(bucket_by: object, duplicates: object) -> None:
@@ -151,25 +126,6 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """`t`, or a copy when it is a view of a larger storage (the weights of a backed derived buffer share it, and
     safetensors refuses tensors that share memory)."""
     return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
-
-
-def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> dict[str, IndexEntry]:
-    """Name -> (file, shape, dtype) from the headers alone; no tensor data is read."""
-    _check_paths(paths)
-    files = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
-    index: dict[str, IndexEntry] = {}
-    for p in files:
-        try:
-            with safe_open(str(p), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    sl = f.get_slice(name)
-                    dtype = _DTYPES.get(sl.get_dtype())
-                    if dtype is None:
-                        raise CheckpointError(f"{p}: tensor {name} has unsupported dtype {sl.get_dtype()}")
-                    index[name] = IndexEntry(p, tuple(sl.get_shape()), dtype)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read checkpoint {p}: {e} (truncated or not a safetensors file?)") from e
-    return index
 
 
 def validate_index(backbone: DraftBackbone, index: dict[str, IndexEntry], names: Iterable[str]) -> None:
@@ -204,6 +160,14 @@ def _file_list(index: dict[str, IndexEntry], names: Iterable[str]) -> list[str]:
 
 def _files(index: dict[str, IndexEntry], names: Iterable[str]) -> str:
     return ", ".join(_file_list(index, names))
+
+
+def _refused(backbone: DraftBackbone, e: CheckpointError) -> CheckpointError:
+    """The reader's error, naming the backbone and its state as every error does; audited as a refusal."""
+    lc = backbone.lifecycle
+    error = CheckpointError(e.reason, backbone=lc.name, state=lc.state.value)
+    lc.record_refusal("weights_loaded", error)
+    return error
 
 
 def plan_buckets(names: Sequence[str], layer_key: Callable[[str], str], *, bucket_by: BucketBy = "layer",
@@ -278,21 +242,6 @@ def non_finite(bucket: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         nan = int(torch.isnan(t).sum())
         problems.append(f"{name}: {nan} NaN, {int((~finite).sum()) - nan} Inf of {t.numel()} elements")
     return problems
-
-
-def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]]
-                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Stream the buckets from disk: only one bucket's tensors are in memory at a time."""
-    with ExitStack() as stack:
-        handles: dict[Path, Any] = {}
-        for bucket in buckets:
-            out = []
-            for name in bucket:
-                p = index[name].path
-                if p not in handles:
-                    handles[p] = stack.enter_context(safe_open(str(p), framework="pt"))
-                out.append((name, handles[p].get_tensor(name)))
-            yield out
 
 
 def apply_bucket(backbone: DraftBackbone, bucket: Sequence[tuple[str, torch.Tensor]],
@@ -381,15 +330,13 @@ def load_safetensors(
     failed write) in a later bucket stops the load after the earlier buckets were written: use a reload session
     (`backbone.reload_session(rollback=True)`) to undo them. `writer`, `before_write`: see `apply_bucket`.
     """
-    _check_paths(paths)
+    check_paths(paths)
     _check_plan(bucket_by, duplicates)
     t0 = time.perf_counter()
     try:
         index = checkpoint_index(paths)
-    except CheckpointError as e:  # checkpoint_index knows no backbone: name it and its state, as every error does
-        error = CheckpointError(e.reason, backbone=backbone.lifecycle.name, state=backbone.lifecycle.state.value)
-        backbone.lifecycle.record_refusal("weights_loaded", error)
-        raise error from e
+    except CheckpointError as e:
+        raise _refused(backbone, e) from e
     if subset is None:
         names = list(index)
     elif callable(subset):
@@ -413,22 +360,30 @@ def load_safetensors(
     single = isinstance(paths, (str, PathLike))  # one file: the report's file list needs no look at the names
     report = LoadReport(files=[str(Path(paths))] if single and names else _file_list(index, names), _index=index,
                         _plan=buckets)
+    done = 0
     total = sum(map(len, buckets))
-    for i, (bucket_names, bucket) in enumerate(zip(buckets, iter_buckets(index, buckets), strict=True)):
-        completed = _write_and_report(backbone, bucket_names, bucket, device, finite_check=finite_check,
-                                      writer=writer, before_write=before_write,
-                                      validated=True)  # the header was validated above
-        report.buckets += 1
-        report.tensors += len(bucket)
-        if completed:
-            report.layers_completed.extend(completed)
-        # per bucket (possibly per tensor): debug level, built only when someone keeps it
-        if events.enabled("debug"):
-            lc.audit_event("loader_bucket", level="debug", bucket=i, buckets=len(buckets), tensors=len(bucket),
-                           nbytes=sum(map(_NBYTES, map(_VALUE, bucket))), layers_completed=completed,
-                           layers_ready=lc.readiness.layers_ready, layers_total=lc.readiness.layers_total)
-        if progress is not None:
-            progress(LoadProgress(i + 1, len(buckets), report.tensors, total,
-                                  lc.readiness.layers_ready, lc.readiness.layers_total))
+    with closing(iter_buckets(index, buckets)) as read:
+        for i, bucket_names in enumerate(buckets):
+            try:
+                bucket = next(read)
+            except CheckpointError as e:  # the file changed or shrank while read: this bucket is not written
+                raise _refused(backbone, e) from e
+            completed = _write_and_report(backbone, bucket_names, bucket, device, finite_check=finite_check,
+                                          writer=writer, before_write=before_write,
+                                          validated=True)  # the header was validated above
+            report.buckets += 1
+            report.tensors += len(bucket)
+            if completed:
+                report.layers_completed.extend(completed)
+            done += len(bucket)
+            # per bucket (possibly per tensor): debug level, built only when someone keeps it
+            if events.enabled("debug"):
+                lc.audit_event("loader_bucket", level="debug", bucket=i, buckets=len(buckets), tensors=len(bucket),
+                               nbytes=sum(map(_NBYTES, map(_VALUE, bucket))), layers_completed=completed,
+                               layers_ready=lc.readiness.layers_ready, layers_total=lc.readiness.layers_total)
+            del bucket  # only the bucket being read is held: the peak extra memory is one bucket
+            if progress is not None:
+                progress(LoadProgress(i + 1, len(buckets), done, total, lc.readiness.layers_ready,
+                                      lc.readiness.layers_total))
     report.duration_ms = (time.perf_counter() - t0) * 1e3
     return report

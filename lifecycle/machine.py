@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import events
-from .errors import LayersNotReadyError, LifecycleError, UnknownWeightError
+from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError, UnknownWeightError
 from .firing import TableMachine
 from .guards import ReloadOrigin, recovery_verdict, refusal, require_all_layers_ready, require_pinned_unchanged
 from .leases import WriteLeases
@@ -86,6 +86,7 @@ class BackboneLifecycle(TableMachine):
         self._origin = ReloadOrigin()
         self.recovery_blocker: str | None = "no reload was aborted"
         self.torn_buffers: frozenset[str] = frozenset()
+        self.structure: dict[str, bool] | None = None  # optional submodule -> present, frozen by the first load
 
     # ---- what the table says about the current state -----------------------------------------------------------
     @property
@@ -208,6 +209,23 @@ class BackboneLifecycle(TableMachine):
                 self._audit_unchanged(completed)
                 if self._bucket_moves("weights_loaded", True):
                     self._fire("weights_loaded", tensors=0, unchanged=len(names))
+
+    def freeze_structure(self, modules: Mapping[str, bool], absent: Iterable[str]) -> None:
+        """Record which optional submodules the first load gave the backbone (`modules`: name -> present), once,
+        in epoch 0 before that load finished, and stop tracking the tensors of the absent ones (`absent`): no
+        later epoch needs them, and a later write of one is unknown."""
+        absent = sorted(absent)
+        with self._lock:
+            if self.structure is not None or self.epoch != 0 or not self.can("weights_loaded"):
+                raise IllegalTransitionError("freeze_structure", backbone=self.name, state=self.state.value,
+                                             allowed_from=["epoch 0, once, before its load finished"])
+            self.readiness.forget(absent)
+            for name in absent:
+                self.specs.pop(name, None)
+            self.structure = dict(modules)
+            self._audit("structure_frozen", present=sorted(m for m, p in modules.items() if p),
+                        absent=sorted(m for m, p in modules.items() if not p), tensors_untracked=len(absent),
+                        **self._readiness_fields())
 
     def _audit_unchanged(self, layers: list[str]) -> None:
         self._audit_layers("layers_unchanged", layers)

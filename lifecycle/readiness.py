@@ -126,6 +126,32 @@ class LayerReadiness:
         self._note_plain()
         return sorted(new)
 
+    def forget(self, names: Iterable[str]) -> None:
+        """Stop tracking `names` (optional tensors the first load did not have): the counts are rebuilt from
+        what is loaded in this epoch, and a layer left with no tensors is no layer. Off the hot path; the sets a
+        reload's origin may hold (`dirty_parts`) are replaced, never changed."""
+        gone = set(names) & self.layer_of_name.keys()
+        if not gone:
+            return
+        for name in gone:
+            del self.layer_of_name[name]
+        self._written = self._written - gone
+        self._unchanged -= gone
+        self._failed -= gone
+        self._dirty_base -= gone
+        self._dirty_epochs = [frozenset(part - gone) for part in self._dirty_epochs]
+        tensors: dict[str, list[str]] = {}
+        for name, layer in self.layer_of_name.items():
+            tensors.setdefault(layer, []).append(name)
+        self.tensors_of_layer = {k: tuple(v) for k, v in tensors.items()}
+        self._names_of_layer = {k: frozenset(v) for k, v in tensors.items()}
+        self._size = {k: len(v) for k, v in tensors.items()}
+        loaded = self._written | self._unchanged
+        self._left = {k: sum(n not in loaded for n in v) for k, v in tensors.items()}
+        self._complete = sum(not left for left in self._left.values())
+        self.partly_written &= self.tensors_of_layer.keys()
+        self._note_plain()
+
     # ---- hot path -----------------------------------------------------------------------------------------
     def unknown(self, names: Iterable[str]) -> list[str]:
         known = self.layer_of_name

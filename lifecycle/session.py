@@ -53,7 +53,7 @@ from torch import nn
 
 from .errors import NonFiniteWeightError, SessionStateError
 from .loading import LoadReport, Writer, apply_bucket, load_safetensors, non_finite
-from .types import RefreshReport
+from .types import RefreshReport, describe_error
 
 if TYPE_CHECKING:
     from .backbone import DraftBackbone
@@ -199,7 +199,7 @@ class ReloadSession:
                  tb: TracebackType | None) -> Literal[False]:
         if self.status != "open":
             return False
-        reason = "the reload session ended without commit()" if exc is None else _describe(exc)
+        reason = "the reload session ended without commit()" if exc is None else describe_error(exc)
         try:
             self.abort(reason)
         except Exception as e:  # never mask the exception that ended the block
@@ -303,10 +303,3 @@ class ReloadSession:
             self._snapshot_bytes = self._snapshot.nbytes
             self._snapshot.release()
             self._snapshot = None
-
-
-def _describe(exc: BaseException) -> str:
-    text = getattr(exc, "reason", None) or str(exc)
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    out = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return out if len(out) <= 300 else out[:297] + "..."

@@ -129,12 +129,16 @@ def _real(t: object) -> bool:
 
 
 class _CountNewStorages(TorchDispatchMode):
-    """Counts op outputs whose storage is new: neither an input's storage nor one seen before."""
+    """Counts op outputs whose storage is new: neither an input's storage nor one seen before. Every storage
+    counted is held until the block ends: a freed storage's address, reused by a later allocation, would
+    otherwise look "seen before" and that allocation would go uncounted (a loader's read buffers, freed after
+    each bucket, hid a rollback snapshot's copies)."""
 
     def __init__(self, log: AllocationLog) -> None:
         super().__init__()
         self.log = log
         self._seen: set[int] = set()
+        self._held: list[torch.UntypedStorage] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -152,6 +156,7 @@ class _CountNewStorages(TorchDispatchMode):
             if ptr in inputs or ptr in self._seen:
                 continue
             self._seen.add(ptr)
+            self._held.append(st)
             self.log.records.append(AllocationRecord(str(func), st.nbytes()))
         return out
 

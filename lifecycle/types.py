@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["BufferReport", "RefreshReport", "TensorSpec", "capped", "clipped", "dtype_name"]
+__all__ = ["BufferReport", "RefreshReport", "TensorSpec", "capped", "clipped", "describe_error", "dtype_name"]
 
 T = TypeVar("T")
 
@@ -16,6 +16,15 @@ T = TypeVar("T")
 def dtype_name(x: torch.dtype | torch.device | str) -> str:
     """How messages and audit events name a dtype (`float32`, not `torch.float32`); a device is unchanged."""
     return str(x).removeprefix("torch.")
+
+
+def describe_error(exc: BaseException) -> str:
+    """`ErrorClass: first line of its reason`, at most 300 characters: how an exception becomes a quarantine
+    reason (a session ended by it, a failed engine reload)."""
+    text = str(getattr(exc, "reason", None) or exc).strip()
+    first = text.splitlines()[0] if text else ""
+    out = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return out if len(out) <= 300 else out[:297] + "..."
 
 
 def capped(items: Iterable[T], cap: int) -> tuple[list[T], int]:

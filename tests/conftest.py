@@ -70,6 +70,29 @@ def real_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return logs
 
 
+# ---- real vLLM engines (tests/test_vllm_*.py): each scenario is one engine in its own process -----------------------
+
+
+@pytest.fixture(scope="session")
+def vllm_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 target and DFlash drafts A (seed 1) and B (seed 2), made here."""
+    from lifecycle.vllm.tiny import make_dflash_draft, make_target
+
+    work = tmp_path_factory.mktemp("vllm")
+    make_target(work / "target")
+    make_dflash_draft(work / "draftA", seed=1)
+    make_dflash_draft(work / "draftB", seed=2)
+    return work
+
+
+@pytest.fixture(scope="session")
+def cold_b(vllm_workdir: Path) -> dict:
+    """A cold engine on draft B: what every reload to B is compared with."""
+    from vllm_basic_scenarios import run_scenario
+
+    return run_scenario("cold", vllm_workdir)
+
+
 # ---- hypothesis profiles ------------------------------------------------------------------------------------------
 # "ci" (the default): derandomized, so every run checks the same examples and a failure reproduces; sized to keep
 # tests/test_properties.py near 30 s on two shared cores. "nightly": random, far more and longer runs:
@@ -87,3 +110,6 @@ settings.register_profile("nightly", max_examples=2500, stateful_step_count=60, 
 settings.register_profile("dev", max_examples=20, stateful_step_count=20, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+from vllm_runs import vllm_work  # noqa: E402, F401  (session fixture: vLLM checkpoints and in-process runs)

@@ -31,7 +31,6 @@ from lifecycle.events import (
 )
 from lifecycle.loading import load_safetensors
 from lifecycle.vllm import plugin
-from lifecycle.vllm.version import FORCE_ENV, check_vllm_version
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 Fault = Callable[[JsonLinesSink], None]
@@ -263,21 +262,24 @@ def test_the_plugin_leaves_the_hosts_structlog_alone(tiny_cfg: DFlashConfig, ckp
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("true", True), ("TRUE", True), (" yes ", True),
                                                  ("On", True), ("0", False), ("false", False), ("no", False),
                                                  ("OFF", False), ("", False)])
-def test_switches_take_the_usual_spellings(value: str, expected: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FORCE_ENV, value)
-    assert flag(FORCE_ENV) is expected
-    if expected:
-        assert check_vllm_version("0.99.0") == "0.99.0"  # forced
-    else:
-        with pytest.raises(Exception, match=r"supports vLLM 0\.32\.x"):
-            check_vllm_version("0.99.0")
+def test_switches_take_the_usual_spellings(value: str, expected: bool, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv(plugin.AUDIT_DIR_ENV, raising=False)
+    monkeypatch.setenv(plugin.AUDIT_CONSOLE_ENV, value)
+    assert flag(plugin.AUDIT_CONSOLE_ENV) is expected
+    try:
+        plugin._configure_audit_from_env()
+        emit("transition", backbone="switch-probe", rank=0, epoch=0, trigger="begin_reload")
+        assert ("switch-probe" in capsys.readouterr().err) is expected  # "true" used to be ignored silently
+    finally:
+        configure_audit(console=False)
 
 
 def test_a_bad_switch_value_or_audit_folder_names_its_variable(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FORCE_ENV, "ture")
-    with pytest.raises(EnvSettingError, match=f"^{FORCE_ENV}='ture' is not a switch value"):
-        check_vllm_version("0.99.0")
+    monkeypatch.setenv(plugin.AUDIT_CONSOLE_ENV, "ture")
+    with pytest.raises(EnvSettingError, match=f"^{plugin.AUDIT_CONSOLE_ENV}='ture' is not a switch value"):
+        plugin._configure_audit_from_env()
     monkeypatch.setenv(plugin.AUDIT_CONSOLE_ENV, "loud")
     with pytest.raises(EnvSettingError, match=plugin.AUDIT_CONSOLE_ENV):
         plugin._configure_audit_from_env()

@@ -5,6 +5,9 @@ What is legal comes from `lifecycle.states` alone, through `rules`: a transition
 (trigger, src, dst) is a row of `TRANSITIONS`, and a row whose guard or condition maps to a check (every layer
 ready, graphs captured, an exact rollback) needs that check to hold in the replay too.
 
+The auditor never calls clean what it did not see: an input without a single event, and (with `expect_ranks`)
+an expected rank without events, are input problems (exit status 2), as unreadable lines are.
+
 >>> from lifecycle.audit.logstream import LogEvent
 >>> from lifecycle.states import LifecycleState as S
 >>> def ev(n, **f):
@@ -22,13 +25,24 @@ ready, graphs captured, an exact rollback) needs that check to hold in the repla
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..states import TRIGGERS, allowed_sources, possible_destinations
+from .coverage import unseen
 from .logstream import InputProblem, Item, LogEvent, iter_events
-from .results import DETAIL_CAP, MAX_BUFFERS, MAX_EDGES, MAX_LAYERS, AuditResult, StreamReplay, Violation, buffer_key
+from .results import (
+    DETAIL_CAP,
+    MAX_BUFFERS,
+    MAX_EDGES,
+    MAX_LAYERS,
+    MAX_NODES,
+    AuditResult,
+    StreamReplay,
+    Violation,
+    buffer_key,
+)
 from .rules import (
     ABORT,
     BEGIN,
@@ -41,6 +55,7 @@ from .rules import (
     ROW_CHECKS,
     STATE_NAMES,
     VIOLATION_KINDS,
+    WARNING_KINDS,
     WEIGHTS,
     WEIGHTS_STATES,
     Check,
@@ -48,8 +63,8 @@ from .rules import (
 )
 from .text import clip, shown
 
-__all__ = ["MAX_STREAMS", "VIOLATION_KINDS", "AuditResult", "Auditor", "StreamReplay", "Violation", "audit_logs",
-           "unknown_table_names"]
+__all__ = ["MAX_STREAMS", "VIOLATION_KINDS", "WARNING_KINDS", "AuditResult", "Auditor", "StreamReplay", "Violation",
+           "audit_logs", "unknown_table_names"]
 
 
 #: (rank, backbone) streams replayed, at most: the events of further streams are counted, not audited (an input
@@ -59,20 +74,29 @@ MAX_STREAMS = 1024
 
 class Auditor:
     """Feed it events in log order (`feed`), then `finish()`. Memory: at most `max_streams` `StreamReplay`s (each
-    bounded) plus at most `max_details` violations and input problems (each bounded)."""
+    bounded) plus at most `max_details` violations, warnings and input problems (each bounded).
 
-    def __init__(self, *, max_details: int = 1000, max_streams: int = MAX_STREAMS) -> None:
+    `expect_ranks`: the ranks whose events the input must hold (every backbone seen on one of them on each);
+    one without events is an input problem naming it, and so is a rank outside them."""
+
+    def __init__(self, *, max_details: int = 1000, max_streams: int = MAX_STREAMS,
+                 expect_ranks: Collection[int] | None = None) -> None:
         if type(max_details) is not int or max_details < 0:
             raise ValueError(f"max_details must be an int >= 0, got {max_details!r:.40}")
         if type(max_streams) is not int or max_streams < 1:
             raise ValueError(f"max_streams must be an int >= 1, got {max_streams!r:.40}")
+        if expect_ranks is not None and (not expect_ranks or any(type(r) is not int or r < 0 for r in expect_ranks)):
+            raise ValueError("expect_ranks must hold at least one rank, each an int >= 0")
         self.max_details = max_details
         self.max_streams = max_streams
+        self.expect_ranks = frozenset(expect_ranks) if expect_ranks is not None else None
         self.streams: dict[tuple[int, str], StreamReplay] = {}
         self.untracked_events = 0  # events of streams beyond `max_streams`
         self._first_untracked: LogEvent | None = None
         self.violations: list[Violation] = []
         self.counts: Counter[str] = Counter()
+        self.warnings: list[Violation] = []
+        self.warning_counts: Counter[str] = Counter()
         self.input_problems: list[InputProblem] = []
         self.input_problem_count = 0
         self.events = 0
@@ -85,6 +109,12 @@ class Auditor:
         if len(self.violations) < self.max_details:
             self.violations.append(Violation(kind, r.rank, r.backbone, r.epoch if epoch is None else epoch,
                                              where, clip(detail, DETAIL_CAP)))
+
+    def _warn(self, r: StreamReplay, kind: str, where: str, detail: str, epoch: int) -> None:
+        self.warning_counts[kind] += 1
+        r.warnings[kind] += 1
+        if len(self.warnings) < self.max_details:
+            self.warnings.append(Violation(kind, r.rank, r.backbone, epoch, where, clip(detail, DETAIL_CAP)))
 
     def problem(self, p: InputProblem) -> None:
         self.input_problem_count += 1
@@ -112,6 +142,9 @@ class Auditor:
             r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], first_ts=ev.ts)
         self.events += 1
         r.events += 1
+        node = f.get("node")
+        if node is not None and node not in r.nodes and len(r.nodes) < MAX_NODES:
+            r.nodes[node] = None
         name = f["event"]
         is_begin = name == "transition" and f.get("trigger") == BEGIN
         self._order(r, ev, is_begin)
@@ -183,9 +216,9 @@ class Auditor:
 
     def _new_epoch(self, r: StreamReplay, ev: LogEvent, epoch: int) -> None:
         if r.epoch > 0 and not r.epoch_done:
-            self._violate(r, "unfinished_epoch", ev.where,
-                          f"epoch {r.epoch} (begun at {r.epoch_began or '?'}) was never refreshed or aborted "
-                          f"before epoch {epoch} began", r.epoch)
+            self._warn(r, "abandoned_epoch", ev.where,
+                       f"epoch {r.epoch} (begun at {r.epoch_began or '?'}) was never refreshed or aborted before "
+                       f"epoch {epoch} began (a restarted push; its writes stay dirty for the next refresh)", r.epoch)
         r.epoch = max(r.epoch, epoch)
         r.ready.clear()
         r.ready_extra = 0
@@ -337,18 +370,27 @@ class Auditor:
                         self._violate(r, "epoch_disagreement", r.last_where,
                                       f"backbone {clip(backbone)}: rank {r.rank} ends at epoch {r.epoch}, rank(s) "
                                       f"{clip(ahead)} at epoch {top}")
+        inputs = list(self._sources)
+        where = inputs[0] if len(inputs) == 1 else f"<{len(inputs)} inputs>"
+        problems, missing = unseen(self.events, {b: {r.rank for r in g} for b, g in by_backbone.items()},
+                                   self.expect_ranks)
+        for message in problems:
+            self.problem(InputProblem(where, None, message))
         return AuditResult(
             inputs=list(self._sources), events=self.events,
             streams=sorted(self.streams.values(), key=lambda r: (r.backbone, r.rank)),
             violations=list(self.violations), violation_counts=Counter(self.counts),
             input_problems=list(self.input_problems), input_problem_count=self.input_problem_count,
+            warnings=list(self.warnings), warning_counts=Counter(self.warning_counts),
+            expected_ranks=self.expect_ranks, missing_ranks=missing,
         )
 
 
-def audit_logs(paths: Sequence[str | Path], *, max_details: int = 1000, max_streams: int = MAX_STREAMS
-               ) -> AuditResult:
+
+def audit_logs(paths: Sequence[str | Path], *, max_details: int = 1000, max_streams: int = MAX_STREAMS,
+               expect_ranks: Collection[int] | None = None) -> AuditResult:
     """Audit JSON-lines logs (files, directories, `-` for stdin), streaming."""
-    auditor = Auditor(max_details=max_details, max_streams=max_streams)
+    auditor = Auditor(max_details=max_details, max_streams=max_streams, expect_ranks=expect_ranks)
     for item in iter_events(paths):
         auditor.feed(item)
     return auditor.finish()

@@ -12,7 +12,8 @@ an injected `<script>` or event handler would not run even if a value slipped th
 whatever the log: at most `STREAM_ROWS` streams listed, the auditor's `max_details` violations and input
 problems, panels for the streams the collector traced, `FIGURES_CAP` timelines in all.
 
-Sections: a summary with the verdict; the streams; the violations (filterable by kind); then one panel per
+Sections: a summary with the verdict and the ranks and nodes the logs cover (and, with expected ranks, the ones
+they lack); the streams; the violations (filterable by kind) and warnings; then one panel per
 backbone with the state diagram (the path its ranks took highlighted), a layers × time readiness timeline per
 rank and epoch, and a table of derived-buffer addresses per epoch.
 """
@@ -23,7 +24,7 @@ import base64
 import hashlib
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime, timezone
 from functools import cache
 from importlib import resources
@@ -33,12 +34,12 @@ from .logstream import LogEvent, iter_events
 from .markup import Markup, html, join, number, trusted
 from .replay import MAX_STREAMS, Auditor
 from .results import AuditResult, StreamReplay, Violation
-from .rules import VIOLATION_KINDS
+from .rules import VIOLATION_KINDS, WARNING_KINDS
 from .svg import state_diagram_svg
 from .text import abbreviate, clip
 from .timeline import timeline_svg
 from .traces import SHOWN_CAP, EpochTrace, ReportCollector, StreamTrace
-from .views import result_line
+from .views import coverage_line, result_line
 
 __all__ = ["FIGURES_CAP", "STREAM_ROWS", "collect", "content_security_policy", "render_html", "write_report"]
 
@@ -64,9 +65,9 @@ def content_security_policy() -> str:
             "; base-uri 'none'; form-action 'none'")
 
 
-def collect(paths: Sequence[str | Path], *, max_epochs: int = 12, max_streams: int = MAX_STREAMS
-            ) -> tuple[AuditResult, ReportCollector]:
-    auditor, collector = Auditor(max_streams=max_streams), ReportCollector(max_epochs)
+def collect(paths: Sequence[str | Path], *, max_epochs: int = 12, max_streams: int = MAX_STREAMS,
+            expect_ranks: Collection[int] | None = None) -> tuple[AuditResult, ReportCollector]:
+    auditor, collector = Auditor(max_streams=max_streams, expect_ranks=expect_ranks), ReportCollector(max_epochs)
     for item in iter_events(paths):
         r = auditor.feed(item)
         if r is not None and isinstance(item, LogEvent):
@@ -154,6 +155,8 @@ _VIOLATION = ('<tr class="violation kind-{kind}" data-kind="{kind}"><td><code>{w
 _VIOLATION_TABLE = ('<div id="violation-filter">{buttons}</div><table id="violation-table"><thead><tr><th>where</th>'
                     '<th>rank</th><th>backbone</th><th>epoch</th><th>kind</th><th>detail</th></tr></thead><tbody>'
                     '{rows}</tbody></table>{more}')
+_WARNING = ('<tr class="warning kind-{kind}" data-kind="{kind}"><td><code>{where}</code></td><td>{rank}</td>'
+            '<td>{backbone}</td><td>{epoch}</td><td class="kind">{kind}</td><td>{detail}</td></tr>')
 _NO_VIOLATIONS = Markup(
     '<p class="clean" id="no-violations">No violations: every transition is a row of the table, every refresh had '
     "every layer ready, no pinned address moved, every reload finished, every rank agrees.</p>")
@@ -175,6 +178,18 @@ def _violations_section(result: AuditResult) -> Markup:
         table = html(_VIOLATION_TABLE, buttons=join(buttons), rows=rows, more=more)
     kinds = join(html('<dt class="{cls}">{k}</dt><dd>{meaning}</dd>', cls="seen" if counts.get(k) else "", k=k,
                       meaning=meaning) for k, meaning in VIOLATION_KINDS.items())
+    kinds = join([kinds, *(html('<dt class="{cls}">{k} (warning)</dt><dd>{meaning}</dd>',
+                                cls="seen" if result.warning_counts.get(k) else "", k=k, meaning=meaning)
+                           for k, meaning in WARNING_KINDS.items())])
+    warnings: Markup | str = ""
+    if result.total_warnings:
+        rows = join(html(_WARNING, kind=w.kind, where=w.where, rank=w.rank, backbone=_name(w.backbone),
+                         epoch=w.epoch, detail=w.detail) for w in result.warnings)
+        shown = len(result.warnings)
+        warnings = html('<h3>Warnings ({n}; the verdict does not count them)</h3><table id="warning-table"><thead>'
+                        "<tr><th>where</th><th>rank</th><th>backbone</th><th>epoch</th><th>kind</th><th>detail</th>"
+                        "</tr></thead><tbody>{rows}</tbody></table>{more}", n=result.total_warnings, rows=rows,
+                        more=html("<p>first {k} listed</p>", k=shown) if result.total_warnings > shown else "")
     problems: Markup | str = ""
     if result.input_problem_count:
         items = join(html("<li><code>{where}</code> {message}</li>", where=p.where, message=p.message)
@@ -183,25 +198,27 @@ def _violations_section(result: AuditResult) -> Markup:
         problems = html('<h3>Unreadable input ({n})</h3><ul id="input-problems">{items}</ul>{more}'
                         "<p>The rest of the input was audited.</p>", n=result.input_problem_count, items=items,
                         more=html("<p>first {k} listed</p>", k=listed) if result.input_problem_count > listed else "")
-    return html('<section id="violations"><h2>Violations</h2>{table}{problems}<details><summary>What the auditor '
-                'checks</summary><dl id="kinds">{kinds}</dl></details></section>', table=table, problems=problems,
-                kinds=kinds)
+    return html('<section id="violations"><h2>Violations</h2>{table}{warnings}{problems}<details><summary>What the '
+                'auditor checks</summary><dl id="kinds">{kinds}</dl></details></section>', table=table,
+                warnings=warnings, problems=problems, kinds=kinds)
 
 
-_STREAM_ROW = ('<tr class="{cls}"><td>{rank}</td><td><a href="#{slug}">{backbone}</a></td><td class="num">{events}'
-               '</td><td class="num">{reloads}</td><td class="num">{epoch}</td><td>{state}</td><td>{pinned}</td>'
-               '<td class="num">{violations}</td></tr>')
+_STREAM_ROW = ('<tr class="{cls}"><td>{rank}</td><td>{node}</td><td><a href="#{slug}">{backbone}</a></td><td '
+               'class="num">{events}</td><td class="num">{reloads}</td><td class="num">{epoch}</td><td>{state}</td>'
+               '<td>{pinned}</td><td class="num">{violations}</td><td class="num">{warnings}</td></tr>')
 
 
 def _streams_table(result: AuditResult) -> Markup:
     rows = join(html(_STREAM_ROW, cls="bad" if sum(r.violations.values()) else "ok", rank=r.rank,
-                     slug=_slug("backbone", r.backbone), backbone=_name(r.backbone), events=r.events,
-                     reloads=r.epochs_begun, epoch=r.epoch, state=r.state.value, pinned="yes" if r.pinned else "no",
-                     violations=sum(r.violations.values())) for r in result.streams[:STREAM_ROWS])
+                     node=_name(", ".join(r.nodes) or "-"), slug=_slug("backbone", r.backbone),
+                     backbone=_name(r.backbone), events=r.events, reloads=r.epochs_begun, epoch=r.epoch,
+                     state=r.state.value, pinned="yes" if r.pinned else "no", violations=sum(r.violations.values()),
+                     warnings=sum(r.warnings.values())) for r in result.streams[:STREAM_ROWS])
     more = len(result.streams) - STREAM_ROWS
     return html('<section id="streams"><h2>Streams</h2><table id="stream-table"><thead><tr><th>rank</th>'
-                "<th>backbone</th><th>events</th><th>reloads</th><th>final epoch</th><th>final state</th>"
-                "<th>pinned</th><th>violations</th></tr></thead><tbody>{rows}</tbody></table>{more}</section>",
+                "<th>node</th><th>backbone</th><th>events</th><th>reloads</th><th>final epoch</th><th>final state</th>"
+                "<th>pinned</th><th>violations</th><th>warnings</th></tr></thead><tbody>{rows}</tbody></table>{more}"
+                "</section>",
                 rows=rows, more=html("<p>{n} more stream(s) not listed</p>", n=more) if more > 0 else "")
 
 
@@ -267,7 +284,8 @@ _PAGE = """<!DOCTYPE html>
 <header id="summary">
 <div><h1>{title}</h1><div class="facts"><b>{events}</b> events · <b>{streams}</b> stream(s)
 (rank, backbone) · <b>{backbones}</b> backbone(s) · <b>{inputs}</b> input(s) ·
-<b>{violations}</b> violation(s) · <b>{problems}</b> unreadable line(s)</div></div>
+<b>{violations}</b> violation(s) · <b>{warnings}</b> warning(s) · <b>{problems}</b> input problem(s)</div>
+<div class="facts" id="coverage">{coverage}</div></div>
 <div class="status {status_cls}" id="status">{status}</div>
 <details><summary>inputs</summary><ul id="inputs">{input_items}</ul></details>
 </header>
@@ -292,6 +310,8 @@ def render_html(result: AuditResult, collector: ReportCollector, *, title: str =
         status_cls, status = "status-violations", f"{result.total_violations} VIOLATION(S)"
     else:
         status_cls, status = "status-clean", "CLEAN"
+    if result.total_warnings:
+        status += f" · {result.total_warnings} WARNING(S)"
     by_backbone: dict[str, list[StreamReplay]] = {}
     for r in result.streams:
         by_backbone.setdefault(r.backbone, []).append(r)
@@ -314,7 +334,8 @@ def render_html(result: AuditResult, collector: ReportCollector, *, title: str =
     return html(
         _PAGE, csp=content_security_policy(), title=clip(title, 200), css=_asset("report.css"), events=result.events,
         streams=len(result.streams), backbones=len(by_backbone), inputs=len(result.inputs),
-        violations=result.total_violations, problems=result.input_problem_count, status_cls=status_cls,
+        violations=result.total_violations, warnings=result.total_warnings, problems=result.input_problem_count,
+        coverage=coverage_line(result), status_cls=status_cls,
         status=status, input_items=join(input_items), streams_table=_streams_table(result),
         violations_section=_violations_section(result), panels=join(panels), untraced=untraced,
         result=result_line(result), generated=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
@@ -322,9 +343,10 @@ def render_html(result: AuditResult, collector: ReportCollector, *, title: str =
 
 
 def write_report(paths: Sequence[str | Path], output: str | Path, *, title: str = "reload-lifecycle report",
-                 max_epochs: int = 12, max_streams: int = MAX_STREAMS) -> AuditResult:
+                 max_epochs: int = 12, max_streams: int = MAX_STREAMS, expect_ranks: Collection[int] | None = None
+                 ) -> AuditResult:
     """Audit `paths` and write the HTML report to `output`. Returns the audit result."""
-    result, collector = collect(paths, max_epochs=max_epochs, max_streams=max_streams)
+    result, collector = collect(paths, max_epochs=max_epochs, max_streams=max_streams, expect_ranks=expect_ranks)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_html(result, collector, title=title), encoding="utf-8")

@@ -1,10 +1,10 @@
-"""What the replay keeps and what it returns: the replayed lifecycle of one (rank, backbone), each violation found,
-and the audit's result.
+"""What the replay keeps and what it returns: the replayed lifecycle of one (rank, backbone), each violation and
+warning found, and the audit's result.
 
 Everything a `StreamReplay` holds is bounded: the layers ready in this epoch (at most `MAX_LAYERS`, kept as
 hashes of their names), the derived buffers' addresses (at most `MAX_BUFFERS`, keyed by `buffer_key`), a counter
-of the transitions taken (rows of the table, and at most `MAX_EDGES` illegal ones). A violation's detail is at
-most `DETAIL_CAP` characters.
+of the transitions taken (rows of the table, and at most `MAX_EDGES` illegal ones), the nodes (host names) its
+events came from (at most `MAX_NODES`). A violation's or warning's detail is at most `DETAIL_CAP` characters.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from ..states import LifecycleState
 from .logstream import InputProblem
 from .rules import INITIAL, STATE_NAMES
 
-__all__ = ["DETAIL_CAP", "MAX_BUFFERS", "MAX_EDGES", "MAX_LAYERS", "AuditResult", "StreamReplay", "Violation",
-           "buffer_key"]
+__all__ = ["DETAIL_CAP", "MAX_BUFFERS", "MAX_EDGES", "MAX_LAYERS", "MAX_NODES", "AuditResult", "StreamReplay",
+           "Violation", "buffer_key"]
 
 #: Derived-buffer addresses remembered per stream, at most.
 MAX_BUFFERS = 256
@@ -29,6 +29,8 @@ MAX_LAYERS = 1024
 MAX_EDGES = 64
 #: Characters of a violation's detail, at most.
 DETAIL_CAP = 1000
+#: Nodes (host names) remembered per stream, at most (a rank normally runs on one node; a restart may move it).
+MAX_NODES = 4
 
 
 def buffer_key(name: str) -> str:
@@ -38,6 +40,8 @@ def buffer_key(name: str) -> str:
 
 @dataclass(frozen=True)
 class Violation:
+    """A violation, or (in `AuditResult.warnings`) a warning: what was found, where, and in which stream."""
+
     kind: str
     rank: int
     backbone: str
@@ -78,6 +82,8 @@ class StreamReplay:
     illegal_edges: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     visited: set[str] = field(default_factory=lambda: {INITIAL})
     violations: Counter[str] = field(default_factory=Counter)
+    warnings: Counter[str] = field(default_factory=Counter)
+    nodes: dict[str, None] = field(default_factory=dict)  # host names, in the order seen (at most MAX_NODES)
 
     @property
     def state(self) -> LifecycleState:
@@ -104,10 +110,11 @@ class StreamReplay:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "rank": self.rank, "backbone": self.backbone, "events": self.events, "incarnations": self.incarnations,
+            "rank": self.rank, "backbone": self.backbone, "nodes": list(self.nodes), "events": self.events,
+            "incarnations": self.incarnations,
             "final_state": self.state_name, "final_epoch": self.epoch, "pinned": self.pinned,
             "reloads": self.epochs_begun, "layers_ready": self.layers_ready, "layers_total": self.layers_total,
-            "violations": dict(self.violations),
+            "violations": dict(self.violations), "warnings": dict(self.warnings),
             "transitions": [{"trigger": t, "src": s, "dst": d, "count": n} for (t, s, d), n in self.edges.items()],
         }
 
@@ -121,10 +128,29 @@ class AuditResult:
     violation_counts: Counter[str]
     input_problems: list[InputProblem]  # likewise capped; `input_problem_count` counts all
     input_problem_count: int
+    warnings: list[Violation] = field(default_factory=list)  # the first `max_details`; `warning_counts` counts all
+    warning_counts: Counter[str] = field(default_factory=Counter)
+    expected_ranks: frozenset[int] | None = None  # `--expect-ranks`, if given
+    missing_ranks: tuple[int, ...] = ()  # expected ranks without a single event in the input
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks the input has events of."""
+        return sorted({r.rank for r in self.streams})
+
+    @property
+    def nodes(self) -> list[str]:
+        """The nodes (host names) the input's events came from, as their events name them."""
+        return list(dict.fromkeys(n for r in self.streams for n in r.nodes))
+
+    @property
+    def total_warnings(self) -> int:
+        return sum(self.warning_counts.values())
 
     @property
     def status(self) -> int:
-        """0 clean, 1 violations, 2 unreadable input (whatever else was found)."""
+        """0 clean, 1 violations, 2 unreadable or incomplete input (whatever else was found). Warnings do not
+        change it."""
         if self.input_problem_count:
             return 2
         return 1 if sum(self.violation_counts.values()) else 0

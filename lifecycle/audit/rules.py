@@ -35,6 +35,7 @@ __all__ = [
     "ROW_CHECKS",
     "STATE_NAMES",
     "VIOLATION_KINDS",
+    "WARNING_KINDS",
     "WEIGHTS",
     "WEIGHTS_STATES",
     "Check",
@@ -148,7 +149,6 @@ VIOLATION_KINDS: dict[str, str] = {
                  "the replayed readiness had layers missing; or a refresh event with missing tensors",
     "storage_drift": "a pinned storage identity changed: a derived buffer's data_ptr in a refresh under captured "
                      f"graphs differs from the one recorded at {CAPTURE}, or a storage_check with ok=false",
-    "unfinished_epoch": f"a reload epoch began and the next {BEGIN} came before it was refreshed or aborted",
     "ends_mid_reload": "the log ends (or the lifecycle restarts) while a reload is still loading: last state "
                        f"{_or(s.value for s in allowed_sources(FINISH))} in epoch > 0",
     "epoch_disagreement": "ranks of one backbone end at different epochs",
@@ -156,4 +156,12 @@ VIOLATION_KINDS: dict[str, str] = {
     "out_of_order": "within one rank/backbone: a timestamp going backwards, an epoch decreasing, or a sequence "
                     "number repeated or going back",
     "missing_events": "a gap in the sequence numbers (`seq`) of one rank/backbone: lines were deleted or lost",
+}
+
+_RESTART_STATES = _or(s.value for s in allowed_sources(BEGIN) if s.value in LOADING_STATES)
+#: What the auditor reports without calling it a violation (counted and listed; the exit status is not changed).
+WARNING_KINDS: dict[str, str] = {
+    "abandoned_epoch": f"a reload epoch was loaded but the next {BEGIN} came before it was refreshed or aborted: "
+                       f"a restarted push ({BEGIN} from {_RESTART_STATES} is a row of the table); the dirty set keeps "
+                       "the abandoned epoch's writes, so the next refresh still rewrites what they touched",
 }

@@ -111,7 +111,7 @@ REQUIRED = ("event", "backbone", "rank", "epoch", "ts")
 #: Fields of every event: the required ones (checked first, in this order) and the ones the tools read.
 COMMON: dict[str, Field] = {
     "event": NAME_F, "backbone": NAME_F, "rank": COUNT_F, "epoch": COUNT_F, "ts": _slow(TIMESTAMP), "seq": COUNT_F,
-    "layers_ready": COUNT_F, "layers_total": COUNT_F,
+    "layers_ready": COUNT_F, "layers_total": COUNT_F, "node": NAME_F,
 }
 #: Per event kind the tools read: the fields they read, with their types, and the ones it must have. A field no
 #: tool reads is not checked (a newer writer may add fields; `MAX_LINE` and `MAX_DEPTH` bound it all the same).

@@ -4,9 +4,11 @@ The text view prints values read from logs (names, file names, details): each go
 so a control character in a log can neither fake a line nor restyle the terminal, and each cell is cut at
 `CELL_CAP` characters.
 
+An audit that saw nothing is not clean:
+
 >>> from lifecycle.audit.replay import Auditor
 >>> print(render_text(Auditor().finish()).splitlines()[-1])
-RESULT: CLEAN (0 events audited; exit status 0)
+RESULT: UNREADABLE INPUT (1 problem(s)) (0 events audited; exit status 2)
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .results import AuditResult
-from .rules import VIOLATION_KINDS
+from .coverage import rank_ranges
+from .results import AuditResult, Violation
+from .rules import VIOLATION_KINDS, WARNING_KINDS
 from .text import clip, printable
 
-__all__ = ["CELL_CAP", "JSON_FORMAT", "as_json", "cell_text", "render_json", "render_text", "result_line", "table"]
+__all__ = ["CELL_CAP", "JSON_FORMAT", "as_json", "cell_text", "coverage_line", "render_json", "render_text",
+           "result_line", "table"]
 
 #: The JSON view's own format version.
 JSON_FORMAT = 1
@@ -58,31 +62,53 @@ def result_line(result: AuditResult) -> str:
         what = f"{n} VIOLATION(S)"
     else:
         what = "CLEAN"
-    return f"RESULT: {what} ({result.events} events audited; exit status {result.status})"
+    warned = f"; {result.total_warnings} warning(s)" if result.total_warnings else ""
+    return f"RESULT: {what} ({result.events} events audited{warned}; exit status {result.status})"
+
+
+def coverage_line(result: AuditResult) -> str:
+    """Which ranks and nodes the input covers, and (with expected ranks) which ranks it lacks."""
+    ranks = rank_ranges(result.ranks) or "none"
+    if result.expected_ranks is not None:
+        missing = rank_ranges(result.missing_ranks) or "none"
+        ranks += f" (expected {rank_ranges(result.expected_ranks)}; missing: {missing})"
+    nodes = ", ".join(result.nodes) or "not named"
+    return f"ranks: {ranks}; nodes: {nodes}"
+
+
+def _findings(title: str, count: int, counts: dict[str, int], kinds: dict[str, str], found: list[Violation],
+              show: int) -> list[str]:
+    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    out = ["", f"{title} ({count}):",
+           table(["kind", "count", "meaning"], [[k, n, kinds.get(k, "")] for k, n in ordered])]
+    shown = found[:show]
+    out += ["", table(["where", "rank", "backbone", "epoch", "kind", "detail"],
+                      [[v.where, v.rank, v.backbone, v.epoch, v.kind, v.detail] for v in shown])]
+    if count > len(shown):
+        out.append(f"(first {len(shown)} of {count} shown)")
+    return out
 
 
 def render_text(result: AuditResult, *, show: int = 100) -> str:
     out = [f"reload-lifecycle audit: {len(result.inputs)} input(s), {result.events} events, "
-           f"{len(result.streams)} stream(s) (rank, backbone)"]
+           f"{len(result.streams)} stream(s) (rank, backbone)", cell_text(coverage_line(result))]
     if result.streams:
-        rows = [[r.rank, r.backbone, r.events, r.incarnations, r.epochs_begun, r.epoch, r.state.value,
-                 "yes" if r.pinned else "no", sum(r.violations.values())] for r in result.streams]
-        out += ["", table(["rank", "backbone", "events", "lifecycles", "reloads", "final epoch", "final state",
-                           "pinned", "violations"], rows)]
+        rows = [[r.rank, ", ".join(r.nodes) or "-", r.backbone, r.events, r.incarnations, r.epochs_begun, r.epoch,
+                 r.state.value, "yes" if r.pinned else "no", sum(r.violations.values()), sum(r.warnings.values())]
+                for r in result.streams]
+        out += ["", table(["rank", "node", "backbone", "events", "lifecycles", "reloads", "final epoch",
+                           "final state", "pinned", "violations", "warnings"], rows)]
     if result.input_problem_count:
         out += ["", f"unreadable input ({result.input_problem_count}; exit status 2, the rest was audited):"]
         out += [f"  {cell_text(p.where)}: {cell_text(p.message)}" for p in result.input_problems[:show]]
         if result.input_problem_count > min(show, len(result.input_problems)):
             out.append(f"  ... {result.input_problem_count - min(show, len(result.input_problems))} more")
     if result.total_violations:
-        counts = sorted(result.violation_counts.items(), key=lambda kv: (-kv[1], kv[0]))
-        out += ["", f"violations ({result.total_violations}):",
-                table(["kind", "count", "meaning"], [[k, n, VIOLATION_KINDS.get(k, "")] for k, n in counts])]
-        shown = result.violations[:show]
-        out += ["", table(["where", "rank", "backbone", "epoch", "kind", "detail"],
-                          [[v.where, v.rank, v.backbone, v.epoch, v.kind, v.detail] for v in shown])]
-        if result.total_violations > len(shown):
-            out.append(f"(first {len(shown)} of {result.total_violations} shown)")
+        out += _findings("violations", result.total_violations, result.violation_counts, VIOLATION_KINDS,
+                         result.violations, show)
+    if result.total_warnings:
+        out += _findings("warnings (the exit status does not count them)", result.total_warnings,
+                         result.warning_counts, WARNING_KINDS, result.warnings, show)
     out += ["", result_line(result)]
     return "\n".join(out)
 
@@ -93,14 +119,22 @@ def as_json(result: AuditResult) -> dict[str, Any]:
         "status": result.status,
         "inputs": result.inputs,
         "events": result.events,
+        "ranks": result.ranks,
+        "nodes": result.nodes,
+        "expected_ranks": sorted(result.expected_ranks) if result.expected_ranks is not None else None,
+        "missing_ranks": list(result.missing_ranks),
         "streams": [r.summary() for r in result.streams],
         "violation_counts": dict(result.violation_counts),
         "violations": [v.as_dict() for v in result.violations],
         "violations_truncated": result.total_violations - len(result.violations),
+        "warning_counts": dict(result.warning_counts),
+        "warnings": [w.as_dict() for w in result.warnings],
+        "warnings_truncated": result.total_warnings - len(result.warnings),
         "input_problems": [{"where": p.where, "source": p.source, "line": p.line, "message": p.message}
                            for p in result.input_problems],
         "input_problem_count": result.input_problem_count,
         "kinds": VIOLATION_KINDS,
+        "warning_kinds": WARNING_KINDS,
     }
 
 

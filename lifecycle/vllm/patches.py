@@ -6,11 +6,19 @@
   finalize_layerwise_reload(model, c)   -> vLLM's finalize first, then each draft finishes (every layer ready?),
                                            runs its reload hooks and refreshes in place; a draft whose reload is
                                            incomplete is quarantined and the error is raised to the caller
-  process_weights_after_loading(...)    -> vLLM's cold-load processing first, then each draft builds its
-                                           derived buffers (cold) from ready layers
+  process_weights_after_loading(...)    -> after a cold load: vLLM's processing first, then each draft builds
+  (base_loader's and model_loader.utils')  its derived buffers from ready layers; during a reload epoch (a plain
+                                           `load_weights` after the cold load began one): the epoch is finished
+                                           as `finalize_layerwise_reload` would, never by replaying cold-load
+                                           processing over layers the reload already processed
+
+  GPUModelRunner._input_fits_in_drafter -> False while a draft is not usable (quarantined, mid-reload): vLLM
+                                           then runs the step without the drafter (the target's tokens only)
 
 `reload_weights`, the native weight-transfer engines and RL trainers all call these names, so one set of
-wrappers covers cold load, target reload, draft reload and the transfer sessions.
+wrappers covers cold load, target reload, draft reload and the transfer sessions. A reference taken before the
+plugin wrapped a name still reaches the lifecycle: the draft classes' own `load_weights` and
+`process_weights_after_loading` (`drafts.py`) do the same.
 """
 
 from __future__ import annotations
@@ -20,16 +28,34 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from .drafts import MODULE_OWNERS, backbones_in
+from torch import nn
 
-__all__ = ["PATCH_POINTS", "install"]
+from . import settings
+from .drafts import IN_VLLM_RELOAD, MODULE_OWNERS, backbones_in
+from .epochs import (
+    describe,
+    end_failed_epoch,
+    keep_shared_modules_live,
+    note_engine_model,
+    reload_in_progress,
+    settle_partial,
+)
+from .quantized import reload_blocker
+from .serving import drafting_allowed
+
+__all__ = ["ENGINE_NAMES", "PATCH_POINTS", "install"]
 
 _MARK = "__reload_lifecycle_wrapped__"
 
 
 def _wrap(module_name: str, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
-    module = importlib.import_module(module_name)
-    original = getattr(module, attr, None)
+    owner: Any = importlib.import_module(module_name)
+    *path, name = attr.split(".")  # "Class.method" wraps a method on its class
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return False
+    original = getattr(owner, name, None)
     if original is None:
         return False
     if getattr(original, _MARK, False):
@@ -37,26 +63,67 @@ def _wrap(module_name: str, attr: str, make: Callable[[Callable[..., Any]], Call
     wrapper = functools.wraps(original)(make(original))
     setattr(wrapper, _MARK, True)
     wrapper.__wrapped_original__ = original  # type: ignore[attr-defined]
-    setattr(module, attr, wrapper)
+    setattr(owner, name, wrapper)
     return True
+
+
+def _require_module(model: Any, function: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{function}(model, ...): model must be a torch.nn.Module, got {type(model).__name__}; "
+                        "nothing was changed")
+
+
+def _in_vllm_reload(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one of vLLM's reload steps with `IN_VLLM_RELOAD` set: a draft's `load_weights` called from inside it is
+    part of vLLM's layerwise reload, not a plain write after a completed load (trainer path iv)."""
+    token = IN_VLLM_RELOAD.set(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        IN_VLLM_RELOAD.reset(token)
 
 
 def _initialize(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
-        for backbone in backbones_in(model):
+        _require_module(model, "initialize_layerwise_reload")
+        backbones = backbones_in(model)
+        if not backbones:  # the target, or a model without lifecycle drafts: vLLM's reload as it is
+            return original(model, *args, **kwargs)
+        if (why := reload_blocker(model)) is not None:
+            raise NotImplementedError(f"reload-lifecycle: {why}")
+        if reload_in_progress(model):  # the last reload never reached finalize
+            end_failed_epoch(model, "abandoned: a new reload began before the previous one was finalized")
+        for backbone in backbones:
             backbone.on_reload_begin()
-        return original(model, *args, **kwargs)
+        result = original(model, *args, **kwargs)
+        keep_shared_modules_live(model)  # what the draft shares with the target stays live
+        return result
 
     return initialize_layerwise_reload
 
 
 def _finalize(original: Callable[..., Any]) -> Callable[..., Any]:
     def finalize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(model, *args, **kwargs)
+        _require_module(model, "finalize_layerwise_reload")
+        backbones = backbones_in(model)
+        if not backbones:
+            return _in_vllm_reload(original, model, *args, **kwargs)
+        model_config = args[0] if args else kwargs.get("model_config")
+        try:
+            if not hasattr(model_config, "dtype"):  # vLLM reads it only after processing every other layer
+                raise TypeError("finalize_layerwise_reload(model, model_config): model_config must be the draft's "
+                                f"ModelConfig, got {type(model_config).__name__}")
+            policies = {b: settings.check_partial(b.reload_partial, "partial") for b in backbones}
+            outcomes = settle_partial(model, policies.__getitem__)
+            result = _in_vllm_reload(original, model, *args, **kwargs)
+        except BaseException as e:
+            end_failed_epoch(model, f"finalize_layerwise_reload failed: {describe(e)}")
+            raise
         errors = []
-        for backbone in backbones_in(model):
+        for backbone in backbones:
+            backbone.reload_partial = None
             try:
-                backbone.on_reload_finalized()
+                backbone.on_reload_finalized(outcomes.get(backbone), policies[backbone])
             except Exception as e:
                 errors.append(e)
         if errors:
@@ -71,7 +138,7 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         # vLLM also processes layers that got only part of their elements (at finalize, with the rest
         # uninitialised); only a layer that received everything counts as loaded
         complete = info.load_numel_total is not None and info.load_numel >= info.load_numel_total > 0
-        result = original(layer, info, *args, **kwargs)
+        result = _in_vllm_reload(original, layer, info, *args, **kwargs)
         owner = MODULE_OWNERS.get(layer)
         if complete and owner is not None:
             backbone, names = owner
@@ -82,20 +149,38 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
     return layerwise_process
 
 
+def _drafting_gate(original: Callable[..., Any]) -> Callable[..., Any]:
+    # vLLM's own way to run a step without the drafter: when this says False the runner zeroes the step's draft
+    # tokens (the target verifies them, so the output is unchanged) and never calls into the draft model
+    def _input_fits_in_drafter(runner: Any, *args: Any, **kwargs: Any) -> bool:
+        return drafting_allowed(runner) and bool(original(runner, *args, **kwargs))
+
+    return _input_fits_in_drafter
+
+
 def _process_weights_after_loading(original: Callable[..., Any]) -> Callable[..., Any]:
     def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
+        backbones = backbones_in(model)
+        if any(b.reload_open for b in backbones):  # a plain load_weights after the cold load opened an epoch
+            model_config = args[0] if args else kwargs["model_config"]
+            finalize = importlib.import_module(_LAYERWISE).finalize_layerwise_reload  # the wrapped one
+            return finalize(model, model_config)
         result = original(model, *args, **kwargs)
-        for backbone in backbones_in(model):
+        note_engine_model(model)  # the target: a draft reload must leave the modules they share live
+        for backbone in backbones:
             backbone.on_cold_load_processed()
         return result
 
     return process_weights_after_loading
 
 
+_LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+
+#: (vLLM module, function, wrapper maker): every name the plugin wraps, where vLLM looks it up.
 PATCH_POINTS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
-    ("vllm.model_executor.model_loader.reload.layerwise", "_layerwise_process", _layerwise_process),
-    ("vllm.model_executor.model_loader.reload.layerwise", "initialize_layerwise_reload", _initialize),
-    ("vllm.model_executor.model_loader.reload.layerwise", "finalize_layerwise_reload", _finalize),
+    (_LAYERWISE, "_layerwise_process", _layerwise_process),
+    (_LAYERWISE, "initialize_layerwise_reload", _initialize),
+    (_LAYERWISE, "finalize_layerwise_reload", _finalize),
     ("vllm.model_executor.model_loader.reload", "initialize_layerwise_reload", _initialize),
     ("vllm.model_executor.model_loader.reload", "finalize_layerwise_reload", _finalize),
     ("vllm.model_executor.model_loader.reload.inplace", "initialize_layerwise_reload", _initialize),
@@ -104,6 +189,35 @@ PATCH_POINTS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[...,
     ("vllm.model_executor.model_loader.reload.torchao_decorator", "finalize_layerwise_reload", _finalize),
     ("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading",
      _process_weights_after_loading),
+    ("vllm.model_executor.model_loader.utils", "process_weights_after_loading", _process_weights_after_loading),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._input_fits_in_drafter", _drafting_gate),
+)
+
+#: (vLLM module, name, who uses it): the other vLLM names the plugin relies on (checked with PATCH_POINTS).
+ENGINE_NAMES: tuple[tuple[str, str, str], ...] = (
+    ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.load_numel", "patches._layerwise_process"),
+    ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.load_numel_total",
+     "patches._layerwise_process"),
+    ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase.process_weights_after_loading",
+     "drafts (shadows, deferred processing)"),
+    ("vllm.model_executor.models.registry", "ModelRegistry", "plugin (draft class registration)"),
+    ("vllm.model_executor.models.registry", "_ModelRegistry.register_model", "plugin (draft class registration)"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_draft_model", "worker RPCs (Model Runner V1)"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.get_draft_model", "worker RPCs (Model Runner V2)"),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.set_weight_update_target",
+     "transfer (draft sessions)"),
+    ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory.register_engine", "transfer"),
+    ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory._registry", "transfer"),
+    ("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO", "epochs (unwinding a failed reload)"),
+    ("vllm.model_executor.model_loader.reload.layerwise", "_place_kernel_tensors", "epochs (unwinding)"),
+    ("vllm.model_executor.model_loader.reload.meta", "materialize_layer", "epochs (partial policy keep)"),
+    ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.kernel_tensors", "epochs"),
+    ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.can_load", "epochs"),
+    ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.reset", "epochs"),
+    ("vllm.model_executor.layers.attention", "is_deferred_attention_layer", "quantized, epochs"),
+    ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "quantized, epochs (checkpoint layout)"),
+    ("vllm.v1.executor.abstract", "Executor.__init__", "nodes (a Ray executor checks every worker's node)"),
+    ("vllm.v1.executor.abstract", "Executor.collective_rpc", "nodes (the per-node probe)"),
 )
 
 

@@ -3,40 +3,74 @@
 from __future__ import annotations
 
 import os
+import re
 
 from .. import env
-from ..events import AuditSinkError, configure_audit
-from .version import check_vllm_version
+from ..events import AuditSinkError, configure_audit, host_name
+from . import settings
+from .version import check_vllm
 
-__all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "activate"]
+__all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "ENV_PREFIX", "RAY_COPY_PREFIXES_ENV", "activate",
+           "audit_file_name", "forward_switches_to_ray_workers"]
 
-#: A folder: each process writes its audit events to `audit-<pid>.jsonl` there (events carry their rank).
+#: A folder: each process writes its audit events to `audit-<host>-<pid>.jsonl` there (events carry their rank
+#: and node), so the folders of several nodes can be gathered into one and audited together.
 AUDIT_DIR_ENV = "RELOAD_LIFECYCLE_AUDIT_DIR"
 #: A switch (1/true/yes/on): also print readable events to stderr.
 AUDIT_CONSOLE_ENV = "RELOAD_LIFECYCLE_AUDIT_CONSOLE"
+#: The prefix of every switch of this package.
+ENV_PREFIX = "RELOAD_LIFECYCLE_"
+#: vLLM's Ray executor (V1) copies to its workers only the variables vLLM knows, those with vLLM's prefixes and
+#: those with a prefix listed here (comma-separated); the V2 executor copies the driver's whole environment.
+RAY_COPY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 
 _active = False
 
 
 def activate() -> None:
-    """Check the vLLM version, route audit events, register the lifecycle-enabled draft classes, and wrap the
-    reload entry points. Safe to call more than once."""
+    """Check that vLLM has every name the plugin relies on (else `UnsupportedVLLMError` naming each, with nothing
+    patched), route audit events, register the lifecycle-enabled draft classes of the families this vLLM has, and
+    wrap the reload entry points. Safe to call more than once."""
     global _active
     if _active:
         return
-    check_vllm_version()
+    version = check_vllm()
+    settings.partial_policy()  # a bad engine-wide setting stops the engine here, naming the variable
+    settings.allowed_root()
+    forward_switches_to_ray_workers()
     _configure_audit_from_env()
     from vllm import ModelRegistry
 
-    from . import patches, transfer
-    from .families import FAMILIES
+    from . import nodes, patches, transfer
+    from .capabilities import active_families
 
-    for family in FAMILIES:
+    for family in active_families(version):
         for arch in family.architectures:
             ModelRegistry.register_model(arch, f"lifecycle.vllm.registered:{family.name}")
     patches.install()
     transfer.register()
+    nodes.install()  # a Ray engine checks that every worker's node runs this plugin
     _active = True
+
+
+def forward_switches_to_ray_workers() -> None:
+    """Make every `RELOAD_LIFECYCLE_*` switch of this process reach the workers of a Ray engine it starts: add
+    the prefix to the ones vLLM's Ray executors copy (`VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY`, kept as the user
+    set it otherwise). Without it, vLLM's V1 Ray executor drops them and no worker writes an audit log."""
+    listed = [p.strip() for p in os.environ.get(RAY_COPY_PREFIXES_ENV, "").split(",") if p.strip()]
+    if ENV_PREFIX not in listed:
+        os.environ[RAY_COPY_PREFIXES_ENV] = ",".join([*listed, ENV_PREFIX])
+
+
+def audit_file_name(pid: int | None = None, host: str | None = None) -> str:
+    """`audit-<host>-<pid>.jsonl`: unique across the nodes whose folders are gathered into one (process ids
+    repeat from machine to machine); the host name kept to letters, digits, '.', '_' and '-'.
+
+    >>> audit_file_name(42, "gpu-node-7.example")
+    'audit-gpu-node-7.example-42.jsonl'
+    """
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", host if host is not None else host_name())[:64] or "host"
+    return f"audit-{host}-{os.getpid() if pid is None else pid}.jsonl"
 
 
 def _configure_audit_from_env() -> None:
@@ -45,7 +79,7 @@ def _configure_audit_from_env() -> None:
     `env.EnvSettingError` naming the variable."""
     folder = env.path(AUDIT_DIR_ENV)
     console = env.flag(AUDIT_CONSOLE_ENV)
-    path = folder / f"audit-{os.getpid()}.jsonl" if folder is not None else None
+    path = folder / audit_file_name() if folder is not None else None
     try:
         configure_audit(json_path=path, console=console)  # neither: events stay in each lifecycle's memory ring
     except AuditSinkError as e:

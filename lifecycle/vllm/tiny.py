@@ -78,13 +78,14 @@ ENGINE_ENV = {
 }
 
 
-def engine_kwargs(target: str | Path, draft: str | Path, *, plugin: bool = True) -> dict[str, object]:
-    """`LLM(**engine_kwargs(...))`: a tiny in-process CPU engine with DFlash speculative decoding; with `plugin`,
-    also the lifecycle RPCs and the plugin's `safetensors_file` weight-transfer engine."""
+def engine_kwargs(target: str | Path, draft: str | Path, *, plugin: bool = True,
+                  method: str = "dflash") -> dict[str, object]:
+    """`LLM(**engine_kwargs(...))`: a tiny in-process CPU engine with speculative decoding (`method`, DFlash by
+    default); with `plugin`, also the lifecycle RPCs and the plugin's `safetensors_file` weight-transfer engine."""
     kwargs: dict[str, object] = dict(
         model=str(target), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="float32",
         max_num_seqs=4, max_num_batched_tokens=128, seed=0,
-        speculative_config={"method": "dflash", "model": str(draft), "num_speculative_tokens": 3})
+        speculative_config={"method": method, "model": str(draft), "num_speculative_tokens": 3})
     if plugin:
         kwargs["worker_extension_cls"] = "lifecycle.vllm.worker.LifecycleWorkerExtension"
         kwargs["weight_transfer_config"] = {"backend": "safetensors_file"}

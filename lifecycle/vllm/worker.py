@@ -1,21 +1,36 @@
 """RPCs for trainers: pass `worker_extension_cls="lifecycle.vllm.worker.LifecycleWorkerExtension"` to `LLM(...)` and
 call them with `llm.collective_rpc("lifecycle_states")` (one answer per worker rank). Every answer is plain data
-(it crosses process boundaries): no tensors.
+(it crosses process boundaries): no tensors. Every answer says which worker gave it, so the answers of several
+nodes can be told apart and merged: a list answer's items each carry `rank` and `node` (the host name); a
+mapping answer carries them as its `rank` and `node` entries beside the per-backbone ones (`per_backbone` drops
+them).
 """
 
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Iterable
 from typing import Any
 
 from ..errors import MESSAGE_ITEMS_CAP
+from ..events import host_name
 from ..storage import StorageIdentity
 from ..types import capped
 from .drafts import LifecycleDraftModel, backbones_in
+from .epochs import describe, end_failed_epoch
+from .payload import feed, plan_payload
+from .settings import PartialPolicy, check_partial
 
-__all__ = ["LifecycleWorkerExtension"]
+__all__ = ["WORKER_KEYS", "LifecycleWorkerExtension", "draft_model_of", "per_backbone"]
+
+#: The entries of a mapping answer that name the worker, not a backbone.
+WORKER_KEYS = ("rank", "node")
+
+
+def per_backbone(answer: dict[str, Any]) -> dict[str, Any]:
+    """A mapping answer (`lifecycle_pin`, `lifecycle_verify`, `lifecycle_derived_digests`) without the entries
+    that name the worker: {backbone: ...}."""
+    return {k: v for k, v in answer.items() if k not in WORKER_KEYS}
 
 
 class LifecycleWorkerExtension:
@@ -25,18 +40,23 @@ class LifecycleWorkerExtension:
     def _lifecycle_models(self) -> dict[str, Any]:
         runner = self.model_runner  # type: ignore[attr-defined]
         models = {"target": runner.get_model()}
-        drafter = getattr(runner, "drafter", None)
-        if drafter is not None and getattr(drafter, "model", None) is not None:
-            models["draft"] = drafter.model
+        draft = draft_model_of(runner)
+        if draft is not None:
+            models["draft"] = draft
         return models
 
     def _lifecycle_backbones(self) -> list[tuple[str, LifecycleDraftModel]]:
         return [(role, b) for role, model in self._lifecycle_models().items() for b in backbones_in(model)]
 
+    def _lifecycle_worker(self) -> dict[str, Any]:
+        """Which worker answers: its global rank (vLLM's `WorkerBase.rank`) and its node's host name."""
+        return {"rank": self.rank, "node": host_name()}  # type: ignore[attr-defined]
+
     # ---- RPCs ---------------------------------------------------------------------------------------------
     def lifecycle_states(self) -> list[dict[str, Any]]:
         """State, epoch, readiness, pinning and derived-buffer identities of every lifecycle backbone here."""
         out = []
+        node = host_name()
         for role, b in self._lifecycle_backbones():
             lc = b.lifecycle
             derived = {}
@@ -44,7 +64,8 @@ class LifecycleWorkerExtension:
                 t = b._buffers.get(name)
                 derived[name] = None if t is None else StorageIdentity.of(t).as_log()
             out.append({
-                "role": role, "backbone": lc.name, "rank": lc.rank, "state": lc.state.value, "epoch": lc.epoch,
+                "role": role, "backbone": lc.name, "rank": lc.rank, "node": node, "state": lc.state.value,
+                "epoch": lc.epoch,
                 "layers_ready": lc.readiness.layers_ready, "layers_total": lc.readiness.layers_total,
                 "pinned": len(lc.pinned) if lc.pinned else 0, "quarantine_reason": lc.quarantine_reason,
                 "fallbacks": b.derived_fallbacks, "derived": derived,
@@ -57,20 +78,23 @@ class LifecycleWorkerExtension:
         if type(last) is not int or last < 0:
             raise ValueError(f"lifecycle_events: last must be an int >= 0, got {last!r:.80}")
         events: list[dict[str, Any]] = []
+        node = host_name()
         for _, b in self._lifecycle_backbones():
             kept = b.lifecycle.recent_events
-            events.extend(list(kept)[len(kept) - min(last, len(kept)):])
+            events.extend({**e, "node": node} for e in list(kept)[len(kept) - min(last, len(kept)):])
         return events
 
-    def lifecycle_pin(self) -> dict[str, int]:
+    def lifecycle_pin(self) -> dict[str, Any]:
         """Pin the storage identity of every draft tensor now (what `capture_graphs` does): later reloads must
-        keep every pinned address or refuse. On CUDA, call it after vLLM captured its graphs."""
-        return {b.lifecycle.name: b.capture_graphs() for _, b in self._lifecycle_backbones()
-                if b.lifecycle.can("capture_graphs")}
+        keep every pinned address or refuse. On CUDA, call it after vLLM captured its graphs.
+        {backbone: tensors pinned, "rank", "node"}."""
+        return {**{b.lifecycle.name: b.capture_graphs() for _, b in self._lifecycle_backbones()
+                   if b.lifecycle.can("capture_graphs")}, **self._lifecycle_worker()}
 
     def lifecycle_verify(self) -> dict[str, Any]:
-        """Check every pinned identity against the live tensors. {backbone: {"ok", "checked", "problems"}}."""
-        out: dict[str, Any] = {}
+        """Check every pinned identity against the live tensors. {backbone: {"ok", "checked", "problems"},
+        "rank", "node"}."""
+        out: dict[str, Any] = self._lifecycle_worker()
         for _, b in self._lifecycle_backbones():
             problems = b.lifecycle.pinned_changes()
             shown, more = capped(problems, MESSAGE_ITEMS_CAP)
@@ -78,9 +102,10 @@ class LifecycleWorkerExtension:
                                      "problems": shown, "problems_more": more}
         return out
 
-    def lifecycle_derived_digests(self) -> dict[str, dict[str, str]]:
-        """sha256 of every derived buffer's bytes: compare two engines bit for bit without moving tensors."""
-        out: dict[str, dict[str, str]] = {}
+    def lifecycle_derived_digests(self) -> dict[str, Any]:
+        """sha256 of every derived buffer's bytes: compare two engines bit for bit without moving tensors.
+        {backbone: {buffer: sha256}, "rank", "node"}."""
+        out: dict[str, Any] = self._lifecycle_worker()
         for _, b in self._lifecycle_backbones():
             digests = {}
             for name in b.derived_buffer_names():
@@ -90,11 +115,19 @@ class LifecycleWorkerExtension:
             out[b.lifecycle.name] = digests
         return out
 
-    def reload_draft_weights(self, weights_path: str, bucket_size: int = 0, shuffle: bool = False,
-                             seed: int = 0, exclude_prefixes: Iterable[str] = ()) -> dict[str, Any]:
-        """Reload the draft from a safetensors folder or file through vLLM's layerwise reload, in buckets of
-        `bucket_size` tensors (0: one bucket), optionally shuffled, leaving out names with `exclude_prefixes`
-        (to test an incomplete payload). vLLM 0.32's `reload_weights` reloads only the target."""
+    def reload_draft_weights(self, weights_path: str, bucket_size: int | None = None, shuffle: bool = False,
+                             seed: int = 0, exclude_prefixes: Iterable[str] = (),
+                             partial: PartialPolicy | None = None) -> dict[str, Any]:
+        """Reload the draft from a safetensors file or folder through vLLM's layerwise reload, in buckets of
+        `bucket_size` tensors (None: one bucket), optionally shuffled, leaving out names that start with one of
+        `exclude_prefixes`. `partial`: what tensors the payload does not send do, 'refuse' (quarantine) or
+        'keep' (they keep their last values); None: the engine's `RELOAD_LIFECYCLE_PARTIAL`. vLLM 0.32's
+        `reload_weights` reloads only the target.
+
+        Every argument and the checkpoint's headers are checked before the draft is touched (an error then
+        changes nothing). A failure after that ends the reload epoch (`lifecycle.vllm.epochs`): rolled back
+        exactly when nothing was written yet, else the draft is quarantined and the engine serves without it;
+        the error is raised either way, and the same call, corrected, works without a restart."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -103,32 +136,39 @@ class LifecycleWorkerExtension:
         draft = self._lifecycle_models().get("draft")
         if draft is None:
             raise RuntimeError("this engine has no draft model (speculative_config is not set)")
-        items = [(n, t) for n, t in _read_safetensors(weights_path) if not n.startswith(tuple(exclude_prefixes))]
-        if shuffle:
-            random.Random(seed).shuffle(items)
-        size = bucket_size or len(items)
-        initialize_layerwise_reload(draft)
-        for i in range(0, len(items), size):
-            draft.load_weights(items[i:i + size])
+        policy = check_partial(partial)
+        payload = plan_payload(weights_path, bucket_size=bucket_size, shuffle=shuffle, seed=seed,
+                               exclude_prefixes=exclude_prefixes)
         config = self.vllm_config.speculative_config.draft_model_config  # type: ignore[attr-defined]
-        finalize_layerwise_reload(draft, config)
-        return {"tensors": len(items), "buckets": -(-len(items) // size)}
+        initialize_layerwise_reload(draft)  # the model is touched from here on
+        try:
+            for backbone in backbones_in(draft):
+                backbone.reload_partial = policy
+            feed(draft, payload)
+            finalize_layerwise_reload(draft, config)
+        except BaseException as e:
+            end_failed_epoch(draft, f"reload_draft_weights failed: {describe(e)}")  # no-op if already ended
+            raise
+        return {"tensors": payload.tensors, "buckets": len(payload.buckets), "partial": policy,
+                **self._lifecycle_worker()}
+
+
+def draft_model_of(runner: Any) -> Any:
+    """The runner's draft model, unwrapped, or None. Both model runners answer `get_draft_model()`: V1 keeps the
+    draft in `runner.drafter.model` (possibly inside a CUDA-graph wrapper), Model Runner V2 (vLLM's GPU default,
+    the only runner for DSpark) in `runner.speculator.model`; the attributes are the fallback for a runner
+    without the method."""
+    get = getattr(runner, "get_draft_model", None)
+    if callable(get):
+        return get()
+    for holder in ("drafter", "speculator"):
+        model = getattr(getattr(runner, holder, None), "model", None)
+        if model is not None:
+            return model.unwrap() if hasattr(model, "unwrap") else model
+    return None
 
 
 def _byte_dtype() -> Any:
     import torch
 
     return torch.uint8
-
-
-def _read_safetensors(path: str) -> list[tuple[str, Any]]:
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    out: list[tuple[str, Any]] = []
-    for f in files:
-        out.extend(load_file(str(f)).items())
-    return out

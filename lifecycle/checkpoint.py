@@ -1,0 +1,280 @@
+"""Reading safetensors checkpoints that may change, vanish or lie while they are read.
+
+>>> import tempfile, torch
+>>> from lifecycle.loading import write_checkpoint
+>>> path = write_checkpoint({"a": torch.ones(2, 3), "b": torch.arange(4)}, tempfile.mkdtemp() + "/x.safetensors")
+>>> index = checkpoint_index(path)
+>>> index["a"].shape, index["a"].dtype, index["b"].nbytes
+((2, 3), torch.float32, 32)
+>>> [[(n, t.tolist()) for n, t in bucket] for bucket in iter_buckets(index, [["b"]])]
+[[('b', [0, 1, 2, 3])]]
+
+A trainer writes checkpoints to a shared file system while the engine reads them, so nothing about a file is
+trusted beyond what was checked:
+
+- Only regular files are read: a FIFO, socket or device is refused before anything could block on it (a FIFO
+  opened for reading waits for a writer forever). Files are opened non-blocking and checked on the descriptor.
+- The header is parsed here, and every tensor's byte range is checked against the file's size before any data
+  is read: a file truncated after its header is refused from the index.
+- Data is read with `os.preadv` into fresh tensors, never memory-mapped: a file truncated under a mapping
+  kills the process with SIGBUS; under a read it comes up short, which is a `CheckpointError`.
+- Each file's identity (size, mtime_ns, inode, device) is recorded when its header is read and compared again
+  when the file is opened for its data and after every bucket read from it, through the descriptor (rewritten
+  in place: size or mtime changed) and through the path (replaced or removed). A change is a `CheckpointError`
+  naming the file and what changed, raised before the bucket that saw it is handed out: a load never mixes two
+  versions of a file. (The check relies on the file system's mtime granularity for same-size rewrites.)
+- A folder is read file by file; `iter_buckets` holds one bucket's tensors at a time.
+- A tensor that appears in two files is refused, naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+
+__all__ = ["DTYPES", "FileIdentity", "IndexEntry", "check_paths", "checkpoint_files", "checkpoint_index",
+           "iter_buckets"]
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+#: safetensors' own limit on the JSON header.
+HEADER_LIMIT = 100 * 2**20
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What says a file is still the one whose header was validated."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+    device: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+    def changes(self, now: FileIdentity) -> list[str]:
+        """`size 4096 -> 4032` etc. for every field that differs."""
+        return [f"{f} {getattr(self, f)} -> {getattr(now, f)}" for f in ("size", "mtime_ns", "inode", "device")
+                if getattr(self, f) != getattr(now, f)]
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """Where one tensor lives: its file, shape, dtype and byte range (`start`: absolute offset in the file)."""
+
+    path: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int = 0
+    nbytes: int = 0
+    identity: FileIdentity | None = None
+
+
+def _error(path: Path | str, what: str) -> CheckpointError:
+    return CheckpointError(f"cannot read checkpoint {path}: {what}", backbone=None)
+
+
+def _open_regular(path: Path) -> tuple[int, FileIdentity]:
+    """An open descriptor on a regular file and its identity; anything else is refused without blocking."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise _error(path, f"{e.strerror or e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise _error(path, f"not a regular file ({_kind(st.st_mode)}); only regular safetensors files are read")
+    try:
+        fd = os.open(path, _OPEN_FLAGS)  # non-blocking: a file swapped for a FIFO meanwhile cannot hang us
+    except OSError as e:
+        raise _error(path, f"{e.strerror or e}") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _error(path, f"not a regular file ({_kind(st.st_mode)}); only regular safetensors files are read")
+    return fd, FileIdentity.of(st)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _read_exact(fd: int, out: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n == 0:
+            raise _error(path, f"the file ended after {offset + done} bytes while {offset + len(out)} were "
+                               "expected (truncated while it was read?)")
+        done += n
+
+
+def _read_header(path: Path) -> dict[str, IndexEntry]:
+    fd, identity = _open_regular(path)
+    try:
+        if identity.size < 8:
+            raise _error(path, f"{identity.size} bytes, shorter than a safetensors header")
+        raw = bytearray(8)
+        _read_exact(fd, memoryview(raw), 0, path)
+        (length,) = struct.unpack("<Q", raw)
+        if length > HEADER_LIMIT or 8 + length > identity.size:
+            raise _error(path, f"header length {length} exceeds the file ({identity.size} bytes): truncated or not "
+                               "a safetensors file")
+        text = bytearray(length)
+        _read_exact(fd, memoryview(text), 8, path)
+        try:
+            header = json.loads(text)
+        except ValueError as e:
+            raise _error(path, f"corrupt header ({e}): truncated or not a safetensors file?") from e
+        if not isinstance(header, dict):
+            raise _error(path, "corrupt header (not a JSON object): not a safetensors file?")
+        data_start, data_size = 8 + length, identity.size - 8 - length
+        entries = {}
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            entries[name] = _entry(path, name, meta, data_start, data_size, identity)
+        return entries
+    finally:
+        os.close(fd)
+
+
+def _entry(path: Path, name: str, meta: object, data_start: int, data_size: int, identity: FileIdentity
+           ) -> IndexEntry:
+    try:
+        dtype_code, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]  # type: ignore[index]
+        shape = tuple(int(s) for s in shape)
+        begin, end = int(begin), int(end)
+    except (KeyError, TypeError, ValueError) as e:
+        raise _error(path, f"tensor {name}: corrupt header entry {meta!r}") from e
+    dtype = DTYPES.get(dtype_code)
+    if dtype is None:
+        raise _error(path, f"tensor {name} has unsupported dtype {dtype_code}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != nbytes:
+        raise _error(path, f"tensor {name}: data offsets {begin}..{end} do not hold {dtype_code} {list(shape)}")
+    if end > data_size:
+        raise _error(path, f"tensor {name} needs bytes {data_start + begin}..{data_start + end} but the file has "
+                           f"{data_start + data_size}: truncated")
+    return IndexEntry(path, shape, dtype, data_start + begin, nbytes, identity)
+
+
+def check_paths(paths: object) -> None:
+    """A checkpoint path, or a sequence of them (str or os.PathLike); anything else is a TypeError naming it (an
+    empty sequence passes here: `checkpoint_files` refuses it as a `CheckpointError`)."""
+    ok = (str, PathLike)
+    if isinstance(paths, ok) or (isinstance(paths, Sequence) and not isinstance(paths, (bytes, bytearray))
+                                  and all(isinstance(p, ok) for p in paths)):
+        return
+    raise TypeError(f"checkpoint paths must be a str or os.PathLike, or a sequence of them; got "
+                    f"{type(paths).__name__} {paths!r:.80}")
+
+
+def checkpoint_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
+    """The files a checkpoint argument names: a file, a folder (its `*.safetensors`, sorted), or a list of
+    either; a file named twice is read once. An empty folder or list is a `CheckpointError`; a path of another
+    type (bytes, None, ...) a `TypeError` naming it."""
+    check_paths(paths)
+    given = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if not given:
+        raise CheckpointError("no checkpoint file given", backbone=None)
+    files: list[Path] = []
+    for p in map(Path, given):
+        if p.is_dir():
+            found = sorted(p.glob("*.safetensors"))
+            if not found:
+                raise _error(p, "the folder holds no *.safetensors file")
+            files.extend(found)
+        else:
+            files.append(p)
+    return list({f.resolve(): f for f in reversed(files)}.values())[::-1]  # first mention kept, in order
+
+
+def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> dict[str, IndexEntry]:
+    """Name -> (file, shape, dtype, byte range) from the headers alone; no tensor data is read. Refused
+    (`CheckpointError` naming the file): a path that is missing or not a regular file, a header that is
+    corrupt, a dtype not supported, a byte range past the end of the file, a tensor in two files."""
+    index: dict[str, IndexEntry] = {}
+    for p in checkpoint_files(paths):
+        for name, entry in _read_header(p).items():
+            if name in index:
+                raise CheckpointError(f"tensor {name} is in two checkpoint files, {index[name].path} and {p}; "
+                                      "a checkpoint must hold each tensor once", backbone=None)
+            index[name] = entry
+    return index
+
+
+class _OpenFile:
+    def __init__(self, path: Path, expected: FileIdentity | None) -> None:
+        self.path = path
+        self.fd, self.identity = _open_regular(path)
+        self.expected = expected or self.identity
+        self.check("opened for reading")
+
+    def check(self, when: str) -> None:
+        """The file is still the one indexed: through the descriptor (rewritten in place) and the path
+        (replaced or removed)."""
+        expected = self.expected
+        changes = expected.changes(FileIdentity.of(os.fstat(self.fd)))  # rewritten in place
+        try:
+            at_path = FileIdentity.of(os.stat(self.path))
+        except OSError as e:
+            changes.append(f"the path is gone ({e.strerror or e})")
+        else:
+            if (at_path.inode, at_path.device) != (expected.inode, expected.device):
+                changes.append(f"the path now names another file (inode {expected.inode} -> {at_path.inode})")
+        if changes:
+            raise CheckpointError(f"checkpoint {self.path} changed since its header was read ({when}): "
+                                  f"{'; '.join(changes)}. Nothing read from it after the change was used; "
+                                  "write the next checkpoint to a new path", backbone=None)
+
+
+def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]]
+                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Stream the buckets from disk: only one bucket's tensors are in memory at a time. Each file is opened
+    once, when a bucket first needs it; it must be the file the index describes, and it is checked again
+    after each bucket's reads, before the bucket is handed out (see the module docstring)."""
+    files: dict[Path, _OpenFile] = {}
+    try:
+        for bucket in buckets:
+            out = []
+            used: dict[Path, _OpenFile] = {}
+            for name in bucket:
+                entry = index[name]
+                f = files.get(entry.path)
+                if f is None:
+                    f = files[entry.path] = _OpenFile(entry.path, entry.identity)
+                used[entry.path] = f
+                out.append((name, _read_tensor(f, entry)))
+            for f in used.values():
+                f.check(f"after reading {len(bucket)} tensor(s)")
+            yield out
+    finally:
+        for f in files.values():
+            os.close(f.fd)
+
+
+def _read_tensor(f: _OpenFile, entry: IndexEntry) -> torch.Tensor:
+    raw = torch.empty(entry.nbytes, dtype=torch.uint8)  # the only allocation: the tensor's own bytes
+    if entry.nbytes:
+        _read_exact(f.fd, memoryview(raw.numpy()), entry.start, f.path)
+    return raw.view(entry.dtype).reshape(entry.shape)

@@ -1,0 +1,158 @@
+"""Supported vLLM by what it has, not by its version string.
+
+Every vLLM name the plugin relies on is data: the patch points and engine names (`patches.PATCH_POINTS`,
+`patches.ENGINE_NAMES`) and the family declarations (`families.FAMILIES`: classes, replaced builders, what they
+set and read). `requirements()` lists them; `missing()` checks each against vLLM's sources (`sources.py`) and names
+every one that is not there. The plugin runs this at activation on the installed vLLM and refuses to patch
+anything if a name is missing; `make compat` runs it on the vLLM 0.33.0 wheel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..errors import UnsupportedVLLMError
+from .families import FAMILIES, VLLMDraftFamily
+from .sources import Reader, SourceIndex
+
+__all__ = ["DISABLE_HINT", "Requirement", "active_families", "check", "missing", "requirements", "series_tuple"]
+
+DISABLE_HINT = ("disable the plugin with VLLM_PLUGINS set to the comma-separated plugins you want without "
+                "`reload_lifecycle` (an empty value loads none), or uninstall reload-lifecycle")
+
+# kinds of requirement
+MODULE, NAME, METHOD, ATTRIBUTE, SETS, READS, SETS_ONLY, RAISES = (
+    "module", "name", "method", "attribute", "builder sets", "builder reads", "builder sets only", "raises")
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One vLLM name the plugin relies on, and who relies on it."""
+
+    kind: str
+    module: str
+    name: str  # "function", "Class", "Class.attribute"
+    user: str
+    builders: tuple[str, ...] = ()  # for the builder kinds: the methods whose effects are checked
+    text: str = ""  # RAISES: the message the method's source must hold
+
+    def __str__(self) -> str:
+        where = f"{self.module}.{self.name}" if self.name else self.module
+        via = f" (in {', '.join(self.builders)})" if self.builders else ""
+        what = f" {self.text!r}" if self.text else ""
+        return f"{where}: {self.kind}{what}{via}, used by {self.user}"
+
+
+def series_tuple(version: str) -> tuple[int, int] | None:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def active_families(version: str | None) -> tuple[VLLMDraftFamily, ...]:
+    """The families a vLLM release has: those from its series or earlier (all of them for an unparsable one)."""
+    have = series_tuple(version) if version else None
+    return tuple(f for f in FAMILIES if have is None or series_tuple(f.since) <= have)  # type: ignore[operator]
+
+
+def requirements(version: str | None = None) -> list[Requirement]:
+    """Every vLLM name the plugin uses on `version` (None: every family)."""
+    from .patches import ENGINE_NAMES, PATCH_POINTS
+
+    reqs = [Requirement(NAME, m, a, "patch point") for m, a, _ in PATCH_POINTS]
+    reqs += [Requirement(ATTRIBUTE if "." in n else NAME, m, n, user) for m, n, user in ENGINE_NAMES]
+    for fam in active_families(version):
+        who = f"family {fam.name}"
+        reqs.append(Requirement(MODULE, fam.module, "", who))
+        reqs += [Requirement(NAME, fam.module, c, who) for c in (fam.causal_lm, fam.inner)]
+        reqs += [Requirement(METHOD, fam.module, f"{fam.causal_lm}.load_weights", who),
+                 Requirement(ATTRIBUTE, fam.module, f"{fam.causal_lm}.{fam.inner_model_attr}", who),
+                 Requirement(METHOD, fam.module, f"{fam.inner}.precompute_and_store_context_kv", who),
+                 Requirement(ATTRIBUTE, fam.module, f"{fam.inner}.layers", who)]
+        reqs += [Requirement(METHOD, fam.module, f"{fam.inner}.{b}", who) for b in fam.builders]
+        reqs += [Requirement(SETS, fam.module, f"{fam.inner}.{a}", who, fam.builders) for a in sorted(fam.sets)]
+        reqs += [Requirement(READS, fam.module, f"{fam.inner}.{a}", who, fam.builders) for a in sorted(fam.reads)]
+        reqs.append(Requirement(SETS_ONLY, fam.module, fam.inner, who, fam.builders))
+        reqs += _structure_requirements(fam, who)
+    return reqs
+
+
+def _structure_requirements(fam: VLLMDraftFamily, who: str) -> list[Requirement]:
+    """What the frozen structure (`structure.py`) relies on: each optional submodule's attribute, each per-call
+    check's message in the ForCausalLM's `load_weights`, and the attributes that load_weights reads for them."""
+    inner_prefix = f"{fam.inner_model_attr}."
+    reqs = [Requirement(ATTRIBUTE, fam.module, f"{fam.inner}.{m.path.removeprefix(inner_prefix)}"
+                        if m.path.startswith(inner_prefix) else f"{fam.causal_lm}.{m.path}", who)
+            for m in fam.optional]
+    load = f"{fam.causal_lm}.load_weights"
+    reqs += [Requirement(RAISES, fam.module, load, who, text=c.message) for c in fam.checks]
+    reqs += [Requirement(READS, fam.module, f"{fam.causal_lm}.{a}", who, ("load_weights",)) for a in fam.check_reads]
+    return reqs
+
+
+def missing(read: Reader, reqs: Iterable[Requirement]) -> list[str]:
+    """One line per requirement the sources do not meet, naming the full dotted name and who needs it."""
+    index = SourceIndex(read)
+    families = {f"family {f.name}": f for f in FAMILIES}
+    out: list[str] = []
+    said: set[tuple[str, str]] = set()  # a missing module or class is named once, not once per name inside it
+    for r in reqs:
+        problem = _problem(index, r, families.get(r.user))
+        if not problem:
+            continue
+        if problem == "module not found" or problem.startswith("class "):
+            key = (r.module, problem)
+            if key in said:
+                continue
+            said.add(key)
+            where = r.module if problem == "module not found" else f"{r.module}.{r.name.partition('.')[0]}"
+        else:
+            where = f"{r.module}.{r.name}" if r.name else r.module
+        out.append(f"{where}: {problem} (used by {r.user})")
+    return out
+
+
+def _problem(index: SourceIndex, r: Requirement, fam: VLLMDraftFamily | None) -> str | None:
+    if not index.has_module(r.module):
+        return "module not found"
+    if r.kind == MODULE:
+        return None
+    cls_name, _, attr = r.name.partition(".")
+    if r.kind == NAME and not attr and index.binding(r.module, cls_name) is None:
+        return f"class {cls_name} not found" if cls_name[:1].isupper() else "name not found"
+    if r.kind == NAME and not attr:
+        return None
+    cls = index.find_class(r.module, cls_name)
+    if cls is None:
+        return f"class {cls_name} not found"
+    if r.kind == METHOD:
+        return None if index.method(cls, attr) is not None else "method not found"
+    if r.kind == RAISES:
+        found = index.method(cls, attr)
+        if found is None:
+            return "method not found"
+        return None if r.text in index.strings(found[1]) else f"no longer says {r.text!r}"
+    if r.kind in (ATTRIBUTE, NAME):
+        return None if index.has_attribute(cls, attr) else "attribute not found"
+    if any(index.method(cls, b) is None for b in r.builders):
+        return None  # the builder itself is missing: its METHOD requirement says so, once
+    assigned, accessed = index.builder_effects(cls, r.builders)
+    if r.kind == SETS:
+        return None if attr in assigned else "no longer set by vLLM's builder"
+    if r.kind == READS:
+        return None if attr in accessed else "no longer read by vLLM's builder"
+    extra = sorted(assigned - fam.sets) if fam is not None else []
+    return f"vLLM's builder also sets {', '.join(extra)}, which the declaration lacks" if extra else None
+
+
+def check(version: str, read: Reader) -> None:
+    """Raise UnsupportedVLLMError naming every missing name (and how to disable the plugin), or return."""
+    problems = missing(read, requirements(version))
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise UnsupportedVLLMError(
+            f"reload-lifecycle's vLLM plugin cannot run on vLLM {version}: {len(problems)} name(s) it relies on "
+            f"are missing or changed:\n{lines}\nNothing was patched. To run vLLM without it, {DISABLE_HINT}.")

@@ -1,0 +1,113 @@
+"""What a draft-reload RPC or a transfer chunk asks for: validated before the model is touched, read bucket by bucket.
+
+Every argument is checked, and the checkpoint's headers are read and checked (`lifecycle.checkpoint`), before
+`initialize_layerwise_reload` moves anything to META: a wrong type, a non-positive bucket size, prefixes given as
+one string (which Python would split into characters, excluding nearly everything), a path outside the allowed
+root, a missing, empty, truncated or non-regular checkpoint, or nothing left to load is a clear error and the
+model is untouched. Then `feed` reads one bucket at a time from disk (the reader holds only that bucket; vLLM
+itself buffers the tensors of layers that are not complete yet) and hands it to `model.load_weights`.
+
+What a path argument can reach: any file or folder the worker process can read, unless the engine was started
+with `RELOAD_LIFECYCLE_PATH_ROOT=/abs/folder`, in which case the path, with symlinks resolved, must lie inside
+that folder. Only regular `*.safetensors` files are read (a folder: its `*.safetensors` files); nothing is
+written, executed or unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import IndexEntry, checkpoint_index, iter_buckets
+from ..errors import CheckpointError
+from . import settings
+
+__all__ = ["Payload", "check_bucket_size", "check_path", "check_prefixes", "feed", "plan_payload"]
+
+
+@dataclass(frozen=True)
+class Payload:
+    """The tensors to send, in buckets, and where each lives on disk."""
+
+    index: dict[str, IndexEntry]
+    buckets: list[list[str]]
+
+    @property
+    def tensors(self) -> int:
+        return sum(map(len, self.buckets))
+
+
+def check_path(path: object, what: str = "weights_path") -> Path:
+    """A non-empty str or PathLike, inside `RELOAD_LIFECYCLE_PATH_ROOT` when that is set."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise TypeError(f"{what} must be a non-empty path (str), got {path!r}")
+    p = Path(path)
+    root = settings.allowed_root()
+    if root is not None:
+        resolved = p.resolve()
+        if not resolved.is_relative_to(root):
+            raise PermissionError(f"{what}={str(path)!r} resolves to {resolved}, outside the allowed root "
+                                  f"{root} ({settings.PATH_ROOT_ENV}); nothing was read")
+    return p
+
+
+def check_prefixes(value: object, what: str = "exclude_prefixes") -> tuple[str, ...]:
+    """A list (or tuple) of non-empty name prefixes; one string is refused, not split into characters."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} must be a list of name prefixes, not one string: {value!r} would be read as its "
+                        f"characters and leave out nearly every tensor; pass [{value!r}]")
+    try:
+        items = tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be a list of name prefixes, got {type(value).__name__}") from None
+    bad = [x for x in items if not isinstance(x, str) or not x]
+    if bad:
+        raise TypeError(f"{what} must hold non-empty strings; got {bad!r}")
+    return items
+
+
+def check_bucket_size(value: object) -> int | None:
+    """None: one bucket; else a positive int (tensors per bucket)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"bucket_size must be a positive int or None (one bucket), got {value!r}")
+    if value <= 0:
+        raise ValueError(f"bucket_size must be a positive int or None (one bucket), got {value}")
+    return value
+
+
+def _check_type(value: object, kind: type, what: str) -> None:
+    ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
+    if not ok:
+        raise TypeError(f"{what} must be {kind.__name__}, got {value!r}")
+
+
+def plan_payload(path: object, *, bucket_size: object = None, shuffle: object = False, seed: object = 0,
+                 exclude_prefixes: Iterable[str] | object = (), what: str = "weights_path") -> Payload:
+    """Validate the arguments and the checkpoint's headers; plan the buckets. Touches no model."""
+    size = check_bucket_size(bucket_size)
+    _check_type(shuffle, bool, "shuffle")
+    _check_type(seed, int, "seed")
+    prefixes = check_prefixes(exclude_prefixes)
+    index = checkpoint_index(check_path(path, what))
+    names = [n for n in index if not n.startswith(prefixes)]
+    if not names:
+        raise CheckpointError(f"nothing to load: {path} holds {len(index)} tensor(s) and exclude_prefixes "
+                              f"{list(prefixes)} leaves out every one", backbone=None)
+    if shuffle:
+        random.Random(seed).shuffle(names)
+    size = size or len(names)
+    return Payload(index, [names[i:i + size] for i in range(0, len(names), size)])
+
+
+def feed(model: Any, payload: Payload) -> None:
+    """`model.load_weights(bucket)` per bucket, read from disk one bucket at a time."""
+    with closing(iter_buckets(payload.index, payload.buckets)) as read:
+        for bucket in read:
+            model.load_weights(bucket)

@@ -1,0 +1,59 @@
+"""Whether the engine may run the draft model in this step: only while every lifecycle draft in it is usable.
+
+A quarantined draft (or one mid-reload, its modules on META) must not run. Raising from the draft step is not a
+way to refuse: the exception leaves the scheduler's requests half-processed, and the next `generate` on the
+same engine hangs (measured on vLLM 0.32). So the plugin answers vLLM's own question "does this step's input fit
+in the drafter?" with no while the draft is not usable: the runner then skips the drafter and zeroes the step's
+draft tokens (what vLLM does when a sequence outgrows the drafter), the target verifies them, and the output is
+exactly what it would be without speculation. Speculation resumes on the first step after a successful reload
+or `recover()`. (The draft's own KV cache misses the context of the steps it skipped: requests that span the
+pause may draft worse afterwards, never wrongly.)
+
+Each pause and resume is one audit event per draft (`drafting_paused` with the state and the quarantine reason;
+`drafting_resumed` with the number of steps served without the draft), never one per step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch import nn
+
+from .drafts import LifecycleDraftModel, backbones_in
+
+__all__ = ["drafting_allowed"]
+
+_BACKBONES: weakref.WeakKeyDictionary[nn.Module, list[LifecycleDraftModel]] = weakref.WeakKeyDictionary()
+
+
+def _draft_model(runner: Any) -> nn.Module | None:
+    get = getattr(runner, "get_draft_model", None)
+    if callable(get):
+        return get()
+    drafter = getattr(runner, "drafter", None)
+    return getattr(drafter, "model", None)
+
+
+def drafting_allowed(runner: Any) -> bool:
+    """False while any lifecycle draft of the runner's draft model is not usable (audited on each change)."""
+    model = _draft_model(runner)
+    if model is None:
+        return True
+    backbones = _BACKBONES.get(model)
+    if backbones is None:
+        backbones = _BACKBONES[model] = backbones_in(model)
+    allowed = True
+    for backbone in backbones:
+        lc = backbone.lifecycle
+        paused = backbone.drafting_paused_steps
+        if lc.usable:
+            if paused is not None:
+                backbone.drafting_paused_steps = None
+                lc.audit_event("drafting_resumed", steps_without_draft=paused)
+            continue
+        allowed = False
+        if paused is None:
+            lc.audit_event("drafting_paused", state=lc.state.value, reason=lc.quarantine_reason)
+        backbone.drafting_paused_steps = (paused or 0) + 1
+    return allowed

@@ -1,0 +1,63 @@
+"""Engine-wide settings of the vLLM plugin, read from the environment of each vLLM process, in one place.
+
+- `RELOAD_LIFECYCLE_PARTIAL`: `refuse` (default) or `keep`, what a draft reload that did not send every
+  tensor does (`partial_policy`);
+- `RELOAD_LIFECYCLE_PATH_ROOT`: an absolute folder; RPC and transfer-engine paths must lie inside it
+  (`allowed_root`). Unset: any path the worker process can read.
+
+Both are parsed by `lifecycle.env`, as every `RELOAD_LIFECYCLE_*` switch: a value that is not one of those is an
+error naming the variable and what it accepts (the plugin reads every setting when it activates, so a bad one
+stops the engine at start), never a silent default.
+
+>>> import os
+>>> os.environ["RELOAD_LIFECYCLE_PARTIAL"] = "Keep"; partial_policy()
+'keep'
+>>> os.environ["RELOAD_LIFECYCLE_PARTIAL"] = "maybe"; partial_policy()
+Traceback (most recent call last):
+...
+lifecycle.env.EnvSettingError: RELOAD_LIFECYCLE_PARTIAL='maybe' is not one of: refuse, keep
+>>> del os.environ["RELOAD_LIFECYCLE_PARTIAL"]; partial_policy()
+'refuse'
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, cast
+
+from ..env import EnvSettingError, choice
+
+__all__ = ["PARTIAL_ENV", "PARTIAL_POLICIES", "PATH_ROOT_ENV", "PartialPolicy", "allowed_root", "check_partial",
+           "partial_policy"]
+
+PARTIAL_ENV = "RELOAD_LIFECYCLE_PARTIAL"
+PATH_ROOT_ENV = "RELOAD_LIFECYCLE_PATH_ROOT"
+PartialPolicy = Literal["refuse", "keep"]
+PARTIAL_POLICIES: tuple[PartialPolicy, ...] = ("refuse", "keep")
+
+def check_partial(value: object, what: str = "partial") -> PartialPolicy:
+    """A per-call `partial=` argument: None means the engine-wide setting."""
+    if value is None:
+        return partial_policy()
+    if value not in PARTIAL_POLICIES:
+        raise ValueError(f"{what}={value!r}: expected one of {', '.join(map(repr, PARTIAL_POLICIES))} or None "
+                         f"(the engine-wide {PARTIAL_ENV}, default 'refuse')")
+    return cast(PartialPolicy, value)
+
+
+def partial_policy() -> PartialPolicy:
+    """`refuse` (default): a draft reload that leaves a tensor unsent quarantines the draft. `keep`: tensors not
+    sent keep their last values, bit for bit, and only the layers that changed are refreshed."""
+    return cast(PartialPolicy, choice(PARTIAL_ENV, PARTIAL_POLICIES, "refuse"))
+
+
+def allowed_root() -> Path | None:
+    """The folder RPC paths must lie in (resolved, symlinks followed), or None: any path the worker can read."""
+    raw = os.environ.get(PATH_ROOT_ENV, "").strip()
+    if not raw:
+        return None
+    root = Path(raw)
+    if not root.is_absolute() or not root.is_dir():
+        raise EnvSettingError(PATH_ROOT_ENV, raw, "must be an absolute path to an existing folder")
+    return root.resolve()
