@@ -72,6 +72,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.tracking_overhead $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.refresh $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.selective $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.backed $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.audit_overhead $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.gpu_check
 	$(BIN)/python -m benchmarks.gpu_check --device cpu --json benchmarks/results/gpu_check_cpu.json
@@ -79,6 +80,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint_memory.py
 	$(BIN)/python benchmarks/audit_rate.py
 	$(BIN)/python -m benchmarks.hostile_logs $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.cli_start $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -155,6 +155,21 @@ def machine_line(info: Mapping[str, Any]) -> str:
             "ms")
 
 
+#: A quiet 2-core machine of this project copies 64 MiB in 4-7 ms; above this the machine was busy.
+QUIET_PROBE_MS = 8.0
+
+
+def noise_note(info: Mapping[str, Any]) -> str:
+    """What the machine's state says about this run's wall-clock figures (the probe and the load average at start
+    and end)."""
+    probe = max(info["probe_copy_64mib_ms_start"], info.get("probe_copy_64mib_ms_end", 0.0))
+    load = max(info["loadavg_start"][0], info.get("loadavg_end", [0.0])[0])
+    if probe <= QUIET_PROBE_MS and load <= (info.get("nproc") or 2):
+        return f"machine quiet (64 MiB copy probe <= {probe} ms, load average <= {load}): wall-clock figures hold"
+    return (f"MACHINE BUSY (64 MiB copy probe up to {probe} ms, quiet: 4-7; load average up to {load}): wall-clock "
+            "ratios are unreliable in this run; CPU-time figures are less affected. Re-run on a quiet machine.")
+
+
 def end_line(info: Mapping[str, Any]) -> str:
     return (f"load average {info['loadavg_start']} at start, {info['loadavg_end']} at end; 64 MiB copy_ probe "
             f"{info['probe_copy_64mib_ms_start']} ms at start, {info['probe_copy_64mib_ms_end']} ms at end")
@@ -195,6 +210,25 @@ def interleaved(arms: Sequence[Arm], repeats: int, *, warmup: int = 1,
             if r >= warmup:
                 samples[arm.name].append(dt)
     return samples
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="where the model's tensors live: cpu (default) or cuda (the GPU "
+                                                   "check runs the benchmark so)")
+
+
+def synced(fn: Callable[[], object], device: str) -> Callable[[], object]:
+    """`fn`, then on CUDA `torch.cuda.synchronize()`: a timed arm ends when its kernels have, not when they were
+    queued."""
+    if not str(device).startswith("cuda"):
+        return fn
+
+    def run() -> object:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+
+    return run
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float]:
@@ -305,9 +339,9 @@ def checkpoint_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
 # ---- building loaded drafts without a checkpoint on disk -------------------------------------------------------
 
 
-def materialize(model: DraftBackbone, seed: int) -> None:
+def materialize(model: DraftBackbone, seed: int, device: str = "cpu") -> None:
     """Load random weights into a META model through the lifecycle, one bucket per layer (only one layer's
-    tensors exist besides the model at any time), then finalize: the model ends FULLY_LOADED."""
+    tensors exist besides the model at any time), on `device`, then finalize: the model ends FINALIZED."""
     gen = torch.Generator().manual_seed(seed)
     lc = model.lifecycle
     for names in lc.readiness.tensors_of_layer.values():
@@ -317,7 +351,7 @@ def materialize(model: DraftBackbone, seed: int) -> None:
             low, high = (0.5, 1.5) if name.endswith("norm.weight") else (-0.05, 0.05)
             value = torch.empty(spec.shape, dtype=torch.float32).uniform_(low, high, generator=gen)
             bucket.append((name, value.to(spec.dtype)))
-        apply_bucket(model, bucket)
+        apply_bucket(model, bucket, device)
     model.finalize_loading()
 
 

@@ -1,8 +1,9 @@
 """Prepared GPU check: a captured CUDA graph replayed after an in-place reload reads the NEW weights; after a
-vLLM-style rebuild it reads STALE ones.
+vLLM-style rebuild it reads STALE ones. Then the tracking and refresh benchmarks with the tensors on the GPU.
 
-    python -m benchmarks.gpu_check                 # on a CUDA machine (about a minute); skips (exit 0) without CUDA
+    python -m benchmarks.gpu_check                 # on a CUDA machine (3-4 minutes); skips (exit 0) without CUDA
     python -m benchmarks.gpu_check --device cpu    # the same checks with a CPU stand-in for the graph
+    python -m benchmarks.gpu_check --device cpu --benchmarks --quick   # and the benchmarks' GPU path, on the CPU
 
 For every draft family in `models.FAMILIES`, on the device:
   1. write checkpoints A and B; cold-load a reference model from B and run its fused path eagerly (`expected`)
@@ -16,7 +17,12 @@ For every draft family in `models.FAMILIES`, on the device:
      the replay reads stale values rather than freed memory (vLLM frees them: garbage or an illegal access).
 The CPU stand-in (`--device cpu`) replays with the tensor objects that existed at capture swapped back into the
 module, which is what a graph does with addresses; everything else (loading, comparisons, verdicts) is shared.
-Prints a table last; exit 1 if a check fails; writes JSON (`benchmarks/results/gpu_check.json` or `--json`).
+Prints the checks' table (the replay before the reload equal to eager A, after it equal to a cold B or stale);
+exit 1 if a check fails; writes JSON (`benchmarks/results/gpu_check.json` or `--json`).
+With `--benchmarks` (the default on CUDA): `benchmarks.tracking_overhead` and `benchmarks.refresh` run next with
+`--device` set, fewer repeats (`--bench-repeats`, 7), their tables printed and written beside the JSON
+(`gpu_tracking_overhead.json`, `gpu_refresh.json`): the loader's tracking cost and the in-place refresh against a
+`copy_` and vLLM's rebuild, on the GPU.
 """
 
 from __future__ import annotations
@@ -260,9 +266,10 @@ def run(device: str, families: Sequence[str] | None = None, layers: int = 3) -> 
 
 def print_table(rows: Sequence[Row]) -> None:
     common.say(common.table(
-        ["family", "device", "reload path", "re-captured", "buffer addresses kept", "pins verified",
-         "replay == cold-B eager", "max |diff|", "expected", "check"],
-        [[r.family, r.device, r.path, "no" if not r.recaptured else "yes", "yes" if r.buffers_kept_address else "NO",
+        ["family", "device", "reload path", "replay before == eager A", "re-captured", "buffer addresses kept",
+         "pins verified", "replay after == cold-B eager", "max |diff|", "expected", "check"],
+        [[r.family, r.device, r.path, "yes" if r.captured_before_reload_ok else "NO",
+          "no" if not r.recaptured else "yes", "yes" if r.buffers_kept_address else "NO",
           "yes" if r.lifecycle_pins_ok else "NO (drift)",
           ("yes (bit-exact)" if r.replay_bit_exact else "yes") if r.replay_equals_expected else "NO (stale)",
           f"{r.max_abs_diff:.2e}", "equal" if r.expect_replay_equal else "stale",
@@ -272,13 +279,15 @@ def print_table(rows: Sequence[Row]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.splitlines()[0])
     p.add_argument("--device", default=None, help="cuda (default) or cpu (the CPU stand-in for a graph)")
-    p.add_argument("--quick", action="store_true", help="accepted for symmetry with the benchmarks (sizes are "
-                                                         "already tiny)")
+    p.add_argument("--quick", action="store_true", help="tiny benchmark sizes (the checks' sizes are already tiny)")
     p.add_argument("--layers", type=int, default=3, help="decoder layers per draft (default 3)")
     p.add_argument("--family", action="append", default=None, choices=sorted(FAMILIES),
                    help="only this family (repeatable; default: every family)")
     p.add_argument("--json", type=Path, default=None, help=f"where to write the JSON (default "
                                                             f"{common.RESULTS_DIR}/{NAME}.json)")
+    p.add_argument("--benchmarks", action=argparse.BooleanOptionalAction, default=None,
+                   help="then run the tracking and refresh benchmarks on the device (default: on CUDA only)")
+    p.add_argument("--bench-repeats", type=int, default=7, help="repeats of those benchmarks (default 7)")
     args = p.parse_args(argv)
     out_path = args.json or common.RESULTS_DIR / f"{NAME}.json"
     device = args.device or "cuda"
@@ -305,7 +314,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(rows)
     common.say("\nRESULT: " + ("all checks passed" if ok else "SOME CHECKS FAILED"))
     common.write_transcript(out_path.with_suffix(".txt"))
+    if args.benchmarks if args.benchmarks is not None else device.startswith("cuda"):
+        run_benchmarks(device, out_path.parent, args.bench_repeats, args.quick)
     return 0 if ok else 1
+
+
+def run_benchmarks(device: str, folder: Path, repeats: int, quick: bool) -> None:
+    """The tracking and refresh benchmarks with the tensors on `device`, each writing `gpu_NAME.json/.txt` in
+    `folder` (their own tables are printed as they run)."""
+    from benchmarks import refresh, tracking_overhead
+
+    for module in (tracking_overhead, refresh):
+        print(f"\n==== {module.NAME} on {device} ====", flush=True)
+        module.main(["--device", device, "--repeats", str(repeats), "--json", str(folder / f"gpu_{module.NAME}.json"),
+                     *(["--quick"] if quick else [])])
 
 
 if __name__ == "__main__":

@@ -44,21 +44,21 @@ def _ts(i: int) -> str:
 
 
 def _line(**fields: Any) -> str:
-    return json.dumps({"schema": 3, "level": "info", **fields}, separators=(",", ":")) + "\n"
+    return json.dumps({"schema": 4, "level": "info", **fields}, separators=(",", ":")) + "\n"
 
 
 def distinct_backbones(out: Path, n: int) -> None:
     with (out / "backbones.jsonl").open("w") as fh:
         for i in range(n):
             fh.write(_line(event="layer_ready", backbone=f"backbone-{i:07d}-of-a-hostile-log", rank=i % 8, epoch=0,
-                           seq=1, layer="layers.0", layers_ready=1, layers_total=4, ts=_ts(i)))
+                           seq=1, layers=["layers.0"], layers_ready=1, layers_total=4, ts=_ts(i)))
 
 
 def _layer_ready_lines(path: Path, n: int, layer_name: Callable[[int], str]) -> None:
     """`n` layer_ready events of one backbone, layer `i` named `layer_name(i)`, with a layer count of 10**9."""
     with path.open("w") as fh:
         for i in range(n):
-            fh.write(_line(event="layer_ready", backbone="draft", rank=0, epoch=0, seq=i + 1, layer=layer_name(i),
+            fh.write(_line(event="layer_ready", backbone="draft", rank=0, epoch=0, seq=i + 1, layers=[layer_name(i)],
                            layers_ready=i + 1, layers_total=10**9, ts=_ts(i)))
 
 
@@ -73,13 +73,16 @@ def names_at_the_limit(out: Path, n: int) -> None:
 
 
 def _cold_load(rank: int, layers: int = 4) -> Iterator[str]:
-    """A valid cold load: layer_ready and weights_loaded per layer, finish, refresh, capture (lockstep times)."""
+    """A valid cold load: layer_ready per layer, weights_loaded where the state changes (the first and the last
+    layer), finish, refresh, capture (lockstep times)."""
     seq, state = 0, "META"
     for k in range(layers):
         seq += 1
-        yield _line(event="layer_ready", backbone="draft", rank=rank, epoch=0, seq=seq, layer=f"layers.{k}",
-                    layers_ready=k + 1, layers_total=layers, ts=_ts(seq))
+        yield _line(event="layer_ready", backbone="draft", rank=rank, epoch=0, seq=seq, layers=[f"layers.{k}"],
+                    tensors=8, layers_ready=k + 1, layers_total=layers, ts=_ts(seq))
         dst = "FULLY_LOADED" if k + 1 == layers else "PARTIALLY_LOADED"
+        if dst == state:  # a bucket that leaves PARTIALLY_LOADED as it is: no transition event
+            continue
         seq += 1
         yield _line(event="transition", backbone="draft", rank=rank, epoch=0, seq=seq, trigger="weights_loaded",
                     src=state, dst=dst, layers_ready=k + 1, layers_total=layers, ts=_ts(seq))

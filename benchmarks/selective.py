@@ -112,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{r['target_ratio']:.3f}", f"{r['slices_written']}/{r['slices_total']}", r["elements_written"],
           r["expected_elements"], "met" if r["met"] else "MISSED"] for r in rows]))
     common.say("\n" + common.end_line(info))
+    common.say(common.noise_note(info))
     out = common.write_json(common.json_path(args, NAME), {
         "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
         "config": {"layers": L, "hidden_size": cfg.hidden_size, "num_key_value_heads": cfg.num_key_value_heads,

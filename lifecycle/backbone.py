@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from .session import ReloadSession
 
 __all__ = ["DraftBackbone"]
+
+_IS_META = attrgetter("is_meta")
 
 
 class DraftBackbone(nn.Module):
@@ -71,6 +74,12 @@ class DraftBackbone(nn.Module):
         # the checkpoint tensors with their slots, in one list: the readiness check walks it once per scan
         self._checkpoint_slots: list[tuple[str, nn.Module | None, str]] = [
             (n, *self._tensor_slots.get(n, (None, ""))) for n in tensor_specs]
+        # the same slots as three parallel lists (module, its table's attribute name, leaf), for the scan in C
+        slotted = [(mod, "_parameters" if leaf in mod._parameters else "_buffers", leaf)
+                   for _, mod, leaf in self._checkpoint_slots if mod is not None]
+        self._scan: tuple[list[nn.Module], list[str], list[str]] | None = (
+            tuple(map(list, zip(*slotted, strict=True))) if len(slotted) == len(tensor_specs) and slotted  # type: ignore[assignment]
+            else None)
         self._check_declared_sources()
         self._lifecycle = BackboneLifecycle(
             name or type(self).__name__,
@@ -95,6 +104,13 @@ class DraftBackbone(nn.Module):
             raise ValueError(f"{type(self).__name__}: derived buffers read tensors this backbone does not have: "
                              + "; ".join(f"{b} <- {', '.join(ns[:5])}" + (f" (+{len(ns) - 5} more)" if len(ns) > 5
                                                                              else "") for b, ns in unknown.items()))
+        backed_by: dict[str, str] = {}  # a tensor can be a view of one place only
+        for spec in self.derived_buffers:
+            for n in spec.source_names(self) if spec.backed else ():
+                if n in backed_by:
+                    raise ValueError(f"{type(self).__name__}: {n} is a source of two backed buffers ({backed_by[n]}, "
+                                     f"{spec.name}); a tensor can be a view of one of them only")
+                backed_by[n] = spec.name
 
     def freeze_structure(self, modules: Mapping[str, bool], absent: Iterable[str]) -> None:
         """The first load decided which optional submodules this backbone has (`modules`: name -> present):
@@ -133,7 +149,17 @@ class DraftBackbone(nn.Module):
         return t if t is not None else mod._buffers.get(leaf)
 
     def meta_or_absent(self) -> set[str]:
-        """Names of checkpoint tensors that are absent or on META now: `live_tensor` for each, in one loop."""
+        """Names of checkpoint tensors that are absent or on META now: `live_tensor` for each, in one loop. The
+        common answer (none) is found in C: each slot's table read with `getattr`, the tensor with `dict.get`,
+        `is_meta` with an attrgetter; anything unusual (a tensor absent or moved between a module's parameters and
+        buffers) falls back to the loop."""
+        if self._scan is not None:
+            modules, tables, leaves = self._scan
+            try:
+                if not any(map(_IS_META, map(dict.get, map(getattr, modules, tables), leaves))):
+                    return set()
+            except AttributeError:  # a None: absent from the table it was in
+                pass
         out = set()
         for name, mod, leaf in self._checkpoint_slots:
             if mod is None:

@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import json.encoder
 import logging
 import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,14 +71,18 @@ __all__ = [
     "configure_audit",
     "emit",
     "emit_record",
+    "enabled",
     "host_name",
     "read_events",
     "sink_failures",
+    "timestamp",
 ]
 
 #: Version of the event schema (the `schema` field). 2: `seq`, fixed-width timestamps, `_more`/`_truncated` counts;
-#: 3: the FINALIZED state (finish_loading ends there, refresh_derived starts there; hooks run inside finish_loading).
-SCHEMA_VERSION = 3
+#: 3: the FINALIZED state (finish_loading ends there, refresh_derived starts there; hooks run inside finish_loading);
+#: 4: one `layer_ready` event per bucket, listing the layers it completed (`layers`, `layers_more`, `tensors`), and
+#: no `transition` event for a bucket that leaves PARTIALLY_LOADED as it is.
+SCHEMA_VERSION = 4
 #: The audit logger's name (its events carry no logger name: the chain is its own, see the module doc).
 LOGGER_NAME = "reload_lifecycle"
 #: At most this many names in a list field; the rest are counted in `<field>_more`.
@@ -162,15 +168,25 @@ def bound_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_INT_BOUND = 2 ** INT_BITS_CAP  # |value| < this: at most INT_BITS_CAP bits
+
+
 def bound_event(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """Processor: bounded size, no tensor values (see the module doc)."""
-    extra: dict[str, Any] = {}
-    for key in list(event_dict):
-        value = event_dict[key]
+    slow = None
+    for key, value in event_dict.items():  # the common values decided inline: this runs for every event
         kind = type(value)
-        if kind is bool or kind is float or value is None or (kind is int and value.bit_length() <= INT_BITS_CAP):
+        if (kind is str and len(value) <= STR_CAP) or kind is bool or kind is float or value is None \
+                or (kind is int and -_INT_BOUND < value < _INT_BOUND):
             continue
-        event_dict[key] = _bound_value(key, value, extra)
+        if slow is None:
+            slow = []
+        slow.append(key)
+    if slow is None:
+        return event_dict
+    extra: dict[str, Any] = {}
+    for key in slow:
+        event_dict[key] = _bound_value(key, event_dict[key], extra)
     for key, value in extra.items():  # a count the caller already gave is added to, not replaced
         given = event_dict.get(key, 0)
         event_dict[key] = value + given if key.endswith("_more") and type(given) is int else value
@@ -179,6 +195,32 @@ def bound_event(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) 
 
 def add_schema_version(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     event_dict.setdefault("schema", SCHEMA_VERSION)
+    return event_dict
+
+
+_second: tuple[int, str] = (-1, "")  # the last whole second formatted (replaced whole: safe across threads)
+
+
+def timestamp() -> str:
+    """Now, UTC, in `TS_FORMAT` (`2026-01-01T12:00:00.000001Z`, always with microseconds). The date and time of
+    the second are formatted once per second; an event adds only the microseconds.
+
+    >>> import datetime, re
+    >>> bool(re.fullmatch(r"\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d\\.\\d{6}Z", timestamp()))
+    True
+    """
+    global _second
+    sec, ns = divmod(time.time_ns(), 1_000_000_000)
+    cached = _second
+    if cached[0] != sec:
+        cached = _second = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
+    return f"{cached[1]}.{ns // 1000:06d}Z"
+
+
+def add_timestamp(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Processor: `ts`, as `timestamp()` (what structlog's TimeStamper writes with `TS_FORMAT`, in a tenth of the
+    time)."""
+    event_dict["ts"] = timestamp()
     return event_dict
 
 
@@ -234,25 +276,50 @@ class JsonLinesSink:
 
     def __call__(self, _logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         try:
-            data = (json.dumps(event_dict, default=str, separators=(",", ":")) + "\n").encode()
+            data = (_encode(event_dict) + "\n").encode()
         except (TypeError, ValueError) as e:
             self._failed(e)
-            return event_dict
+        else:
+            self._write(data)
+        return event_dict
+
+    def write_record(self, record: Mapping[str, Any], level: str, node: str) -> None:
+        """Write a bounded record as the processor chain would (`node` first, as the chain binds it; `level`,
+        `ts`, `schema` added after its fields, in that order), without the chain: the route of a JSON file alone
+        takes this path."""
+        if ("level" in record or "ts" in record or "schema" in record or "node" in record
+                or not record):  # never from a lifecycle: the chain's way
+            self(None, level, {"node": node, **record, "level": level, "ts": timestamp(),
+                               "schema": record.get("schema", SCHEMA_VERSION)})
+            return
+        try:
+            line = _encode(record)
+        except (TypeError, ValueError) as e:
+            self._failed(e)
+            return
+        # node before and the three fields after the encoded object's own: the same line as encoding the dict
+        self._write(f'{{"node":{_encode(node)},{line[1:-1]},"level":"{level}","ts":"{timestamp()}",'
+                    f'"schema":{SCHEMA_VERSION}}}\n'.encode())
+
+    def _write(self, data: bytes) -> None:
         with self._lock:
             if self.closed:
                 self._failed(ValueError("the sink was closed"))
-                return event_dict
+                return
             if self._torn:
                 data = b"\n" + data
-            view = memoryview(data)
+            left = len(data)
             try:
-                while view:
-                    view = view[os.write(self._fd, view):]
+                left -= os.write(self._fd, data)  # one call writes the line, nearly always
+                if left:
+                    view = memoryview(data)[len(data) - left:]
+                    while view:
+                        view = view[os.write(self._fd, view):]
+                        left = len(view)
                 self._torn = False
             except OSError as e:
-                self._torn = self._torn or len(view) < len(data)
+                self._torn = self._torn or left < len(data)  # a line cut part way: the next starts on a new line
                 self._failed(e)
-        return event_dict
 
     def _failed(self, error: BaseException) -> None:
         self.failures += 1
@@ -265,6 +332,20 @@ class JsonLinesSink:
             self.closed = True
             with contextlib.suppress(OSError):  # already closed behind our back: nothing left to release
                 os.close(self._fd)
+
+
+#: What `json.dumps(..., default=str, separators=(",", ":"))` writes. The C encoder is made once (`JSONEncoder.
+#: encode` makes a new one per call: half the cost of a small event); records are flat, bounded and acyclic, so no
+#: circular-reference markers. Without the C accelerator, the Python encoder.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+_C_ENCODER = (json.encoder.c_make_encoder(None, str, json.encoder.encode_basestring_ascii, None, ":", ",", False,
+                                          False, True) if json.encoder.c_make_encoder is not None else None)
+
+
+def _encode(record: Mapping[str, Any]) -> str:
+    if _C_ENCODER is None:
+        return _ENCODER.encode(record)
+    return "".join(_C_ENCODER(record, 0))
 
 
 def _drop(_logger: Any, _name: str, _event_dict: MutableMapping[str, Any]) -> str:
@@ -282,6 +363,8 @@ class _Route:
     sink: JsonLinesSink | None
     level: int
     failed_once: list[bool]  # a failure outside the sink (the console) was reported already
+    json_only: bool = False  # a JSON file and no console: records go straight to the sink (`write_record`)
+    node: str = ""  # what every written event carries as `node` (the chain binds it; `write_record` is told)
 
 
 _route = _Route(None, None, _LEVEL_NUMBERS["info"], [False])
@@ -316,6 +399,7 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
     if node is not None and (not isinstance(node, str) or not node or len(node) > STR_CAP):
         raise ValueError(f"configure_audit: node must be a non-empty name of at most {STR_CAP} characters, "
                          f"got {node!r:.80}")
+    node_name = node or host_name()
     with _configure_lock:
         sink = JsonLinesSink(json_path) if json_path is not None else None  # may raise: nothing changed yet
         logger = None
@@ -323,15 +407,16 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
             out = stream if stream is not None else sys.stderr
             processors: list[Any] = [
                 structlog.processors.add_log_level,
-                structlog.processors.TimeStamper(fmt=TS_FORMAT, utc=True, key="ts"),
+                add_timestamp,
                 add_schema_version,
             ]
             if sink is not None:
                 processors.append(sink)
             processors.append(structlog.dev.ConsoleRenderer(colors=_isatty(out)) if console else _drop)
             logger = structlog.make_filtering_bound_logger(number)(
-                structlog.PrintLogger(out), processors=processors, context={"node": node or host_name()})
-        old, _route = _route, _Route(logger, sink, number, [False])
+                structlog.PrintLogger(out), processors=processors, context={"node": node_name})
+        old, _route = _route, _Route(logger, sink, number, [False], json_only=sink is not None and not console,
+                                     node=node_name)
     if old.sink is not None:
         try:
             old.sink.close()
@@ -356,29 +441,51 @@ def _isatty(stream: Any) -> bool:
 # ---- emitting -----------------------------------------------------------------------------------------------------
 
 
+try:  # the object `structlog.get_config()` copies its answer from: read directly, it costs no dict per event
+    from structlog._config import _CONFIG as _STRUCTLOG_CONFIG
+except ImportError:  # pragma: no cover (another structlog layout: the public call, slower)
+    _STRUCTLOG_CONFIG = None
+
+
 def _capture_chain() -> list[Any] | None:
     """structlog's global processors while `structlog.testing.capture_logs()` is active (it ends them with a
-    `LogCapture`), else None."""
-    processors = structlog.get_config()["processors"]
+    `LogCapture`), else None. Asked at every event: read from structlog's configuration object when it has the
+    attribute `get_config()` reads, else through `get_config()`."""
+    processors = getattr(_STRUCTLOG_CONFIG, "default_processors", None)
+    if processors is None:
+        processors = structlog.get_config()["processors"]
     return processors if processors and type(processors[-1]) is LogCapture else None
+
+
+def _level(level: str, who: str) -> int:
+    number = _LEVEL_NUMBERS.get(level)
+    if number is None:
+        raise ValueError(f"{who}: level must be one of {', '.join(LEVELS)}, got {level!r:.80}")
+    return number
+
+
+def enabled(level: str = "info") -> bool:
+    """Whether an event at `level` would go anywhere now (a file, the console, a `capture_logs` block): ask
+    before building an event that nobody keeps (the loader's per-bucket debug event)."""
+    return _level(level, "enabled") >= _route.level and (_route.logger is not None or _capture_chain() is not None)
 
 
 def emit(event: str, *, level: str = "info", **fields: Any) -> None:
     """Send one audit event (bounded first). Never raises for a failed write (see the module doc)."""
-    number = _LEVEL_NUMBERS.get(level)
-    if number is None:
-        raise ValueError(f"emit: level must be one of {', '.join(LEVELS)}, got {level!r:.80}")
-    if number < _route.level or (_route.logger is None and _capture_chain() is None):
-        return
-    emit_record(bound_fields({"event": event, **fields}), level)
+    _level(level, "emit")
+    if enabled(level):
+        emit_record(bound_fields({"event": event, **fields}), level)
 
 
 def emit_record(record: Mapping[str, Any], level: str = "info") -> None:
     """Send an event whose fields are bounded already (`bound_fields`; `record["event"]` names it): what a
-    lifecycle does after keeping the same record in its `recent_events`. Never raises for a failed write."""
+    lifecycle does after keeping the same record in its `recent_events`. Never raises for a failed write.
+
+    A JSON file alone (the production route) is written directly by its sink (`JsonLinesSink.write_record`):
+    the same line the processor chain writes, without structlog's per-call work. The console route goes through
+    the chain (structlog's ConsoleRenderer); a `capture_logs` block gets the record through its own chain."""
     route = _route
-    number = _LEVEL_NUMBERS[level]
-    if number < route.level:
+    if _LEVEL_NUMBERS[level] < route.level:
         return
     capture = _capture_chain()
     if capture is None and route.logger is None:
@@ -388,6 +495,8 @@ def emit_record(record: Mapping[str, Any], level: str = "info") -> None:
             event_dict: Any = dict(record)
             for processor in capture:
                 event_dict = processor(None, level, event_dict)
+        elif route.json_only:
+            route.sink.write_record(record, level, route.node)  # type: ignore[union-attr]
         else:
             getattr(route.logger, level)(**record)
     except structlog.DropEvent:

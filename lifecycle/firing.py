@@ -19,16 +19,17 @@ from transitions.extensions import LockedMachine
 
 from . import events
 from .errors import IllegalTransitionError, LayersNotReadyError
-from .guards import CONDITIONS, GUARDS
+from .guards import CONDITIONS, GUARDS, MAY_HOLD
 from .readiness import LayerReadiness
 from .states import (
+    ALLOWED_TRIGGERS,
     FOLLOW_UPS,
     INITIAL_STATE,
+    ROWS_FROM,
     TRANSITIONS,
     LifecycleState,
     Transition,
     allowed_sources,
-    allowed_triggers,
 )
 from .types import capped
 
@@ -57,6 +58,11 @@ class TableMachine:
         self.readiness = readiness
         self.recent_events: deque[dict[str, Any]] = deque(maxlen=recent_events)
         self._seq = 0
+        # the per-bucket event is built field by field, without `events.bound_fields`, when every value it can
+        # hold is known to be within the bounds: the backbone's name, its layer names, the rank
+        self._plain_layer_events = (
+            type(rank) is int and -(2 ** 63) <= rank < 2 ** 63 and len(name) <= events.STR_CAP
+            and all(len(layer) <= events.STR_CAP for layer in readiness.tensors_of_layer))
         self._model = _Model()
         self._machine = (LockedMachine if locked else Machine)(
             model=self._model,
@@ -94,7 +100,7 @@ class TableMachine:
 
     def can(self, trigger: str) -> bool:
         """Whether the table allows `trigger` from the current state (its guards may still refuse it)."""
-        return trigger in allowed_triggers(self.state)
+        return trigger in ALLOWED_TRIGGERS[self._model.state]
 
     # ---- firing -----------------------------------------------------------------------------------------------
     def _fire(self, trigger: str, effect: Callable[[], T] | None = None, **log: Any) -> T | None:
@@ -129,6 +135,22 @@ class TableMachine:
                    and (t.condition is None or CONDITIONS[t.condition](self)) for t in TRANSITIONS):
                 self._fire(follow_up, **log)
 
+    def _bucket_moves(self, trigger: str, completed: bool) -> bool:
+        """Whether a bucket reported now is a step of the lifecycle (fire `trigger`) or bookkeeping only. It is
+        bookkeeping when it completed no layer and the state is already one of the trigger's destinations, or
+        when the row the machine would pick is a per-bucket row back to the current state
+        (`Transition.per_bucket`). Rows are picked with each condition's cheap test (`guards.MAY_HOLD`): a row
+        whose condition may hold is taken to be the one, so the full check (a META scan) runs only when the
+        machine really fires."""
+        state = self._model.state
+        rows = ROWS_FROM[trigger][state]
+        if not completed:
+            return all(t.dest is not state for t in rows)  # the first report after META
+        for t in rows:
+            if t.condition is None or MAY_HOLD[t.condition](self):
+                return not t.per_bucket or t.dest is not state
+        return True
+
     def _require_allowed_audited(self, trigger: str) -> None:
         """Refuse (audited) before any bookkeeping when the table does not allow `trigger` now."""
         if not self.can(trigger):
@@ -147,12 +169,37 @@ class TableMachine:
 
     def _audit(self, event: str, *, level: str = "info", **fields: Any) -> None:
         if level == "debug":  # per-bucket detail: not numbered, a log at info level has no gaps in `seq`
-            events.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
+            if events.enabled(level):  # checked first: a filtered event costs a comparison
+                events.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
             return
         self._seq += 1
         # bounded once: the same record is written and kept (a 5 MB reason is cut in memory too)
-        record = events.bound_fields({"event": event, "backbone": self.name, "rank": self.rank, "epoch": self.epoch,
-                                      "seq": self._seq, **fields})
+        self._keep(events.bound_fields({"event": event, "backbone": self.name, "rank": self.rank,
+                                        "epoch": self.epoch, "seq": self._seq, **fields}))
+
+    def _audit_layers(self, event: str, layers: list[str], tensors: int | None = None) -> None:
+        """A `layer_ready` or `layers_unchanged` event: the layers (at most `events.LIST_CAP`, the rest counted in
+        `layers_more`), the bucket's `tensors` (layer_ready) and the readiness counts. The per-bucket hot path:
+        built as a plain record when every value is known to be bounded already (`bound_fields` otherwise)."""
+        readiness = self.readiness
+        shown = layers[:events.LIST_CAP]  # a copy: the caller keeps its list
+        self._seq += 1
+        record = {"event": event, "backbone": self.name, "rank": self.rank, "epoch": readiness.epoch,
+                  "seq": self._seq, "layers": shown, "layers_more": len(layers) - len(shown)}
+        if tensors is not None:
+            record["tensors"] = tensors
+        record["layers_ready"] = readiness.layers_ready
+        record["layers_total"] = readiness.layers_total
+        if not self._plain_layer_events:
+            record = events.bound_fields(record)
+        events.emit_record(record)  # as `_keep`, inline: this runs per bucket
+        failures = events.sink_failures()
+        if failures:
+            record["sink_failures"] = failures
+        self.recent_events.append(record)
+
+    def _keep(self, record: dict[str, Any], level: str = "info") -> None:
+        """Write a bounded, numbered record (if audit output is on) and keep it in `recent_events`."""
         events.emit_record(record, level)  # never raises: a failed write is counted, not the lifecycle's problem
         failures = events.sink_failures()
         if failures:

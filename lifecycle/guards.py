@@ -10,6 +10,7 @@ abort time, from what the aborted reload wrote and what its rollback restored.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from .types import capped
 if TYPE_CHECKING:
     from .machine import BackboneLifecycle
 
-__all__ = ["CONDITIONS", "GUARDS", "ReloadOrigin", "guards_of_row", "recovery_verdict", "refusal"]
+__all__ = ["CONDITIONS", "GUARDS", "MAY_HOLD", "ReloadOrigin", "guards_of_row", "recovery_verdict", "refusal"]
 
 
 # ---- conditions ----------------------------------------------------------------------------------------------
@@ -76,7 +77,14 @@ CONDITIONS: dict[Condition, Callable[[Any], bool]] = {
     Condition.ALL_LAYERS_READY: all_layers_ready,
     Condition.HAS_PINNED_GRAPHS: has_pinned_graphs,
 }
-if set(GUARDS) != set(Guard) or set(CONDITIONS) != set(Condition):  # a name the table may use has no check
+#: A cheap test that is False only when the condition surely does not hold (the per-bucket path asks it to know,
+#: without the full check, whether a report would leave the state as it is): all layers counted, graphs pinned.
+MAY_HOLD: dict[Condition, Callable[[Any], bool]] = {
+    Condition.ALL_LAYERS_READY: lambda lc: lc.readiness.counts_complete(),
+    Condition.HAS_PINNED_GRAPHS: has_pinned_graphs,
+}
+# a name the table may use has no check
+if set(GUARDS) != set(Guard) or set(CONDITIONS) != set(Condition) or set(MAY_HOLD) != set(Condition):
     raise ImportError(f"guards.py lacks a check for {sorted({*Guard, *Condition} - {*GUARDS, *CONDITIONS})}")
 
 
@@ -107,10 +115,16 @@ def refusal(lc: BackboneLifecycle, trigger: str) -> LifecycleError | None:
 # ---- what `Guard.RECOVERABLE` reads ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ReloadOrigin:
-    """Recorded at `begin_reload`: whether the derived buffers matched the weights then, and the dirty set."""
+    """Recorded at `begin_reload`: whether the derived buffers matched the weights then, and the dirty set, kept as
+    the readiness's parts (sets never changed again: `LayerReadiness.dirty_parts`), so that beginning an epoch costs
+    nothing per tensor; `dirty` joins them when an abort asks."""
 
     current: bool = False
-    dirty: frozenset[str] = frozenset()
+    dirty_parts: tuple[AbstractSet[str], ...] = ()
+
+    @property
+    def dirty(self) -> frozenset[str]:
+        return frozenset().union(*self.dirty_parts)
 
 
 def recovery_verdict(origin: ReloadOrigin, dirty_now: frozenset[str], restored: frozenset[str] | None,

@@ -3,7 +3,8 @@
 A loader holds a lease while it writes and reports one bucket (`BackboneLifecycle.loading()`). With a locked
 lifecycle, the transitions that end or abort loading (`begin_reload`, `finish_loading`, `refresh_derived`,
 `abort_reload`) first wait until no other thread holds one, so a write is either reported before such a
-transition or refused after it, never lost in between. An unlocked lifecycle counts leases but never waits.
+transition or refused after it, never lost in between. An unlocked lifecycle takes none (it is not thread-safe:
+nothing would wait for them).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
+from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -30,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from . import events
 from .checkpoint import IndexEntry, check_paths, checkpoint_index, iter_buckets
 from .errors import (
     MESSAGE_ITEMS_CAP,
@@ -75,12 +78,21 @@ BeforeWrite = Callable[[Sequence[str]], None]
 
 @dataclass
 class LoadReport:
+    """What `load_safetensors` did: the files read, tensors and buckets written (a resent tensor counts again), the
+    layers the load completed, its duration, and `nbytes`: the bytes written, from the checkpoint header (counted
+    when asked, not per bucket)."""
+
     files: list[str]
     tensors: int = 0
     buckets: int = 0
-    nbytes: int = 0
     duration_ms: float = 0.0
     layers_completed: list[str] = field(default_factory=list)
+    _index: dict[str, IndexEntry] = field(default_factory=dict, repr=False)
+    _plan: list[list[str]] = field(default_factory=list, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for bucket in self._plan[:self.buckets] for e in map(self._index.__getitem__, bucket))
 
 
 @dataclass(frozen=True)
@@ -105,30 +117,45 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], path: str | Path, metadat
     """Save `tensors` as one safetensors file (contiguous CPU copies). Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    save_file({k: _own_storage(v.detach().to("cpu").contiguous()) for k, v in tensors.items()}, str(path),
+              metadata=metadata)
     return path
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy when it is a view of a larger storage (the weights of a backed derived buffer share it, and
+    safetensors refuses tensors that share memory)."""
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def validate_index(backbone: DraftBackbone, index: dict[str, IndexEntry], names: Iterable[str]) -> None:
     """Refuse (before anything is written) unknown names and shape/dtype mismatches, naming every one."""
     lc = backbone.lifecycle
-    names = list(names)
-    unknown = lc.readiness.unknown(names)
+    names = names if type(names) is list else list(names)
+    specs = lc.specs
+    # per tensor, the common case inline: known, same shape, same dtype (the messages only for the others)
+    suspects = [n for n in names if (spec := specs.get(n)) is None or (entry := index[n]).shape != spec.shape
+                or entry.dtype != spec.dtype]
+    if not suspects:
+        return
+    unknown = [n for n in suspects if n not in specs]
     error: LifecycleError | None = None
     if unknown:
         error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value, source=_files(index, names))
-    elif problems := [p for n in names if (p := lc.specs[n].mismatch(n, index[n].shape, index[n].dtype))]:
+    elif problems := [p for n in suspects if (p := specs[n].mismatch(n, index[n].shape, index[n].dtype))]:
         error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value, source=_files(index, names))
     if error is not None:
         lc.record_refusal("weights_loaded", error)
         raise error
 
 
+_PATH = attrgetter("path")
+
+
 def _file_list(index: dict[str, IndexEntry], names: Iterable[str]) -> list[str]:
     """The files `names` come from, sorted. Entries of one file share one Path object, so they are told apart
-    by identity first: no per-tensor path hashing or formatting."""
-    paths = {id(p): p for p in (index[n].path for n in names)}
-    return sorted({str(p) for p in paths.values()})
+    by their hash (a Path caches it) in C: no per-tensor formatting."""
+    return sorted({str(p) for p in set(map(_PATH, map(index.__getitem__, names)))})
 
 
 def _files(index: dict[str, IndexEntry], names: Iterable[str]) -> str:
@@ -230,9 +257,23 @@ def apply_bucket(backbone: DraftBackbone, bucket: Sequence[tuple[str, torch.Tens
     header `validate_index` already checked (safetensors returns exactly the header's shape and dtype), as
     `load_safetensors` does. Whether loading is allowed now (and the finite check) happen either way.
     """
+    bucket = bucket if type(bucket) is list else list(bucket)
+    return _write_and_report(backbone, list(map(_NAME, bucket)), bucket, device, finite_check=finite_check,
+                             writer=writer, before_write=before_write, validated=validated)
+
+
+_NAME = itemgetter(0)
+_VALUE = itemgetter(1)
+_NBYTES = attrgetter("nbytes")
+
+
+def _write_and_report(backbone: DraftBackbone, names: list[str], bucket: list[tuple[str, torch.Tensor]],
+                      device: torch.device | str, *, finite_check: bool, writer: Writer | None,
+                      before_write: BeforeWrite | None, validated: bool) -> list[str]:
+    """`apply_bucket` with the bucket's names given (`names[i]` is `bucket[i]`'s name)."""
     lc = backbone.lifecycle
-    with lc.loading():
-        names = [n for n, _ in bucket]
+    lease = lc.acquire_write_lease()
+    try:
         error: LifecycleError | None = None
         if not validated and (unknown := lc.readiness.unknown(names)):
             error = UnknownWeightError(unknown, backbone=lc.name, state=lc.state.value)
@@ -247,19 +288,22 @@ def apply_bucket(backbone: DraftBackbone, bucket: Sequence[tuple[str, torch.Tens
         if before_write is not None:
             before_write(names)
         write = writer or write_tensor
-        written: list[str] = []
-        for name, value in bucket:
-            try:
+        done = 0
+        try:
+            for name, value in bucket:
                 write(backbone, name, value, device)
-            except Exception as e:
-                err = WeightWriteError(name, written, len(bucket), e, backbone=lc.name, state=lc.state.value)
-                lc.mark_dirty([name])
-                if written:
-                    lc.weights_loaded(written)
-                lc.record_refusal("weights_loaded", err)
-                raise err from e
-            written.append(name)
+                done += 1
+        except Exception as e:
+            written = names[:done]
+            err = WeightWriteError(names[done], written, len(bucket), e, backbone=lc.name, state=lc.state.value)
+            lc.mark_dirty([names[done]])
+            if written:
+                lc.weights_loaded(written)
+            lc.record_refusal("weights_loaded", err)
+            raise err from e
         return lc.weights_loaded(names)
+    finally:
+        lc.release_write_lease(lease)
 
 
 def load_safetensors(
@@ -311,30 +355,33 @@ def load_safetensors(
     validate_index(backbone, index, names)
     lc = backbone.lifecycle
     lc.ensure_loading_allowed()
-    buckets = plan_buckets(names, lambda n: lc.readiness.layer_of_name[n], bucket_by=bucket_by,
+    buckets = plan_buckets(names, lc.readiness.layer_of_name.__getitem__, bucket_by=bucket_by,
                            shuffle=shuffle, seed=seed, duplicates=duplicates)
-    report = LoadReport(files=_file_list(index, names))
+    single = isinstance(paths, (str, PathLike))  # one file: the report's file list needs no look at the names
+    report = LoadReport(files=[str(Path(paths))] if single and names else _file_list(index, names), _index=index,
+                        _plan=buckets)
     done = 0
     total = sum(map(len, buckets))
     with closing(iter_buckets(index, buckets)) as read:
-        for i in range(len(buckets)):
+        for i, bucket_names in enumerate(buckets):
             try:
                 bucket = next(read)
             except CheckpointError as e:  # the file changed or shrank while read: this bucket is not written
                 raise _refused(backbone, e) from e
-            completed = apply_bucket(backbone, bucket, device, finite_check=finite_check, writer=writer,
-                                     before_write=before_write, validated=True)  # the header was validated
-            nbytes = sum(t.nbytes for _, t in bucket)
-            del bucket  # only the bucket being read is held: the peak extra memory is one bucket
+            completed = _write_and_report(backbone, bucket_names, bucket, device, finite_check=finite_check,
+                                          writer=writer, before_write=before_write,
+                                          validated=True)  # the header was validated above
             report.buckets += 1
-            report.tensors += len(buckets[i])
-            report.nbytes += nbytes
-            report.layers_completed.extend(completed)
-            done += len(buckets[i])
-            # per bucket (possibly per tensor): debug level, so it costs a filtered call unless asked for
-            lc.audit_event("loader_bucket", level="debug", bucket=i, buckets=len(buckets),
-                           tensors=len(buckets[i]), nbytes=nbytes, layers_completed=completed,
-                           layers_ready=lc.readiness.layers_ready, layers_total=lc.readiness.layers_total)
+            report.tensors += len(bucket)
+            if completed:
+                report.layers_completed.extend(completed)
+            done += len(bucket)
+            # per bucket (possibly per tensor): debug level, built only when someone keeps it
+            if events.enabled("debug"):
+                lc.audit_event("loader_bucket", level="debug", bucket=i, buckets=len(buckets), tensors=len(bucket),
+                               nbytes=sum(map(_NBYTES, map(_VALUE, bucket))), layers_completed=completed,
+                               layers_ready=lc.readiness.layers_ready, layers_total=lc.readiness.layers_total)
+            del bucket  # only the bucket being read is held: the peak extra memory is one bucket
             if progress is not None:
                 progress(LoadProgress(i + 1, len(buckets), done, total, lc.readiness.layers_ready,
                                       lc.readiness.layers_total))

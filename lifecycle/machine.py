@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -32,8 +32,8 @@ from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError,
 from .firing import TableMachine
 from .guards import ReloadOrigin, recovery_verdict, refusal, require_all_layers_ready, require_pinned_unchanged
 from .leases import WriteLeases
-from .readiness import LayerReadiness, layer_of
-from .states import INITIAL_STATE, QUARANTINE_STATE, USABLE_STATES, LifecycleState, possible_destinations
+from .readiness import LayerReadiness, UnknownNames, layer_of
+from .states import ALLOWED_TRIGGERS, INITIAL_STATE, QUARANTINE_STATE, USABLE_STATES, LifecycleState
 from .storage import PinnedStorage
 from .types import TensorSpec, capped, clipped
 
@@ -77,7 +77,10 @@ class BackboneLifecycle(TableMachine):
         self._resolve = resolve
         self._pinned_tensors = pinned_tensors
         self._meta_scan = meta_scan
-        self._lock: AbstractContextManager[Any] = threading.RLock() if locked else nullcontext()
+        # an unlocked lifecycle is not thread-safe (no LockedMachine, leases never wait); the lock is there anyway:
+        # an uncontended RLock costs less per call than a null context manager
+        self._lock = threading.RLock()
+        self._locked = locked
         self._leases = WriteLeases(self._lock, locked=locked)
         # what `recover` needs: where the current reload began, and why recovering would be wrong (None: it would not)
         self._origin = ReloadOrigin()
@@ -155,23 +158,31 @@ class BackboneLifecycle(TableMachine):
     def _refuse_unknown(self, names: list[str]) -> None:
         unknown = self.readiness.unknown(names)
         if unknown:
-            err = UnknownWeightError(unknown, backbone=self.name, state=self.state.value)
-            self.record_refusal("weights_loaded", err)
-            raise err
+            self._raise_unknown(unknown)
+
+    def _raise_unknown(self, unknown: list[str]) -> None:
+        err = UnknownWeightError(unknown, backbone=self.name, state=self.state.value)
+        self.record_refusal("weights_loaded", err)
+        raise err
 
     def weights_loaded(self, names: Iterable[str]) -> list[str]:
         """Record that tensors were written (one bucket; one tensor is fine). Unknown names are refused and
-        nothing is recorded. Returns the layers that completed with this bucket."""
-        names = list(names)
+        nothing is recorded. Returns the layers that completed with this bucket.
+
+        Per bucket: one `layer_ready` event listing the layers it completed (none if it completed none); the
+        machine fires only when the state changes (the first report after META, the last layer of an epoch):
+        a report that leaves PARTIALLY_LOADED as it is is bookkeeping (`Transition.per_bucket`)."""
+        names = names if type(names) is list else list(names)
         with self._lock:
-            self._require_allowed_audited("weights_loaded")
-            self._refuse_unknown(names)
-            completed = self.readiness.mark_loaded(names)
-            for layer in completed:
-                self._audit("layer_ready", layer=layer, **self._readiness_fields())
-            # the report moves the state when a layer completed (a row's condition may hold now) or when the
-            # current state is none of the trigger's destinations (the first report after META)
-            if completed or self.state not in possible_destinations("weights_loaded", self.state):
+            if "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]:
+                self._fire("weights_loaded")  # raises IllegalTransitionError and records the refusal
+            try:
+                completed = self.readiness.mark_loaded(names)
+            except UnknownNames as e:
+                self._raise_unknown(e.names)
+            if completed:
+                self._audit_layers("layer_ready", completed, len(names))
+            if self._bucket_moves("weights_loaded", bool(completed)):
                 self._fire("weights_loaded", tensors=len(names))
             return completed
 
@@ -196,7 +207,8 @@ class BackboneLifecycle(TableMachine):
             completed = self.readiness.mark_unchanged(names)
             if completed:
                 self._audit_unchanged(completed)
-                self._fire("weights_loaded", tensors=0, unchanged=len(names))
+                if self._bucket_moves("weights_loaded", True):
+                    self._fire("weights_loaded", tensors=0, unchanged=len(names))
 
     def freeze_structure(self, modules: Mapping[str, bool], absent: Iterable[str]) -> None:
         """Record which optional submodules the first load gave the backbone (`modules`: name -> present), once,
@@ -216,8 +228,7 @@ class BackboneLifecycle(TableMachine):
                         **self._readiness_fields())
 
     def _audit_unchanged(self, layers: list[str]) -> None:
-        shown, more = capped(layers, events.LIST_CAP)
-        self._audit("layers_unchanged", layers=shown, layers_more=more, **self._readiness_fields())
+        self._audit_layers("layers_unchanged", layers)
 
     def begin_reload(self) -> int:
         """Start a reload epoch. Graph pinning (if any) stays in force. Returns the new epoch."""
@@ -228,7 +239,7 @@ class BackboneLifecycle(TableMachine):
             # derived buffers match the weights at the start of this reload: a rollback to here can be recovered
             self._origin = ReloadOrigin(
                 current=self.usable or (self.quarantined and self.recovery_blocker is None),
-                dirty=self.readiness.dirty_tensors())
+                dirty_parts=self.readiness.dirty_parts())
             self.readiness.new_epoch()
             self.quarantine_reason = None
             self._fire("begin_reload", pinned=self.graphs_pinned, from_state=src.value)
@@ -395,19 +406,30 @@ class BackboneLifecycle(TableMachine):
         with self._lock:
             self._require_allowed_audited("weights_loaded")
 
+    def acquire_write_lease(self) -> int:
+        """Raise (audited) unless weights may be written now, else take a write lease (`leases.py`) for this
+        thread and return its token for `release_write_lease`. With `locked=True`, `begin_reload`,
+        `finish_loading`, `refresh_derived` and `abort_reload` wait until no other thread holds a lease."""
+        with self._lock:
+            if "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]:
+                self._fire("weights_loaded")  # raises IllegalTransitionError and records the refusal
+            # unlocked, nothing ever waits for a lease: the check is all there is to it
+            return self._leases.acquire() if self._locked else 0
+
+    def release_write_lease(self, token: int) -> None:
+        if self._locked:
+            with self._lock:
+                self._leases.release(token)
+
     @contextmanager
     def loading(self) -> Iterator[None]:
-        """A write lease (`leases.py`): raise (audited) unless weights may be written now, else hold the lease
-        while writing and reporting one bucket. With `locked=True`, `begin_reload`, `finish_loading`,
-        `refresh_derived` and `abort_reload` wait until no other thread holds a lease."""
-        with self._lock:
-            self._require_allowed_audited("weights_loaded")
-            tid = self._leases.acquire()
+        """A write lease as a context manager: raise (audited) unless weights may be written now, else hold the
+        lease while writing and reporting one bucket (`acquire_write_lease`)."""
+        token = self.acquire_write_lease()
         try:
             yield
         finally:
-            with self._lock:
-                self._leases.release(tid)
+            self.release_write_lease(token)
 
     @contextmanager
     def quiesced(self) -> Iterator[None]:

@@ -1,21 +1,27 @@
 """Which tensors of which layer are loaded (or still META), per reload epoch.
 
-Per-tensor work is a couple of dict operations: the name -> layer map is built once, and a per-layer counter
-says when a layer completes. The machine only hears about layer completions, never about single tensors.
+Per-tensor work is set operations done in C: the name -> layer map and each layer's names are built once, a
+bucket that is one layer (or part of one) is checked and recorded with two set operations, and a per-layer
+counter says when a layer completes. The machine only hears about layer completions, never about single tensors.
 
 >>> r = LayerReadiness(["layers.0.w", "layers.0.b", "norm.weight"])
 >>> r.mark_loaded(["layers.0.w"]), r.mark_loaded(["layers.0.b"])
 ([], ['layers.0'])
 >>> r.missing()
 {'norm': ('norm.weight',)}
+>>> r.mark_loaded(["layers.0.w", "oops"])
+Traceback (most recent call last):
+...
+lifecycle.readiness.UnknownNames: ['oops']
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
-__all__ = ["LayerReadiness", "layer_of"]
+__all__ = ["LayerReadiness", "UnknownNames", "layer_of"]
 
 _LAYER_PREFIX = re.compile(r"^(.*?\blayers\.\d+)\.")
 
@@ -30,8 +36,21 @@ def layer_of(name: str) -> str:
     return module or "<root>"
 
 
+class UnknownNames(KeyError):
+    """`mark_loaded` was given names the backbone does not have (`.names`); nothing was recorded."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(names)
+        self.names = names
+
+
 class LayerReadiness:
-    """Readiness bookkeeping for one backbone. Not thread-safe by itself: the lifecycle serialises calls."""
+    """Readiness bookkeeping for one backbone. Not thread-safe by itself: the lifecycle serialises calls.
+
+    In an epoch a tensor is loaded when it was written (`_written`) or declared unchanged (`_unchanged`); the
+    two sets are disjoint. Dirty (written since the last successful refresh) is `_dirty_base`, the write sets of
+    earlier epochs not refreshed yet (`_dirty_epochs`, kept whole: an epoch's end costs nothing per tensor) and this
+    epoch's writes, until a refresh clears it: no per-tensor dirty set on the hot path."""
 
     def __init__(self, names: Iterable[str], layer_key: Callable[[str], str] = layer_of) -> None:
         self.layer_of_name: dict[str, str] = {n: layer_key(n) for n in names}
@@ -39,31 +58,49 @@ class LayerReadiness:
         for name, layer in self.layer_of_name.items():
             tensors.setdefault(layer, []).append(name)
         self.tensors_of_layer: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in tensors.items()}
+        self._names_of_layer: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in tensors.items()}
+        self._size: dict[str, int] = {k: len(v) for k, v in tensors.items()}
         self.epoch = 0
-        self._loaded_epoch: dict[str, int] = dict.fromkeys(self.layer_of_name, -1)
-        self._count: dict[str, int] = dict.fromkeys(self.tensors_of_layer, 0)
+        self._written: set[str] = set()  # written in this epoch
+        self._unchanged: set[str] = set()  # declared unchanged in this epoch (and not written since)
+        self._left: dict[str, int] = dict(self._size)  # per layer: tensors not loaded yet in this epoch
         self._complete = 0
-        # names written since the last successful refresh (dirty) vs declared unchanged (ready, not dirty).
-        # Kept across epochs: an epoch that ends without a refresh (aborted, or a second begin_reload) leaves
-        # its writes to be propagated by the next refresh; `clear_dirty` is called once a refresh succeeded.
-        self._dirty: set[str] = set()
-        # of the tensors loaded in this epoch, those only declared unchanged (the rest were written: no per-tensor
-        # set on the hot path); writes that failed part way in this epoch and were not redone
-        self._unchanged: set[str] = set()
+        # written since the last successful refresh (dirty) = `_dirty_base` | `_dirty_epochs` | this epoch's
+        # `_written`, unless a refresh (or an exact rollback) in this epoch set it (`_epoch_absorbed`). Kept across
+        # epochs: an epoch that ends without a refresh (aborted, or a second begin_reload) leaves its writes to the
+        # next refresh.
+        self._dirty_base: set[str] = set()
+        self._dirty_epochs: list[set[str]] = []
+        self._epoch_absorbed = False
+        # writes that failed part way in this epoch and were not redone
         self._failed: set[str] = set()
         self._closed = False  # the epoch ended (close_epoch ran): nothing more is written in it
         # layers an earlier epoch left partly written (it ended with some of their tensors written and not all, or
         # a write failed part way): they mix two checkpoints, so only a complete write of them ends this; nothing
         # may declare them unchanged (`unchanged_refusals`)
         self.partly_written: set[str] = set()
+        self._layer_get = self.layer_of_name.get
+        self._plain = True  # nothing declared unchanged, no failed write, no refresh in this epoch: the fast path
+
+    def _note_plain(self) -> None:
+        """Recompute `_plain` after a change to what it summarises (off the hot path)."""
+        self._plain = not (self._unchanged or self._failed or self._epoch_absorbed)
 
     # ---- epochs -------------------------------------------------------------------------------------------
     def new_epoch(self) -> int:
         self.close_epoch()
+        if not self._epoch_absorbed and self._written:
+            self._dirty_epochs.append(self._written)  # a new set follows: this one is never written again
+            if len(self._dirty_epochs) > 4:  # many epochs without a refresh: folded, so memory stays bounded
+                self._dirty_epochs = [frozenset().union(*self._dirty_epochs)]
         self.epoch += 1
         self._closed = False
-        self._count = dict.fromkeys(self.tensors_of_layer, 0)
+        self._epoch_absorbed = False
+        self._written = set()
+        self._unchanged = set()
+        self._left = dict(self._size)
         self._complete = 0
+        self._note_plain()
         return self.epoch
 
     def close_epoch(self, restored: Iterable[str] = ()) -> list[str]:
@@ -73,91 +110,136 @@ class LayerReadiness:
         if self._closed:  # an abort closed it already; the next begin_reload closes it again
             return []
         self._closed = True
+        if not self._failed and self._complete == len(self._size):  # every layer complete: none written in part
+            return []
         restored = frozenset(restored)
-        sizes, count, loaded, epoch = self.tensors_of_layer, self._count, self._loaded_epoch, self.epoch
+        sizes, left, written = self._size, self._left, self._written
         new = {self.layer_of_name[n] for n in self._failed - restored}
         if self._complete < len(sizes):  # only an incomplete layer can be written in part
-            for layer, names in sizes.items():
-                if 0 < count[layer] < len(names) and layer not in new and any(
-                        loaded[n] == epoch and n not in self._unchanged and n not in restored for n in names):
+            for layer, names in self.tensors_of_layer.items():
+                if 0 < left[layer] < sizes[layer] and layer not in new and any(
+                        n in written and n not in restored for n in names):
                     new.add(layer)
         new -= self.partly_written
         self.partly_written.update(new)
-        self._unchanged = set()
         self._failed = set()
+        self._note_plain()
         return sorted(new)
 
     def forget(self, names: Iterable[str]) -> None:
         """Stop tracking `names` (optional tensors the first load did not have): the counts are rebuilt from
-        what is loaded in this epoch, and a layer left with no tensors is no layer."""
+        what is loaded in this epoch, and a layer left with no tensors is no layer. Off the hot path; the sets a
+        reload's origin may hold (`dirty_parts`) are replaced, never changed."""
         gone = set(names) & self.layer_of_name.keys()
         if not gone:
             return
         for name in gone:
-            del self.layer_of_name[name], self._loaded_epoch[name]
-        self._dirty -= gone
+            del self.layer_of_name[name]
+        self._written = self._written - gone
         self._unchanged -= gone
         self._failed -= gone
+        self._dirty_base -= gone
+        self._dirty_epochs = [frozenset(part - gone) for part in self._dirty_epochs]
         tensors: dict[str, list[str]] = {}
         for name, layer in self.layer_of_name.items():
             tensors.setdefault(layer, []).append(name)
         self.tensors_of_layer = {k: tuple(v) for k, v in tensors.items()}
-        self._count = {layer: sum(self._loaded_epoch[n] == self.epoch for n in ns)
-                       for layer, ns in self.tensors_of_layer.items()}
-        self._complete = sum(c == len(self.tensors_of_layer[la]) for la, c in self._count.items())
+        self._names_of_layer = {k: frozenset(v) for k, v in tensors.items()}
+        self._size = {k: len(v) for k, v in tensors.items()}
+        loaded = self._written | self._unchanged
+        self._left = {k: sum(n not in loaded for n in v) for k, v in tensors.items()}
+        self._complete = sum(not left for left in self._left.values())
         self.partly_written &= self.tensors_of_layer.keys()
+        self._note_plain()
 
     # ---- hot path -----------------------------------------------------------------------------------------
     def unknown(self, names: Iterable[str]) -> list[str]:
         known = self.layer_of_name
         return [n for n in names if n not in known]
 
-    def mark_loaded(self, names: Iterable[str]) -> list[str]:
+    def mark_loaded(self, names: Sequence[str]) -> list[str]:
         """Record tensors written in this epoch (duplicates are fine). Returns the layers that just completed.
-        Names must be known (check with `unknown` first)."""
-        return self._mark(names, dirty=True)
+        Raises `UnknownNames` (recording nothing) for names this backbone does not have."""
+        if not names:
+            return []
+        layer = self._layer_get(names[0])
+        # the common case in C: names of one layer (a superset check, which also says they are known), nothing
+        # unusual in the epoch (`_plain`); duplicates and names written before are fine: the count goes down by
+        # what the set grew by
+        if not self._plain or layer is None or not self._names_of_layer[layer].issuperset(names):
+            return self._mark_written(names)
+        written = self._written
+        before = len(written)
+        written.update(names)
+        added = len(written) - before
+        if not added:
+            return []
+        left = self._left[layer] = self._left[layer] - added
+        if left:
+            return []
+        self._complete += 1
+        if self.partly_written:
+            self.partly_written.discard(layer)  # written in full (nothing may declare it unchanged)
+        return [layer]
+
+    def _mark_written(self, names: Sequence[str]) -> list[str]:
+        completed = self._mark(names, dirty=True)
+        if self._failed:
+            self._failed.difference_update(names)  # written again, in full
+        if self._epoch_absorbed:  # written after a refresh of this epoch absorbed its writes: dirty again
+            self._dirty_base.update(names)
+        self._note_plain()
+        return completed
+
+    def unknown_free(self, names: Sequence[str]) -> Sequence[str]:
+        """`names` if all are known; else raise `UnknownNames` listing those that are not."""
+        unknown = self.unknown(names)
+        if unknown:
+            raise UnknownNames(unknown)
+        return names
 
     def mark_unchanged(self, names: Iterable[str]) -> list[str]:
-        """Declare tensors restored unchanged in this epoch: they count as ready but not dirty."""
-        return self._mark(names, dirty=False)
+        """Declare tensors restored unchanged in this epoch: they count as ready but not dirty. Names written
+        in this epoch stay written."""
+        return self._mark(list(names), dirty=False)
 
     def unmark(self, names: Iterable[str]) -> None:
         """Undo `mark_unchanged(names)` of tensors that were not loaded in this epoch before it (a refused
         finish puts back what it declared)."""
-        loaded, count, sizes = self._loaded_epoch, self._count, self.tensors_of_layer
+        left, unchanged = self._left, self._unchanged
         for name in names:
-            if loaded[name] != self.epoch:
+            if name not in unchanged:
                 continue
-            loaded[name] = -1
-            self._unchanged.discard(name)
+            unchanged.discard(name)
             layer = self.layer_of_name[name]
-            if count[layer] == len(sizes[layer]):
+            if not left[layer]:
                 self._complete -= 1
-            count[layer] -= 1
+            left[layer] += 1
+        self._note_plain()
 
-    def _mark(self, names: Iterable[str], *, dirty: bool) -> list[str]:
-        epoch, loaded, count, sizes = self.epoch, self._loaded_epoch, self._count, self.tensors_of_layer
-        failed, unchanged = self._failed, self._unchanged
+    def _mark(self, names: Sequence[str], *, dirty: bool) -> list[str]:
+        """The general case: any names, any layers, written (`dirty`) or declared unchanged."""
+        self.unknown_free(names)
+        written, unchanged, left = self._written, self._unchanged, self._left
+        layer_of_name = self.layer_of_name
         completed: list[str] = []
         for name in names:
-            if dirty:
-                self._dirty.add(name)
-                if failed:
-                    failed.discard(name)  # written again, in full
-            if loaded[name] == epoch:
-                if dirty and unchanged:
-                    unchanged.discard(name)  # declared unchanged, then written after all
+            if name in written:
                 continue
-            if not dirty:
-                unchanged.add(name)
-            loaded[name] = epoch
-            layer = self.layer_of_name[name]
-            count[layer] += 1
-            if count[layer] == len(sizes[layer]):
+            if name in unchanged:
+                if dirty:  # declared unchanged, then written after all: counted already
+                    unchanged.discard(name)
+                    written.add(name)
+                continue
+            (written if dirty else unchanged).add(name)
+            layer = layer_of_name[name]
+            left[layer] -= 1
+            if not left[layer]:
                 completed.append(layer)
         self._complete += len(completed)
         if self.partly_written and completed:
             self.partly_written.difference_update(completed)  # written in full (nothing may declare them unchanged)
+        self._note_plain()
         return completed
 
     # ---- queries ------------------------------------------------------------------------------------------
@@ -175,7 +257,8 @@ class LayerReadiness:
 
     def untouched_layers(self) -> list[str]:
         """Layers that received nothing in this epoch."""
-        return [layer for layer, c in self._count.items() if c == 0]
+        sizes = self._size
+        return [layer for layer, n in self._left.items() if n == sizes[layer]]
 
     def unchanged_refusals(self, names: Iterable[str]) -> dict[str, tuple[str, ...]]:
         """Layer -> why its tensors among `names` may not be declared unchanged: the layer is partly written by
@@ -193,47 +276,66 @@ class LayerReadiness:
         return {k: tuple(v) for k, v in out.items()}
 
     def is_loaded(self, name: str) -> bool:
-        return self._loaded_epoch[name] == self.epoch
+        if name not in self.layer_of_name:
+            raise KeyError(name)
+        return name in self._written or name in self._unchanged
 
     def missing(self, is_meta: Callable[[str], bool] | None = None, names: Iterable[str] | None = None
                 ) -> dict[str, tuple[str, ...]]:
         """Layer -> tensors not loaded in this epoch or on META (whatever events said). Empty when ready.
         With `names`, only those tensors are checked."""
+        if names is None and is_meta is None and not self._failed and self.counts_complete():
+            return {}  # every tensor counted and none on META: nothing to look at one by one
         out: dict[str, list[str]] = {}
         candidates = self.layer_of_name if names is None else list(names)
-        loaded, epoch, layer_of_name = self._loaded_epoch, self.epoch, self.layer_of_name  # locals: per tensor
+        written, unchanged, layer_of_name = self._written, self._unchanged, self.layer_of_name  # locals: per tensor
         for name in candidates:
-            if loaded[name] != epoch:
+            if name not in written and name not in unchanged:
                 out.setdefault(layer_of_name[name], []).append(name)
             elif is_meta is not None and is_meta(name):
                 out.setdefault(layer_of_name[name], []).append(f"{name} (META)")
         wanted = candidates if names is None or not self._failed else set(candidates)
         for name in self._failed:  # counted loaded before a later write of it failed part way
-            if loaded[name] == epoch and name in wanted:
+            if (name in written or name in unchanged) and name in wanted:
                 out.setdefault(layer_of_name[name], []).append(f"{name} (a write of it failed part way)")
         return {k: tuple(v) for k, v in out.items()}
+
+    def dirty_parts(self) -> tuple[AbstractSet[str], ...]:
+        """The dirty set as parts whose union it is, none of which changes again (a copy of the small base set, and
+        the write sets of ended epochs and of this one, which the next epoch replaces rather than changes): what a
+        reload's origin keeps, at no cost per tensor. Call it just before `new_epoch`."""
+        current = () if self._epoch_absorbed or not self._written else (self._written,)
+        return (frozenset(self._dirty_base), *self._dirty_epochs, *current)
 
     def dirty_tensors(self) -> frozenset[str]:
         """Tensors written since the last successful refresh (this epoch or an earlier one that ended without
         a refresh): what a selective refresh must propagate."""
-        return frozenset(self._dirty)
+        parts = [*self._dirty_epochs, *(() if self._epoch_absorbed else (self._written,))]
+        return frozenset(self._dirty_base.union(*parts))
 
     def clear_dirty(self) -> None:
         """A refresh propagated every dirty tensor into the derived buffers."""
-        self._dirty = set()
+        self._dirty_base = set()
+        self._dirty_epochs = []
+        self._epoch_absorbed = True
+        self._plain = False
 
     def mark_dirty(self, names: Iterable[str]) -> None:
         """Tensors possibly written (a write that failed part way) but not loaded: the next refresh rewrites
         what reads them, and they are missing until written again in full (sent again); if the epoch ends first,
         their layers are partly written."""
         names = list(names)
-        self._dirty.update(names)
+        self._dirty_base.update(names)
         self._failed.update(names)
+        self._note_plain()
 
     def restore_dirty(self, names: Iterable[str]) -> None:
         """Set the dirty set back to `names` (after a rollback restored every write since it was taken)."""
-        self._dirty = set(names)
+        self._dirty_base = set(names)
+        self._dirty_epochs = []
+        self._epoch_absorbed = True
+        self._plain = False
 
     def dirty_layers(self) -> list[str]:
-        seen = {self.layer_of_name[n] for n in self._dirty}
+        seen = {self.layer_of_name[n] for n in self.dirty_tensors()}
         return [layer for layer in self.tensors_of_layer if layer in seen]

@@ -16,9 +16,11 @@ from enum import Enum
 from functools import cache
 
 __all__ = [
+    "ALLOWED_TRIGGERS",
     "FOLLOW_UPS",
     "INITIAL_STATE",
     "QUARANTINE_STATE",
+    "ROWS_FROM",
     "TRANSITIONS",
     "TRIGGERS",
     "USABLE_STATES",
@@ -30,6 +32,7 @@ __all__ = [
     "allowed_triggers",
     "guards_of",
     "possible_destinations",
+    "rows_from",
 ]
 
 
@@ -78,7 +81,9 @@ class Transition:
     fired by the machine itself right after that trigger succeeded, when its sources include the state reached
     and its condition holds (a follow-up, never called directly). `per_bucket`: the row fires once per bucket of
     tensors, many times an epoch: bookkeeping of the load, not a step of the lifecycle (the report does not draw it
-    as a timeline mark)."""
+    as a timeline mark). A per-bucket row that would leave the state as it is (PARTIALLY_LOADED ->
+    PARTIALLY_LOADED) is bookkeeping only: the machine is not triggered and no `transition` event is written (the
+    bucket's `layer_ready` event says what changed); the row stays, so a log that shows it is still legal."""
 
     trigger: str
     sources: tuple[LifecycleState, ...]
@@ -188,6 +193,21 @@ def allowed_triggers(state: LifecycleState) -> frozenset[str]:
 def possible_destinations(trigger: str, source: LifecycleState) -> tuple[LifecycleState, ...]:
     """The states `trigger` can lead to from `source` (several when rows carry conditions)."""
     return tuple(dict.fromkeys(t.dest for t in TRANSITIONS if t.trigger == trigger and source in t.sources))
+
+
+def rows_from(trigger: str, source: LifecycleState) -> tuple[Transition, ...]:
+    """The rows of `trigger` that may fire from `source`, in declaration order (the machine takes the first whose
+    condition holds)."""
+    return ROWS_FROM[trigger][source]
+
+
+#: trigger -> state -> the rows of the trigger from that state, in declaration order; and state -> the triggers it
+#: allows: plain dicts, for the per-bucket path (a lookup, not a call).
+ROWS_FROM: dict[str, dict[LifecycleState, tuple[Transition, ...]]] = {
+    trigger: {s: tuple(t for t in TRANSITIONS if t.trigger == trigger and s in t.sources) for s in LifecycleState}
+    for trigger in TRIGGERS}
+ALLOWED_TRIGGERS: dict[LifecycleState, frozenset[str]] = {
+    s: frozenset(t.trigger for t in TRANSITIONS if s in t.sources) for s in LifecycleState}
 
 
 def guards_of(trigger: str) -> tuple[Guard, ...]:

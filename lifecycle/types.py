@@ -76,7 +76,7 @@ class BufferReport:
 
     name: str
     kind: str
-    mode: str  # "cold" (allocated), "in_place", "alias", "skipped" (nothing dirty), "fallback"
+    mode: str  # "cold" (allocated), "in_place", "alias", "skipped" (nothing dirty), "backed" (verified), "fallback"
     slices_written: int = 0
     slices_total: int = 0
     elements_written: int = 0
@@ -88,6 +88,10 @@ class BufferReport:
     # `into` writer allocates), and their bytes; 0 for views and parts copied straight into place
     temporaries: int = 0
     temporary_bytes: int = 0
+    # a backed buffer: how many sources are views of it, and how many this refresh made so (all at a cold build;
+    # afterwards only sources that had been replaced)
+    backed_sources: int = 0
+    rebacked: int = 0
 
     def as_log(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -100,6 +104,9 @@ class BufferReport:
         if self.temporaries:
             out["temporaries"] = self.temporaries
             out["temporary_bytes"] = self.temporary_bytes
+        if self.backed_sources:
+            out["backed_sources"] = self.backed_sources
+            out["rebacked"] = self.rebacked
         if self.reason:
             out["reason"] = self.reason
         return out

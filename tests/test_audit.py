@@ -55,11 +55,17 @@ def test_cold_load_and_reload_transition_path(tiny_cfg: DFlashConfig, ckpt_a: Pa
     triggers = [k for k, _ in groupby(e["trigger"] for e in transitions)]
     assert triggers == ["weights_loaded", "finish_loading", "refresh_derived", "capture_graphs", "begin_reload",
                         "weights_loaded", "finish_loading", "refresh_derived", "graphs_verified"]
-    # one weights_loaded event per bucket that completed a layer, never per tensor
+    # weights_loaded fires where the state changes (the first bucket, the last layer), never per tensor; each
+    # bucket that completed layers says so in one layer_ready event
     n_layers = m.lifecycle.readiness.layers_total
-    cold_loads = [e for e in transitions if e["trigger"] == "weights_loaded" and e["epoch"] == 0]
-    assert len(cold_loads) == n_layers  # bucket_by="layer": each bucket completes one layer
-    assert len([e for e in logs if e["event"] == "layer_ready"]) == 2 * n_layers
+    cold_loads = [(e["src"], e["dst"]) for e in transitions if e["trigger"] == "weights_loaded" and e["epoch"] == 0]
+    assert cold_loads == [("META", "PARTIALLY_LOADED"), ("PARTIALLY_LOADED", "FULLY_LOADED")]
+    ready = [e for e in logs if e["event"] == "layer_ready"]
+    cold_ready = [e for e in ready if e["epoch"] == 0]
+    assert len(cold_ready) == n_layers and all(len(e["layers"]) == 1 for e in cold_ready)  # bucket_by="layer"
+    assert sorted(layer for e in ready for layer in e["layers"]) == sorted(2 * list(
+        m.lifecycle.readiness.tensors_of_layer))
+    assert all(e["layers_more"] == 0 and e["tensors"] >= 1 for e in ready)
 
     for ev in [*logs, *m.lifecycle.recent_events]:
         assert ev["backbone"] == "draft-r3" and ev["rank"] == 3, ev

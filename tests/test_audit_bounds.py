@@ -30,11 +30,11 @@ def _ts(i: int) -> str:
 
 
 def _event(**fields: Any) -> str:
-    return json.dumps({"rank": 0, "epoch": 0, "schema": 3, **fields}, separators=(",", ":")) + "\n"
+    return json.dumps({"rank": 0, "epoch": 0, "schema": 4, **fields}, separators=(",", ":")) + "\n"
 
 
 def backbones_log(path: Path, n: int) -> Path:
-    path.write_text("".join(_event(event="layer_ready", backbone=f"b{i:06d}", seq=1, layer="layers.0",
+    path.write_text("".join(_event(event="layer_ready", backbone=f"b{i:06d}", seq=1, layers=["layers.0"],
                                    layers_ready=1, layers_total=2, ts=_ts(i)) for i in range(n)))
     return path
 
@@ -71,7 +71,7 @@ def test_streams_beyond_the_limit_are_counted_not_replayed_and_memory_stays_flat
 def test_a_logs_own_layers_total_does_not_lift_the_layer_caps(tmp_path: Path) -> None:
     log = tmp_path / "layers.jsonl"
     n = 3 * MAX_LAYERS
-    log.write_text("".join(_event(event="layer_ready", backbone="d", seq=i + 1, layer=f"layers.{i}",
+    log.write_text("".join(_event(event="layer_ready", backbone="d", seq=i + 1, layers=[f"layers.{i}"],
                                   layers_ready=i + 1, layers_total=10**12, ts=_ts(i)) for i in range(n)))
     auditor = Auditor()
     for item in iter_events([log]):
@@ -107,7 +107,7 @@ def test_the_report_draws_at_most_its_figure_budget(tmp_path: Path) -> None:
     for rank in range(MAX_TRACED):
         for epoch in range(1, 21):
             i += 1
-            lines.append(_event(event="layer_ready", backbone="d", rank=rank, epoch=epoch, layer="layers.0",
+            lines.append(_event(event="layer_ready", backbone="d", rank=rank, epoch=epoch, layers=["layers.0"],
                                 ts=_ts(i)))
     (tmp_path / "e.jsonl").write_text("".join(lines))
     out = tmp_path / "e.html"

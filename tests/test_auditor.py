@@ -497,8 +497,9 @@ def test_recover_after_an_abort_that_was_not_rolled_back_is_a_violation(real_log
 
 
 def test_the_auditor_reads_the_writers_schema_and_refuses_another_by_name(tmp_path: Path) -> None:
-    """Schema 3 added FINALIZED: a schema-2 log's refresh from FULLY_LOADED must not read as a violation of the
-    new table, nor pass as clean; it is an input problem that names the version (exit 2)."""
+    """Schema 3 added FINALIZED, 4 made layer_ready per bucket: a schema-2 log's refresh from FULLY_LOADED, or a
+    schema-3 layer_ready with its one `layer`, must not read as a violation, nor pass as clean; each is an input
+    problem that names the version (exit 2)."""
     from lifecycle.audit.replay import audit_logs
     from lifecycle.audit.schema import SCHEMA_READ
     from lifecycle.events import SCHEMA_VERSION
@@ -506,11 +507,12 @@ def test_the_auditor_reads_the_writers_schema_and_refuses_another_by_name(tmp_pa
     assert SCHEMA_READ == SCHEMA_VERSION
     line = {"event": "transition", "backbone": "d", "rank": 0, "epoch": 0, "seq": 1, "trigger": "weights_loaded",
             "src": "META", "dst": "PARTIALLY_LOADED", "ts": "2026-01-01T00:00:00.000001Z"}
-    old = tmp_path / "old.jsonl"
-    old.write_text(json.dumps({**line, "schema": 2}) + "\n")
-    result = audit_logs([old])
-    assert result.status == 2 and not result.violations
-    assert any("schema 2" in p.message for p in result.input_problems)
+    for version in (2, 3):
+        old = tmp_path / f"old{version}.jsonl"
+        old.write_text(json.dumps({**line, "schema": version}) + "\n")
+        result = audit_logs([old])
+        assert result.status == 2 and not result.violations
+        assert any(f"schema {version}" in p.message for p in result.input_problems)
     new = tmp_path / "new.jsonl"
     new.write_text(json.dumps({**line, "schema": SCHEMA_VERSION}) + "\n")
     assert not audit_logs([new]).input_problems

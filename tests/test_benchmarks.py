@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lifecycle.derived
-from benchmarks import audit_overhead, common, gpu_check, refresh, selective, tracking_overhead
+from benchmarks import audit_overhead, backed, cli_start, common, gpu_check, refresh, selective, tracking_overhead
 from models import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,23 +40,34 @@ def test_tracking_overhead_quick(tmp_path, capsys):
     out, data = run_quick(tracking_overhead, tmp_path, capsys)
     assert "baseline ms" in out and "lifecycle ms" in out and "per-event costs" in out
     rows = data["rows"]
+    shapes = ("many-tensor", "dflash-deep", "dflash-8x4k")
     assert {(r["shape"], r["mode"], r["arm"]) for r in rows} == {
-        (s, "reload", "lifecycle, audit on") for s in ("many-tensor", "dflash-deep")} | {
-        (s, "reload", "lifecycle, audit off") for s in ("many-tensor", "dflash-deep")} | {
-        (s, "cold", "lifecycle, audit on") for s in ("many-tensor", "dflash-deep")}
+        (s, "reload", "lifecycle, audit on") for s in shapes} | {
+        (s, "reload", "lifecycle, audit off") for s in shapes} | {(s, "cold", "lifecycle, audit on") for s in shapes}
     for r in rows:
         assert {"baseline", "lifecycle", "overhead_paired", "overhead_of_medians", "bookkeeping_ms",
                 "met_end_to_end", "target_overhead"} <= r.keys()
         assert {"median_ms", "min_ms", "max_ms", "p25_ms", "p75_ms", "n"} <= r["baseline"].keys()
         assert r["baseline"]["n"] == r["lifecycle"]["n"] >= 3
-    # deterministic: quick shapes have 2 x (7 + 2 x 4) + 1 and 4 x 8 + 3 tensors
-    assert {r["shape"]: r["tensors"] for r in rows} == {"many-tensor": 31, "dflash-deep": 35}
+    # deterministic: quick shapes have 2 x (7 + 2 x 4) + 1, 4 x 8 + 3 and 2 x 8 + 3 tensors
+    assert {r["shape"]: r["tensors"] for r in rows} == {"many-tensor": 31, "dflash-deep": 35, "dflash-8x4k": 19}
     reload_on = [r for r in rows if r["mode"] == "reload" and r["arm"] == "lifecycle, audit on"]
-    assert all(r["audit_events_per_load"] > 0 for r in reload_on)
+    # per reload: begin_reload, one layer_ready per layer's bucket, the last layer's weights_loaded (FULLY_LOADED),
+    # finish_loading; never a transition per bucket
+    assert {r["shape"]: r["audit_events_per_load"] for r in reload_on} == {
+        "many-tensor": 3 + 3, "dflash-deep": 7 + 3, "dflash-8x4k": 5 + 3}
+    assert {s: k["layer_ready"] for s, k in data["event_kinds_per_load"].items()} == {
+        "many-tensor": 3, "dflash-deep": 7, "dflash-8x4k": 5}
+    assert {u["shape"]: (u["tensors"], u["buckets"]) for u in data["per_tensor"]} == {
+        "many-tensor": (31, 3), "dflash-deep": (35, 7), "dflash-8x4k": (19, 5)}
+    assert [c["audit"] for c in data["layer_completion"]] == ["off", "on (JSON file)"]
+    assert {o["shape"] for o in data["audit_off"]} == set(shapes)
+    assert data["targets"] == 6 + 3 + 2 + 3 and 0 <= data["targets_met"] <= data["targets"]
     whats = [c["what"] for c in data["event_costs"]]
     assert any("transitions trigger (Machine)" in w for w in whats)
-    assert any("JSON-lines file" in w for w in whats)
-    assert any("readiness update" in w for w in whats)
+    assert any("layer_ready event -> JSON-lines file" in w for w in whats)
+    assert any("audit off (kept in memory only)" in w for w in whats)
+    assert "TARGETS:" in out
 
 
 def test_refresh_quick_counts_no_buffer_storage_for_in_place_and_new_storage_for_rebuild(tmp_path, capsys):
@@ -81,6 +92,28 @@ def test_refresh_quick_counts_no_buffer_storage_for_in_place_and_new_storage_for
         "in_place", 0, True, True)
     fixed = data["fixed_overhead"]
     assert fixed.keys() >= {"graphs_captured", "no_graphs", "pinned_tensors", "pin_verification_pass_us"}
+
+
+def test_backed_quick_refresh_writes_nothing_and_holds_one_copy(tmp_path, capsys):
+    out, data = run_quick(backed, tmp_path, capsys)
+    rows = {r["arm"]: r for r in data["rows"]}
+    assert (rows["backed, full reload"]["mode"], rows["backed, full reload"]["elements_written"]) == ("backed", 0)
+    assert rows["plain, full reload"]["elements_written"] > 0 and rows["plain, nothing written"]["mode"] == "skipped"
+    assert all(rows[a]["storages_created"] == 0 for a in ("plain, full reload", "backed, full reload"))
+    mem = data["memory"]
+    assert data["met_memory"] is True and mem["plain"] - mem["backed"] == mem["buffers"] > 0
+    assert "one copy instead of two" in out
+
+
+def test_cli_start_runs_each_command_in_a_fresh_process_without_torch(tmp_path, capsys):
+    out_json = tmp_path / "c.json"
+    assert cli_start.main(["--quick", "--repeats", "1", "--json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    rows = {r["what"]: r for r in data["rows"]}
+    for command in ("audit", "audit --json", "report", "diagram"):
+        r = rows[f"reload-lifecycle {command}"]
+        assert r["torch_imported"] is False and r["exit_statuses"] == [0] and r["peak_rss_mib"] > 0
+    assert "target" in capsys.readouterr().out
 
 
 def test_selective_quick_writes_k_slices(tmp_path, capsys):
@@ -154,6 +187,29 @@ def test_gpu_check_reports_fail_when_the_in_place_refresh_skips_a_slice(tmp_path
     lifecycle_rows = [r for r in rows if r.path == "lifecycle in place"]
     assert lifecycle_rows and not any(r.ok for r in lifecycle_rows)
     assert not any(r.replay_equals_expected for r in lifecycle_rows)
+
+
+def test_gpu_check_runs_the_tracking_and_refresh_benchmarks_on_its_device(tmp_path, monkeypatch, capsys):
+    calls = []
+    for module in (tracking_overhead, refresh):
+        monkeypatch.setattr(module, "main", lambda argv, name=module.NAME: calls.append((name, argv)) or 0)
+    out_json = tmp_path / "g.json"
+    assert gpu_check.main(["--device", "cpu", "--family", "dflash", "--benchmarks", "--bench-repeats", "2",
+                           "--json", str(out_json)]) == 0
+    head = ["--device", "cpu", "--repeats", "2"]
+    assert [(name, argv[:4]) for name, argv in calls] == [("tracking_overhead", head), ("refresh", head)]
+    assert calls[0][1][5] == str(tmp_path / "gpu_tracking_overhead.json")
+    calls.clear()
+    assert gpu_check.main(["--device", "cpu", "--family", "dflash", "--json", str(out_json)]) == 0
+    assert calls == []  # on the CPU stand-in only when asked
+
+
+def test_synced_waits_for_the_device_only_on_cuda(monkeypatch):
+    ran = []
+    fn = lambda: ran.append("fn") or 7  # noqa: E731
+    assert common.synced(fn, "cpu") is fn
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: ran.append("sync"))
+    assert common.synced(fn, "cuda:0")() == 7 and ran == ["fn", "sync"]
 
 
 def test_pinned_replayer_reads_captured_objects_and_restores_the_live_ones():

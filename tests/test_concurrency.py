@@ -104,7 +104,7 @@ def test_cold_load_from_threads_reaches_fully_loaded_exactly_once(tiny_cfg: DFla
     assert errors == []
     assert lc.state is S.FULLY_LOADED
     assert len(fully_loaded_transitions(logs)) == 1
-    ready = Counter(e["layer"] for e in logs if e["event"] == "layer_ready")
+    ready = Counter(layer for e in logs if e["event"] == "layer_ready" for layer in e["layers"])
     assert ready == Counter(list(lc.readiness.tensors_of_layer))  # every layer completed exactly once
     assert lc.readiness.layers_ready == lc.readiness.layers_total and lc.missing() == {}
     assert_chain(logs, S.META)
@@ -132,7 +132,7 @@ def test_session_reload_from_threads_commits_in_place(tiny_cfg: DFlashConfig, ck
         s.commit()
     assert lc.state is S.GRAPH_CAPTURED
     assert len(fully_loaded_transitions(logs)) == 1
-    ready = Counter(e["layer"] for e in logs if e["event"] == "layer_ready")
+    ready = Counter(layer for e in logs if e["event"] == "layer_ready" for layer in e["layers"])
     assert ready == Counter(list(lc.readiness.tensors_of_layer))
     assert_chain(logs, S.GRAPH_CAPTURED)
     assert s.snapshot_bytes == sum(p.numel() * 4 for p in m.parameters())

@@ -149,7 +149,7 @@ def test_html_is_written_only_through_the_escaping_templates(module: str) -> Non
 
 # ---- crafted lines: input problems (exit 2, file:line), never a traceback ------------------------------------------
 
-GOOD = {"backbone": "d", "rank": 0, "epoch": 0, "seq": 1, "ts": "2026-01-01T00:00:00.000001Z", "schema": 3}
+GOOD = {"backbone": "d", "rank": 0, "epoch": 0, "seq": 1, "ts": "2026-01-01T00:00:00.000001Z", "schema": 4}
 CRAFTED: dict[str, str] = {
     "nested 50,000 deep": '{"event":"transition","pad":' + "[" * 50_000 + "]" * 50_000 + "}",
     "nested objects 50,000 deep": '{"event":"refresh","buffers":' + '{"a":' * 50_000 + "1" + "}" * 50_001,
@@ -164,14 +164,14 @@ CRAFTED: dict[str, str] = {
     "problems_more as a string": json.dumps({**GOOD, "event": "storage_check", "ok": False, "problems": ["p"],
                                              "problems_more": "lots"}),
     "layers as an int": json.dumps({**GOOD, "event": "layers_unchanged", "layers": 3}),
-    "a layer name of 0.9 MB": json.dumps({**GOOD, "event": "layer_ready", "layer": "L" * 900_000}),
+    "a layer name of 0.9 MB": json.dumps({**GOOD, "event": "layer_ready", "layers": ["L" * 900_000]}),
     "buffers holding a string": json.dumps({**GOOD, "event": "refresh", "buffers": ["x"]}),
     "a buffer's nbytes as markup": json.dumps({**GOOD, "event": "refresh", "buffers": [{"name": "b",
                                                                                         "nbytes": "<b>"}]}),
-    "a count that is negative": json.dumps({**GOOD, "event": "layer_ready", "layer": "l", "layers_total": -1}),
+    "a count that is negative": json.dumps({**GOOD, "event": "layer_ready", "layers": ["l"], "layers_total": -1}),
     "a float timestamp": json.dumps({**GOOD, "event": "hook_run", "ts": 1e999}),
     "an epoch of NaN": '{"event":"hook_run","backbone":"d","rank":0,"epoch":NaN,"ts":"2026-01-01T00:00:00Z"}',
-    "a layer count of 1e999": json.dumps({**GOOD, "event": "layer_ready", "layer": "l", "layers_total": 1e999}),
+    "a layer count of 1e999": json.dumps({**GOOD, "event": "layer_ready", "layers": ["l"], "layers_total": 1e999}),
     "ok as a string": json.dumps({**GOOD, "event": "storage_check", "ok": "false"}),
     "a rank of 500 digits": json.dumps({**GOOD, "event": "hook_run", "rank": 10 ** 500}),
 }
@@ -202,7 +202,7 @@ def test_text_output_escapes_control_characters(tmp_path: Path, capsys: pytest.C
     log = tmp_path / "evil\nname.jsonl"
     lines = [{**GOOD, "event": "transition", "backbone": evil, "trigger": "capture_graphs", "src": "META",
               "dst": "GRAPH_CAPTURED"},
-             {**GOOD, "event": "layer_ready", "backbone": evil, "layer": "x\x1b]0;owned\x07", "seq": 2, "rank": 1},
+             {**GOOD, "event": "layer_ready", "backbone": evil, "layers": ["x\x1b]0;owned\x07"], "seq": 2, "rank": 1},
              {**GOOD, "event": "hook_run", "backbone": "b", "ts": "\x1b[2J"}]
     log.write_text("".join(json.dumps(e) + "\n" for e in lines))
     assert main(["audit", str(log)]) == 2
@@ -261,7 +261,7 @@ def test_what_held_before_still_holds(tmp_path: Path, monkeypatch: pytest.Monkey
         good.encode(), bytes(range(11, 256)), b'{"event": "\xff\xfe"}', b'{"pad":"' + b"x" * (MAX_LINE + 10) + b'"}',
         json.dumps({**GOOD, "event": "hook_run", "layers_total": 1e999}).encode(),
         b'{"event":"hook_run","backbone":"d","rank":0,"epoch":0,"ts":"2026-01-01T00:00:01Z","seq":2,"pad":NaN}',
-        b'{"event":"hook_run","event":"layer_ready","layer":"l","backbone":"d","rank":0,"epoch":0,"seq":3,'
+        b'{"event":"hook_run","event":"layer_ready","layers":["l"],"backbone":"d","rank":0,"epoch":0,"seq":3,'
         b'"ts":"2026-01-01T00:00:02Z"}',
         json.dumps({**GOOD, "seq": 4, "ts": "2026-01-01T00:00:03Z", "event": "transition", "trigger": "finish_loading",
                     "src": "NOWHERE", "dst": "ELSEWHERE"}).encode(), b""]))

@@ -11,8 +11,6 @@ digraph reload_lifecycle {
 
 from __future__ import annotations
 
-from transitions.extensions import GraphMachine
-
 from ..states import INITIAL_STATE, TRANSITIONS, LifecycleState
 
 __all__ = ["FORMATS", "dot", "markdown", "mermaid", "render"]
@@ -27,6 +25,8 @@ class _Model:
 def mermaid(current: LifecycleState | str | None = None, title: str = "draft backbone reload lifecycle") -> str:
     """Mermaid `stateDiagram-v2` text (no binaries needed). Conditions show as `[condition]`; `current`, if
     given, is drawn as the active state."""
+    from transitions.extensions import GraphMachine  # here: `audit` and `report` start without it
+
     model = _Model()
     rows = [
         {

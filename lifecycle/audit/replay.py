@@ -152,11 +152,7 @@ class Auditor:
             self._transition(r, ev)
         elif name == "refused":
             self._src_matches(r, ev, f"refused {clip(f['trigger'])}")
-        elif name == "layer_ready":
-            self._note_total(r, f)
-            if self._in_state(r, ev, WEIGHTS_STATES, WEIGHTS):
-                self._mark_ready(r, (f["layer"],))
-        elif name == "layers_unchanged":
+        elif name == "layer_ready" or name == "layers_unchanged":
             self._note_total(r, f)
             if self._in_state(r, ev, WEIGHTS_STATES, WEIGHTS):
                 self._mark_ready(r, f["layers"])

@@ -1,4 +1,4 @@
-"""The event schema the auditor and the report read (schema 3), checked on every line before anything uses it.
+"""The event schema the auditor and the report read (schema 4), checked on every line before anything uses it.
 
 Every event has `event`, `backbone`, `rank`, `epoch` and `ts`; each kind the tools read declares the type of
 every field they read of it (`FIELDS`). A field nothing reads is left alone (a newer writer may add fields); a
@@ -7,8 +7,8 @@ than `LIST_CAP` or a count outside 0..2**63-1 makes the line an input problem, n
 Nesting deeper than `MAX_DEPTH` is refused before the JSON parser sees the line (`depth_problem`), so no line
 can exhaust the parser's recursion.
 
->>> problem({"event": "layer_ready", "backbone": "d", "rank": 0, "epoch": 0, "ts": "t", "layer": ["x"]})
-"field 'layer': expected a name (a string of at most 4096 characters), got a list of 1 item(s)"
+>>> problem({"event": "layer_ready", "backbone": "d", "rank": 0, "epoch": 0, "ts": "t", "layers": "x"})
+"field 'layers': expected a list of at most 256 names, got 'x'"
 >>> depth_problem(b'{"a":' * 40 + b'1' + b'}' * 40)
 'nested 40 deep (at most 16)'
 """
@@ -23,9 +23,10 @@ __all__ = ["FIELDS", "LIST_CAP", "MAX_COUNT", "MAX_DEPTH", "NAME_CAP", "REQUIRED
            "depth_problem", "describe", "problem"]
 
 #: The event schema this auditor reads (`lifecycle.events.SCHEMA_VERSION` of the writer). A line of another
-#: version is an input problem: its transitions follow another table (3 added the FINALIZED state, so a schema-2
-#: log's `refresh_derived` from FULLY_LOADED would read as illegal). A line without the field is read as this one.
-SCHEMA_READ = 3
+#: version is an input problem: its transitions follow another table or its events another shape (3 added the
+#: FINALIZED state, so a schema-2 log's `refresh_derived` from FULLY_LOADED would read as illegal; 4 made
+#: `layer_ready` one event per bucket with a list of layers). A line without the field is read as this one.
+SCHEMA_READ = 4
 #: Characters in a name (backbone, layer, buffer, trigger, state, ...) and in a text (a reason, an error) at most:
 #: the writer cuts every string at 4096 (`lifecycle.events.STR_CAP`), so anything longer was not written by it.
 NAME_CAP = TEXT_CAP = 4096
@@ -118,7 +119,7 @@ FIELDS: dict[str, tuple[dict[str, Field], tuple[str, ...]]] = {
     "transition": ({"trigger": NAME_F, "src": NAME_F, "dst": NAME_F, "recoverable": FLAG_F},
                    ("trigger", "src", "dst")),
     "refused": ({"trigger": NAME_F, "src": NAME_F, "error": TEXT_F}, ("trigger", "src")),
-    "layer_ready": ({"layer": NAME_F}, ("layer",)),
+    "layer_ready": ({"layers": _slow(NAMES), "layers_more": COUNT_F}, ("layers",)),
     "layers_unchanged": ({"layers": _slow(NAMES), "layers_more": COUNT_F}, ("layers",)),
     "refresh": ({"buffers": _slow(_list_of(_record(BUFFER_FIELDS, ("name",)), "buffer records")),
                  "buffers_more": COUNT_F, "missing": _slow(NAMES), "missing_more": COUNT_F}, ()),
@@ -168,8 +169,9 @@ def problem(fields: dict[str, Any]) -> str | None:
     """What is wrong with a decoded line as an event, or None when it is one."""
     version = fields.get("schema", SCHEMA_READ)
     if version != SCHEMA_READ or type(version) is not int:
-        return (f"written with event schema {describe(version)}; this auditor reads schema {SCHEMA_READ} (schema 3 "
-                "added the FINALIZED state): audit it with the reload-lifecycle release that wrote it")
+        return (f"written with event schema {describe(version)}; this auditor reads schema {SCHEMA_READ} (schema 4 "
+                "made layer_ready one event per bucket, 3 added the FINALIZED state): audit it with the "
+                "reload-lifecycle release that wrote it")
     for key in REQUIRED:
         if key not in fields:
             bad = _fields_problem(fields, _REQUIRED_FIELDS)  # a bad rank is named before a missing timestamp

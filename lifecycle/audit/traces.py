@@ -105,7 +105,8 @@ class ReportCollector:
             tr.layers_total = f["layers_total"]
         name = f["event"]
         if name == "layer_ready":
-            self._layers(tr, (f["layer"],), "ready", ev.ts)
+            self._layers(tr, f["layers"], "ready", ev.ts)
+            tr.layers_more += f.get("layers_more", 0)
         elif name == "layers_unchanged":
             self._layers(tr, f["layers"], "unchanged", ev.ts)
             tr.unchanged_more += f.get("layers_more", 0)

@@ -10,6 +10,7 @@ from torch import nn
 from ..errors import RefreshInterruptedError, StorageDriftError
 from ..storage import StorageIdentity, count_allocations, describe_changes
 from ..types import BufferReport, RefreshReport
+from .backing import repoint
 from .buffer_plan import BufferPlan, destination
 from .per_layer import fill_computed
 from .plan import RefreshPlan
@@ -103,10 +104,13 @@ def _apply_one(backbone: nn.Module, bp: BufferPlan, report: RefreshReport, befor
             rep.elements_written = bp.new_tensor.numel()
             rep.slices_written = bp.slices_total
         backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
+        repoint(spec, bp.new_tensor, bp.backs)
     elif bp.mode == "in_place":
         assert bp.existing is not None
         before[spec.name] = StorageIdentity.of(bp.existing)
         _write_in_place(backbone, bp, rep, context)
+        repoint(spec, bp.existing, bp.backs)
+    rep.backed_sources, rep.rebacked = bp.backed_sources, len(bp.backs)
     live = current_buffer(backbone, spec.name)
     if live is not None:
         rep.nbytes = live.numel() * live.element_size()

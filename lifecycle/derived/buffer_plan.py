@@ -56,6 +56,10 @@ class BufferPlan:
     # backbone's tensors, a custom build's value): how many, and their bytes
     temporaries: int = 0
     temporary_bytes: int = 0
+    # a backed buffer (`backing.py`): the sources to make views of their places once the copies are done, and how
+    # many sources the buffer backs in all
+    backs: list[tuple[torch.Tensor, SliceCopy]] = field(default_factory=list)
+    backed_sources: int = 0
 
     def count(self, storages: Iterable[torch.UntypedStorage]) -> None:
         for st in storages:

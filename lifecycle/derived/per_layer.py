@@ -12,6 +12,7 @@ from itertools import accumulate
 import torch
 
 from ..types import dtype_name
+from .backing import backing_problem, still_backed
 from .buffer_plan import (
     BufferPlan,
     Layout,
@@ -84,8 +85,13 @@ def plan_per_layer(r: Request) -> Planned:
     layout: Layout = (new_shape, firsts[0].dtype, firsts[0].device)
     bp = BufferPlan(spec, "cold", slices_total=len(parts))
     starts = [0, *accumulate(lengths)][:-1] if spec.kind == "concat" else [0] * len(parts)
+    if spec.backed:
+        bp.backed_sources = sum(map(len, parts))
     bp.count(temporaries([p for ps in parts for p in ps], lambda: owned_storages(r.backbone)))
     if r.existing is None:  # allocated once; every part copied into its place (no torch.cat of slices)
+        if spec.backed and (problem_text := _backing_problem(r, parts, range(len(parts)))):
+            return Problem("layout", problem_text)
+
         def assemble(_: None) -> torch.Tensor:
             buf = torch.empty(new_shape, dtype=layout[1], device=layout[2])
             for i, ps in enumerate(parts):
@@ -93,16 +99,37 @@ def plan_per_layer(r: Request) -> Planned:
             return buf
 
         bp.new_tensor = built(spec, spec.kind, r.context, assemble, None)
+        if spec.backed:  # every source becomes a view of its place once the buffer is registered
+            bp.backs = [(c.src, c) for i, ps in enumerate(parts) for c in layer_copies(spec, i, starts[i], ps)]
         return bp
     problem = rebuild_problem(spec, layout, r.existing)
     if problem:
         return problem
     bp.existing = r.existing
+    if spec.backed:  # nothing to copy where a source is the view of its place: only verified
+        for i, ps in enumerate(parts):
+            for c in layer_copies(spec, i, starts[i], ps):
+                if not still_backed(spec, r.existing, c):  # replaced: copy in, view again
+                    bp.copies.append(c)
+                    bp.backs.append((c.src, c))
+        if bp.backs and (problem_text := _backing_problem(r, parts, sorted({c.layer for _, c in bp.backs}))):
+            return Problem("layout", problem_text)
+        bp.mode = "in_place" if bp.copies else "backed"
+        return bp
     for i, ps in enumerate(parts):
         if r.full or r.layer_dirty(i):
             bp.copies.extend(layer_copies(spec, i, starts[i], ps))
     bp.mode = "in_place" if bp.copies else "skipped"
     return bp
+
+
+def _backing_problem(r: Request, parts: Sequence[Sequence[torch.Tensor]], layers: Sequence[int]) -> str | None:
+    """`backing.backing_problem` for the layers whose sources are (re)made views: the cold build's every layer, a
+    refresh's replaced ones."""
+    spec = r.spec
+    return backing_problem(spec, [parts[i] for i in layers],
+                           [[r.resolve(f"{spec.layers_attr}.{i}.{s}") for s in spec.sources] for i in layers],
+                           list(layers))
 
 
 def plan_computed_stack(r: Request) -> Planned:

@@ -43,6 +43,9 @@ class DerivedSpec:
     value.
     `enabled`: a predicate on the backbone, evaluated once by `init_lifecycle`; a buffer it rejects is not
     registered, built or refreshed on that backbone (a head the config leaves out). None: always enabled.
+    `backed`: concat/stack whose every part is one of the layer's sources as a whole: the cold build makes each
+    source a view of its place in the buffer (`lifecycle.derived.backing`), so weights and buffer are one copy, a
+    load writes the buffer, and a refresh only verifies that every source is still that view.
     """
 
     name: str
@@ -57,10 +60,17 @@ class DerivedSpec:
     into: Into | None = None
     enabled: Enabled | None = None
     depends_fn: Callable[[nn.Module], Iterable[str]] | None = None
+    backed: bool = False
 
     def __post_init__(self) -> None:
         if self.computed and self.kind != "stack":
             raise ValueError(f"{self.name}: computed=True is only supported for stack specs (got {self.kind})")
+        if self.backed and (self.kind not in ("concat", "stack") or self.computed):
+            raise ValueError(f"{self.name}: backed=True is for concat and stack buffers of whole sources (got "
+                             f"{'a computed stack' if self.computed else self.kind})")
+        if self.backed and self.kind == "concat" and self.dim != 0:
+            raise ValueError(f"{self.name}: backed=True needs dim=0 (a source must be a contiguous view of its "
+                             f"place in the buffer; along dim {self.dim} it would not be)")
         if self.kind == "custom" and self.build is None and self.into is None:
             raise ValueError(f"{self.name}: custom needs build=, into=, or both")
 
@@ -89,17 +99,25 @@ class DerivedSpec:
 
 
 def concat(name: str, *, sources: Sequence[str], per_layer: PerLayer, dim: int = 0, layers_attr: str = "layers",
-           fallback: str | None = None, enabled: Enabled | None = None) -> DerivedSpec:
+           fallback: str | None = None, enabled: Enabled | None = None, backed: bool = False) -> DerivedSpec:
     """One slice per layer, concatenated along `dim` (e.g. the fused KV weight). `per_layer` returns the slice
     (a view of the layer's `sources`), or its parts: `per_layer=lambda l: (l.k_proj.weight, l.v_proj.weight)`
     lays each layer's K rows then V rows out along `dim`, each copied straight into its place (no per-layer
-    `torch.cat`, no temporary)."""
+    `torch.cat`, no temporary).
+
+    `backed=True` (opt-in; `dim=0`, every part one of the layer's sources as a whole): after the cold build the
+    sources ARE views of the buffer, so the weights and the buffer are one copy instead of two, a reload writes
+    the buffer as it loads, and a refresh writes nothing: it verifies that every source is still its view (one
+    that is not, because something replaced it, is copied in and made a view again; under captured graphs that
+    replacement is refused as drift before). Like an `alias`, a backed buffer holds what an aborted reload wrote
+    until a rollback."""
     return DerivedSpec(name, "concat", tuple(sources), per_layer=per_layer, dim=dim, layers_attr=layers_attr,
-                       fallback=fallback, enabled=enabled)
+                       fallback=fallback, enabled=enabled, backed=backed)
 
 
 def stack(name: str, *, sources: Sequence[str], per_layer: PerLayer, layers_attr: str = "layers",
-          fallback: str | None = None, computed: bool = False, enabled: Enabled | None = None) -> DerivedSpec:
+          fallback: str | None = None, computed: bool = False, enabled: Enabled | None = None,
+          backed: bool = False) -> DerivedSpec:
     """One slice per layer, stacked along a new leading dim (e.g. the k-norm weights). Parts, as for `concat`,
     are laid out along the slice's first dim.
 
@@ -108,9 +126,11 @@ def stack(name: str, *, sources: Sequence[str], per_layer: PerLayer, layers_attr
     where written (plan: to validate the layout, result dropped; apply: computed again and copied into the
     buffer's slice), so a refresh never holds more than one slice-sized temporary. `per_layer` must be a
     deterministic function of the layer's declared `sources`: a slice whose sources were not written is not
-    re-evaluated (its layout is what the last refresh validated)."""
+    re-evaluated (its layout is what the last refresh validated).
+
+    `backed=True`: as for `concat` (a stacked norm weight: every layer's `k_norm.weight` a view of its row)."""
     return DerivedSpec(name, "stack", tuple(sources), per_layer=per_layer, layers_attr=layers_attr,
-                       fallback=fallback, computed=computed, enabled=enabled)
+                       fallback=fallback, computed=computed, enabled=enabled, backed=backed)
 
 
 def alias(name: str, *, source: str, enabled: Enabled | None = None) -> DerivedSpec:
