@@ -123,6 +123,7 @@ def baseline_load(model: DraftBackbone, path: Path, layer_map: dict[str, str], p
         for name, value in bucket:
             write_tensor(model, name, value, device)
         n += len(bucket)
+        del bucket  # as the loader does: one bucket held at a time (holding two changes the allocator's reuse)
     for hook in model.post_load_hooks(phase):
         hook.fn(model)
     return n
