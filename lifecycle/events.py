@@ -508,13 +508,20 @@ HOLD_NS = 200_000_000
 _holders: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def hold_events() -> bool:
-    """Whether a lifecycle may hold its per-bucket events now and write them in batches: the route is a JSON
-    file alone, or nothing (events kept in memory only), and no `capture_logs` block is active. A holder
-    registers with `register_holder`; everything it holds is written before its next other event, when it is
-    asked for its events, before `configure_audit` switches the route, and at exit."""
+#: `hold_events()` answers: write each event now; hold and write in batches; hold, nothing to write.
+HOLD_NONE, HOLD_WRITE, HOLD_KEEP = 0, 1, 2
+
+
+def hold_events() -> int:
+    """Whether a lifecycle may hold its per-bucket events now: `HOLD_WRITE` when the route is a JSON file alone
+    (write them in batches), `HOLD_KEEP` when nothing is written (events kept in memory only: build them only
+    when asked for), `HOLD_NONE` otherwise (a console, a `capture_logs` block). A holder registers with
+    `register_holder`; everything it holds is written before its next other event, when it is asked for its
+    events, before `configure_audit` switches the route, and at exit."""
     route = _route
-    return (route.json_only or route.logger is None) and _capture_chain() is None
+    if _capture_chain() is not None:
+        return HOLD_NONE
+    return HOLD_WRITE if route.json_only else HOLD_KEEP if route.logger is None else HOLD_NONE
 
 
 def register_holder(holder: Any) -> None:

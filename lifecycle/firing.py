@@ -205,13 +205,14 @@ class TableMachine:
         item = (event, self._seq, readiness.epoch, layers[:events.LIST_CAP], len(layers), tensors,
                 readiness.layers_ready, readiness.layers_total, time.time_ns())
         held = self._held
-        if self._may_hold and events.hold_events():
-            held.append(item)
-            if len(held) >= events.HOLD_MAX or item[-1] - held[0][-1] >= events.HOLD_NS:
-                self.flush_events()
-            return
+        hold = events.hold_events() if self._may_hold else events.HOLD_NONE
         held.append(item)
-        self.flush_events()
+        if hold == events.HOLD_KEEP:  # nothing is written: only the last `recent_events` are ever read
+            if len(held) > 2 * (self._recent.maxlen or 0) + events.HOLD_MAX:
+                del held[:len(held) - (self._recent.maxlen or 0)]
+        elif (hold == events.HOLD_NONE or len(held) >= events.HOLD_MAX
+              or item[-1] - held[0][-1] >= events.HOLD_NS):
+            self.flush_events()
 
     def flush_events(self) -> None:
         """Build, write and keep the held per-bucket events, in order."""

@@ -138,3 +138,24 @@ for names in list(m.lifecycle.readiness.tensors_of_layer.values())[:2]:
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
     kinds = [e["event"] for e in read_events(log)]
     assert kinds.count("layer_ready") == 2 and kinds[-1] == "layer_ready"
+
+
+def test_with_nothing_written_the_kept_events_are_those_of_an_unheld_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit off: the records are built only when `recent_events` is read, and only the last ones are held."""
+    import torch
+
+    from lifecycle.machine import BackboneLifecycle
+    from lifecycle.types import TensorSpec
+
+    configure_audit(console=False)
+    kept = {}
+    for hold in (events.HOLD_KEEP, events.HOLD_NONE):
+        monkeypatch.setattr(events, "hold_events", lambda hold=hold: hold)
+        names = [f"layers.{i}.{t}" for i in range(200) for t in ("a", "b")]
+        lc = BackboneLifecycle("kept", dict.fromkeys(names, TensorSpec((1,), torch.float32)), recent_events=16)
+        for i in range(200):
+            lc.weights_loaded([f"layers.{i}.a", f"layers.{i}.b"])
+            assert len(lc._held) <= 2 * 16 + events.HOLD_MAX
+        kept[hold] = [(e["event"], e["seq"], e.get("layers"), e.get("layers_ready")) for e in lc.recent_events]
+    assert len(kept[events.HOLD_KEEP]) == 16
+    assert kept[events.HOLD_KEEP] == kept[events.HOLD_NONE]
