@@ -6,6 +6,7 @@ the time it was made), and held events come out when `recent_events` is read, af
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def test_held_events_come_out_when_asked_for_and_never_more_than_hold_max(tmp_pa
         apply_bucket(m, [(n, weights[n]) for n in names])
         on_file.append(sum(e["event"] == "layer_ready" for e in read_events(log)))
     assert max(i + 1 - n for i, n in enumerate(on_file)) == events.HOLD_MAX - 1  # at most a batch held
-    assert events.HOLD_MAX in {b - a for a, b in zip(on_file, on_file[1:])}  # a full batch, in one go
+    assert events.HOLD_MAX in {b - a for a, b in itertools.pairwise(on_file)}  # a full batch, in one go
     kept = m.lifecycle.recent_events  # reading the lifecycle's events writes the held ones first
     assert sum(e["event"] == "layer_ready" for e in kept) == LAYERS - 1
     assert sum(e["event"] == "layer_ready" for e in read_events(log)) == LAYERS - 1
