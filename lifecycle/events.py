@@ -37,6 +37,7 @@ field on the events each lifecycle keeps), reported once on stderr, and the even
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import json.encoder
@@ -46,6 +47,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,10 +72,14 @@ __all__ = [
     "bound_fields",
     "configure_audit",
     "emit",
+    "emit_held",
     "emit_record",
     "enabled",
+    "flush_holders",
+    "hold_events",
     "host_name",
     "read_events",
+    "register_holder",
     "sink_failures",
     "timestamp",
 ]
@@ -201,16 +207,17 @@ def add_schema_version(_logger: Any, _name: str, event_dict: MutableMapping[str,
 _second: tuple[int, str] = (-1, "")  # the last whole second formatted (replaced whole: safe across threads)
 
 
-def timestamp() -> str:
-    """Now, UTC, in `TS_FORMAT` (`2026-01-01T12:00:00.000001Z`, always with microseconds). The date and time of
-    the second are formatted once per second; an event adds only the microseconds.
+def timestamp(now_ns: int | None = None) -> str:
+    """Now (or `now_ns`, from `time.time_ns()`), UTC, in `TS_FORMAT` (`2026-01-01T12:00:00.000001Z`, always
+    with microseconds). The date and time of the second are formatted once per second; an event adds only the
+    microseconds.
 
     >>> import datetime, re
     >>> bool(re.fullmatch(r"\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d\\.\\d{6}Z", timestamp()))
     True
     """
     global _second
-    sec, ns = divmod(time.time_ns(), 1_000_000_000)
+    sec, ns = divmod(time.time_ns() if now_ns is None else now_ns, 1_000_000_000)
     cached = _second
     if cached[0] != sec:
         cached = _second = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
@@ -235,11 +242,11 @@ def sink_failures() -> int:
     return _failures
 
 
-def _count_failure(what: str, error: BaseException, first: bool) -> None:
-    """Count one lost event; on the first failure of a sink, say so once on stderr."""
+def _count_failure(what: str, error: BaseException, first: bool, lines: int = 1) -> None:
+    """Count lost events (one write of `lines` events); on the first failure of a sink, say so once on stderr."""
     global _failures
     with _failures_lock:
-        _failures += 1
+        _failures += lines
     if first:
         _say(f"audit {what}: {type(error).__name__}: {error}; the lifecycle goes on, and this and later lost "
              "events are counted (lifecycle.events.sink_failures(), the `sink_failures` field of recent events)")
@@ -273,6 +280,7 @@ class JsonLinesSink:
         self._torn = False
         self.closed = False
         self.failures = 0
+        self._node_json = ("", '""')  # the last node written and its JSON: encoded once, not per line
 
     def __call__(self, _logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         try:
@@ -298,13 +306,34 @@ class JsonLinesSink:
             self._failed(e)
             return
         # node before and the three fields after the encoded object's own: the same line as encoding the dict
-        self._write(f'{{"node":{_encode(node)},{line[1:-1]},"level":"{level}","ts":"{timestamp()}",'
+        node_json = self._node_json
+        if node_json[0] != node:
+            node_json = self._node_json = (node, _encode(node))
+        self._write(f'{{"node":{node_json[1]},{line[1:-1]},"level":"{level}","ts":"{timestamp()}",'
                     f'"schema":{SCHEMA_VERSION}}}\n'.encode())
+
+    def write_held(self, records: list[Mapping[str, Any]], times_ns: list[int], level: str, node: str) -> None:
+        """Write records a lifecycle held back (per-bucket events, `hold_events`), each with the time it was
+        made, as `write_record` would, in one `write(2)`: a failure loses these lines only."""
+        lines = []
+        for record, now_ns in zip(records, times_ns, strict=True):
+            try:
+                line = _encode(record)
+            except (TypeError, ValueError) as e:
+                self._failed(e)
+                continue
+            node_json = self._node_json
+            if node_json[0] != node:
+                node_json = self._node_json = (node, _encode(node))
+            lines.append(f'{{"node":{node_json[1]},{line[1:-1]},"level":"{level}","ts":"{timestamp(now_ns)}",'
+                         f'"schema":{SCHEMA_VERSION}}}\n')
+        if lines:
+            self._write("".join(lines).encode())
 
     def _write(self, data: bytes) -> None:
         with self._lock:
             if self.closed:
-                self._failed(ValueError("the sink was closed"))
+                self._failed(ValueError("the sink was closed"), data.count(b"\n"))
                 return
             if self._torn:
                 data = b"\n" + data
@@ -319,11 +348,12 @@ class JsonLinesSink:
                 self._torn = False
             except OSError as e:
                 self._torn = self._torn or left < len(data)  # a line cut part way: the next starts on a new line
-                self._failed(e)
+                self._failed(e, data.count(b"\n", len(data) - left))  # the lines not written to their end
 
-    def _failed(self, error: BaseException) -> None:
-        self.failures += 1
-        _count_failure(f"sink {self.path}", error, first=self.failures == 1)
+    def _failed(self, error: BaseException, lines: int = 1) -> None:
+        first = self.failures == 0
+        self.failures += lines
+        _count_failure(f"sink {self.path}", error, first=first, lines=lines)
 
     def close(self) -> None:
         with self._lock:
@@ -390,6 +420,7 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
     afterwards, and a failure to close it (a broken file) does not stop the switch."""
     global _route
     number = _level_number(level, "configure_audit")
+    flush_holders()  # events held for the route in force go to it, not to the next one
     if json_path is not None and not isinstance(json_path, (str, os.PathLike)):
         raise TypeError(f"configure_audit: json_path must be a str or a path, got {type(json_path).__name__}")
     if not isinstance(console, bool):
@@ -468,6 +499,59 @@ def enabled(level: str = "info") -> bool:
     """Whether an event at `level` would go anywhere now (a file, the console, a `capture_logs` block): ask
     before building an event that nobody keeps (the loader's per-bucket debug event)."""
     return _level(level, "enabled") >= _route.level and (_route.logger is not None or _capture_chain() is not None)
+
+
+#: Per-bucket events may be held back and written in batches (`hold_events`): at most this many ...
+HOLD_MAX = 64
+#: ... or this old (ns): a trainer's slow stream still shows its layers within a fraction of a second.
+HOLD_NS = 200_000_000
+_holders: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+#: `hold_events()` answers: write each event now; hold and write in batches; hold, nothing to write.
+HOLD_NONE, HOLD_WRITE, HOLD_KEEP = 0, 1, 2
+
+
+def hold_events() -> int:
+    """Whether a lifecycle may hold its per-bucket events now: `HOLD_WRITE` when the route is a JSON file alone
+    (write them in batches), `HOLD_KEEP` when nothing is written (events kept in memory only: build them only
+    when asked for), `HOLD_NONE` otherwise (a console, a `capture_logs` block). A holder registers with
+    `register_holder`; everything it holds is written before its next other event, when it is asked for its
+    events, before `configure_audit` switches the route, and at exit."""
+    route = _route
+    if _capture_chain() is not None:
+        return HOLD_NONE
+    return HOLD_WRITE if route.json_only else HOLD_KEEP if route.logger is None else HOLD_NONE
+
+
+def register_holder(holder: Any) -> None:
+    """`holder.flush_events()` is called before the route changes and at exit (held weakly)."""
+    _holders.add(holder)
+
+
+def flush_holders() -> None:
+    for holder in list(_holders):
+        with contextlib.suppress(Exception):  # a broken holder must not stop the others, or the exit
+            holder.flush_events()
+
+
+atexit.register(flush_holders)
+
+
+def emit_held(records: list[Mapping[str, Any]], times_ns: list[int], level: str = "info") -> None:
+    """Send records held back (bounded already), each with the time it was made: one write to a JSON file
+    alone; through `emit_record` (stamped now) on any other route the holder did not expect. Never raises."""
+    route = _route
+    if _LEVEL_NUMBERS[level] < route.level or (route.logger is None and _capture_chain() is None):
+        return
+    if not route.json_only or _capture_chain() is not None:
+        for record in records:
+            emit_record(record, level)
+        return
+    try:
+        route.sink.write_held(records, times_ns, level, route.node)  # type: ignore[union-attr]
+    except Exception as e:  # pragma: no cover (write_held counts its own failures)
+        _count_failure("output", e, not route.failed_once[0])
 
 
 def emit(event: str, *, level: str = "info", **fields: Any) -> None:

@@ -56,7 +56,12 @@ class TableMachine:
         self.name = name
         self.rank = rank
         self.readiness = readiness
-        self.recent_events: deque[dict[str, Any]] = deque(maxlen=recent_events)
+        self._recent: deque[dict[str, Any]] = deque(maxlen=recent_events)
+        # per-bucket events held back (see `_audit_layers`); only on an unlocked lifecycle (one thread)
+        self._held: list[tuple[Any, ...]] = []
+        self._may_hold = not locked
+        if self._may_hold:
+            events.register_holder(self)
         self._seq = 0
         # the per-bucket event is built field by field, without `events.bound_fields`, when every value it can
         # hold is known to be within the bounds: the backbone's name, its layer names, the rank
@@ -93,6 +98,13 @@ class TableMachine:
     @property
     def state(self) -> LifecycleState:
         return self._model.state
+
+    @property
+    def recent_events(self) -> deque[dict[str, Any]]:
+        """The last events, bounded as written (the worker RPCs read it); held events are written first."""
+        if self._held:
+            self.flush_events()
+        return self._recent
 
     @property
     def epoch(self) -> int:
@@ -170,6 +182,8 @@ class TableMachine:
     def _audit(self, event: str, *, level: str = "info", **fields: Any) -> None:
         if level == "debug":  # per-bucket detail: not numbered, a log at info level has no gaps in `seq`
             if events.enabled(level):  # checked first: a filtered event costs a comparison
+                if self._held:
+                    self.flush_events()
                 events.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
             return
         self._seq += 1
@@ -179,32 +193,58 @@ class TableMachine:
 
     def _audit_layers(self, event: str, layers: list[str], tensors: int | None = None) -> None:
         """A `layer_ready` or `layers_unchanged` event: the layers (at most `events.LIST_CAP`, the rest counted in
-        `layers_more`), the bucket's `tensors` (layer_ready) and the readiness counts. The per-bucket hot path:
-        built as a plain record when every value is known to be bounded already (`bound_fields` otherwise)."""
+        `layers_more`), the bucket's `tensors` (layer_ready) and the readiness counts.
+
+        The per-bucket hot path. When the route allows it (`events.hold_events`: a JSON file alone, or nothing)
+        the event is held as a tuple, numbered and timed now, and written with the others of its batch (one
+        `write(2)`) before this lifecycle's next other event, when `recent_events` is read, after
+        `events.HOLD_MAX` events or `events.HOLD_NS`, before the route changes, and at exit. A process killed
+        mid-load loses at most that batch of `layer_ready` lines (the epoch reads as unfinished either way)."""
         readiness = self.readiness
-        shown = layers[:events.LIST_CAP]  # a copy: the caller keeps its list
         self._seq += 1
-        record = {"event": event, "backbone": self.name, "rank": self.rank, "epoch": readiness.epoch,
-                  "seq": self._seq, "layers": shown, "layers_more": len(layers) - len(shown)}
-        if tensors is not None:
-            record["tensors"] = tensors
-        record["layers_ready"] = readiness.layers_ready
-        record["layers_total"] = readiness.layers_total
-        if not self._plain_layer_events:
-            record = events.bound_fields(record)
-        events.emit_record(record)  # as `_keep`, inline: this runs per bucket
+        item = (event, self._seq, readiness.epoch, layers[:events.LIST_CAP], len(layers), tensors,
+                readiness.layers_ready, readiness.layers_total, time.time_ns())
+        held = self._held
+        hold = events.hold_events() if self._may_hold else events.HOLD_NONE
+        held.append(item)
+        if hold == events.HOLD_KEEP:  # nothing is written: only the last `recent_events` are ever read
+            if len(held) > 2 * (self._recent.maxlen or 0) + events.HOLD_MAX:
+                del held[:len(held) - (self._recent.maxlen or 0)]
+        elif (hold == events.HOLD_NONE or len(held) >= events.HOLD_MAX
+              or item[-1] - held[0][-1] >= events.HOLD_NS):
+            self.flush_events()
+
+    def flush_events(self) -> None:
+        """Build, write and keep the held per-bucket events, in order."""
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        records: list[dict[str, Any]] = []
+        for event, seq, epoch, shown, count, tensors, ready, total, _ in held:
+            record = {"event": event, "backbone": self.name, "rank": self.rank, "epoch": epoch, "seq": seq,
+                      "layers": shown, "layers_more": count - len(shown)}
+            if tensors is not None:
+                record["tensors"] = tensors
+            record["layers_ready"] = ready
+            record["layers_total"] = total
+            records.append(record if self._plain_layer_events else events.bound_fields(record))
+        events.emit_held(records, [item[-1] for item in held])
         failures = events.sink_failures()
         if failures:
-            record["sink_failures"] = failures
-        self.recent_events.append(record)
+            for record in records:
+                record["sink_failures"] = failures
+        self._recent.extend(records)
 
     def _keep(self, record: dict[str, Any], level: str = "info") -> None:
         """Write a bounded, numbered record (if audit output is on) and keep it in `recent_events`."""
+        if self._held:
+            self.flush_events()  # the held events come first: `seq` stays in order in the file
         events.emit_record(record, level)  # never raises: a failed write is counted, not the lifecycle's problem
         failures = events.sink_failures()
         if failures:
             record["sink_failures"] = failures
-        self.recent_events.append(record)
+        self._recent.append(record)
 
     def record_refusal(self, trigger: str, error: Exception, **fields: Any) -> None:
         """Audit a refusal: the machine's own, and those decided outside it (the loader's checks of names,
