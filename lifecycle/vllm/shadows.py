@@ -31,7 +31,7 @@ from .quantized import checkpoint_layout_readable, quantized_fallback
 if TYPE_CHECKING:
     from .drafts import LifecycleDraftModel
 
-__all__ = ["SHADOW_OF", "ShadowPlan", "plan_shadows", "processing_keeps_weight"]
+__all__ = ["SHADOW_OF", "ShadowPlan", "plan_shadows", "processing_keeps_weight", "shadow_bytes_apart"]
 
 #: linear module -> the name of the shadow its processing fills (a shadow is current only if its linear is).
 SHADOW_OF: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -98,3 +98,14 @@ def plan_shadows(backbone: LifecycleDraftModel) -> ShadowPlan:
         plan.captures[linear] = (rows, buf, name)
         SHADOW_OF[linear] = name
     return plan
+
+
+def shadow_bytes_apart(backbone: nn.Module) -> int:
+    """Bytes of the storages behind the backbone's K/V shadows that are not one of its derived buffers' storage:
+    what the shadows cost beyond stock vLLM's own fused buffers (0 when they are views of the buffer, or absent)."""
+    derived = {t.untyped_storage().data_ptr() for n in backbone.derived_buffer_names()
+               if isinstance(t := backbone._buffers.get(n), torch.Tensor) and not t.is_meta}
+    apart = {s.data_ptr(): s.nbytes() for m in backbone.modules()
+             if isinstance(t := m._buffers.get(SHADOW), torch.Tensor) and not t.is_meta
+             and (s := t.untyped_storage()).data_ptr() not in derived}
+    return sum(apart.values())
