@@ -117,6 +117,7 @@ def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
     if layout == "gpu":
         res["same_as_vllm_builder"] = _same_as_vllm_builder(warm)
     stock = build(case, _draft_dir(work, case, "A"), work / "target", stock=True)
+    share_target(stock, target)  # both count the target's shared modules alike
     res["memory"] = {"cold": memory(warm, case.family), "stock": memory(stock, case.family)}
     del stock
     res["pinned"] = b.capture_graphs()
