@@ -8,7 +8,8 @@ on CUDA, simulated), a tiny draft is cold-loaded twice: by stock vLLM's class an
 timed: the bytes of the distinct storages behind every parameter, buffer and tensor the family's builders set
 (stock vLLM keeps its fused buffers as plain attributes), the K/V shadows and how many of them are views of the
 fused buffer. "main" is what the plugin allocated before issue #15's item 2: one shadow per layer on every layout,
-the K/V rows in checkpoint layout, i.e. the fused K/V buffer's size again (computed from that buffer).
+the K/V rows in checkpoint layout, i.e. the fused K/V buffer's size again (computed from that buffer; main's code
+measured the same way once gave exactly these figures for DFlash and Gemma4 DSpark on both layouts).
 Target (issue #15): bytes over stock = 0 for every family and layout. `--quick`: two families.
 """
 
