@@ -73,6 +73,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.refresh $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.selective $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.backed $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.shadow_memory $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.audit_overhead $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.gpu_check
 	$(BIN)/python -m benchmarks.gpu_check --device cpu --json benchmarks/results/gpu_check_cpu.json

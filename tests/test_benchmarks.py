@@ -243,3 +243,24 @@ def test_scripts_run_as_commands(tmp_path, how):
                           timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "RESULT: all checks passed" in proc.stdout
+
+
+def test_shadow_memory_quick_counts_no_byte_over_stock_vllm(tmp_path):
+    """In a fresh process (it starts vLLM's in-process harness): every family and layout measured holds stock
+    vLLM's bytes, with the shadows as views of the fused buffer on CPU and none in the GPU layout, where main held
+    the fused K/V buffer's size again."""
+    out_json = tmp_path / "shadow_memory.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.shadow_memory", "--quick", "--json", str(out_json)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    data = json.loads(out_json.read_text())
+    assert data["benchmark"] == "shadow_memory" and data["quick"] is True
+    printed = proc.stdout.splitlines()  # vLLM's own progress lines interleave with the tables
+    assert all(line in printed for line in out_json.with_suffix(".txt").read_text().splitlines())
+    rows = {(r["family"], r["layout"]): r for r in data["rows"]}
+    assert set(rows) == {(f, lay) for f in ("dflash", "gemma4_dspark") for lay in ("cpu", "gpu")}
+    for (_, layout), r in rows.items():
+        assert r["over_stock_bytes"] == 0 and r["shadow_bytes_apart"] == 0 and r["met"]
+        assert r["main_over_stock_bytes"] > 0
+        assert r["shadows"] == (2 if layout == "cpu" else 0) and r["shadow_views"] == r["shadows"]
+    assert data["targets_met"] == data["targets"] == 4 and "TARGETS: 4/4 met" in proc.stdout

@@ -62,6 +62,11 @@ def ok(result: dict[str, Any]) -> Any:
     return result["value"]
 
 
+def ok_layers(res: dict[str, Any], cold: str) -> list[str]:
+    """sha256 of each layer's slice of the fused K/V buffer of a cold engine."""
+    return res[cold]["memory"]["fused_layers"]
+
+
 def run_of(res: dict[str, Any], path: str) -> dict[str, Any]:
     (run,) = [r for r in res["runs"] if r["path"] == path]
     return run
@@ -125,6 +130,20 @@ def test_trainer_path_on_a_live_engine_equals_a_cold_engine(dflash: dict[str, An
     assert epochs == [1, 2, 3, 4, 5, 5]  # one reload epoch per draft write; a target reload begins none
 
 
+@pytest.mark.parametrize(("fixture", "layout"), [("dflash", "cpu"), ("dflash", "gpu"), ("laguna", "cpu")])
+def test_the_live_draft_holds_no_k_v_copy_beyond_vllms_own_fused_buffer(request: pytest.FixtureRequest,
+                                                                         fixture: str, layout: str) -> None:
+    """Where vLLM's CPU repack empties the weight, each layer's K/V shadow is a view of its slice of the fused
+    buffer; where the weight is kept (the GPU layout), there is none. Cold, and after every trainer path."""
+    res = request.getfixturevalue(fixture)[layout]
+    seen = [res["cold_A"]["memory"], res["cold_B"]["memory"], *(r["memory"] for r in res["runs"])]
+    for mem in seen:
+        assert mem["shadows"] == (2 if layout == "cpu" else 0)
+        assert mem["shadow_views"] == mem["shadows"] and mem["shadow_bytes_apart"] == 0
+        assert mem["bytes"] == seen[0]["bytes"]  # no storage added or dropped by any reload
+        assert len(mem["fused_layers"]) == 2
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_incomplete_payload_quarantines_and_keeps_the_last_good_buffers(dflash: dict[str, Any], layout: str) -> None:
     res = dflash[layout]
@@ -135,8 +154,12 @@ def test_an_incomplete_payload_quarantines_and_keeps_the_last_good_buffers(dflas
     assert draft["state"] == LifecycleState.QUARANTINED.value and "layers.1" in draft["quarantine_reason"]
     good, now = res["runs"][-1]["digests"][0], partial["digests"][0]
     for backbone, digests in per_backbone(good).items():  # computed buffers keep their last good values, bit for bit
-        assert [now[backbone][n] for n in ("_fused_kv_weight", "_k_norm_weights")] == \
-            [digests[n] for n in ("_fused_kv_weight", "_k_norm_weights")]
+        assert now[backbone]["_k_norm_weights"] == digests["_k_norm_weights"]
+    before, after = partial["memory_before"]["fused_layers"], partial["memory"]["fused_layers"]
+    if layout == "gpu":  # built from the live weights: the last good buffer, bit for bit
+        assert after == before
+    else:  # backed by the shadows: layer 0, which the payload wrote and vLLM processed, holds its rows (draft A's)
+        assert after == [ok_layers(res, "cold_A")[0], before[1]] and after[0] != before[0]
     assert partial["fused_path"]["error"] == "QuarantinedError"
 
 

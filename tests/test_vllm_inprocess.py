@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_inprocess_runs import INPROCESS_FAMILIES
+from vllm_inprocess_runs import INPROCESS_FAMILIES, MEMORY_ONLY
 from vllm_trainer_paths import DRAFT_PATHS, PATHS
 
 from lifecycle.states import LifecycleState
@@ -47,6 +47,33 @@ def test_cold_load_by_vllms_loader_builds_the_buffers(inprocess: dict[str, Any],
     assert (res["layout"] == [0]) == (layout == "cpu")  # vLLM's CPU repack empties the weight; the GPU layout not
     assert res["refs_differ"]  # drafts A and B differ in every check below, so equality means something
     assert res["pinned"] > 0
+
+
+def assert_no_byte_beyond_stock(mem: dict[str, Any], fam: str, layout: str, layers: int = 2) -> None:
+    """The draft holds exactly stock vLLM's bytes, cold and after reloads: a K/V shadow only where processing
+    empties the weight (the CPU repack), each one a view of its fused buffer; none in the GPU layout."""
+    shadowed = family(fam).shadow is not None and layout == "cpu"
+    for when in ("cold", "reloaded"):
+        assert mem[when]["bytes"] == mem["stock"]["bytes"], f"{when}: the plugin holds bytes stock vLLM does not"
+        assert mem[when]["shadows"] == (layers if shadowed else 0)
+        assert mem[when]["shadow_views"] == mem[when]["shadows"] and mem[when]["shadow_bytes_apart"] == 0
+    assert mem["stock"]["shadows"] == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_the_draft_holds_no_byte_beyond_stock_vllm(inprocess: dict[str, Any], fam: str, layout: str) -> None:
+    assert_no_byte_beyond_stock(run_for(inprocess, fam, layout)["memory"], fam, layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fam", MEMORY_ONLY.split(","))
+def test_engine_families_hold_no_byte_beyond_stock_vllm(inprocess: dict[str, Any], fam: str, layout: str) -> None:
+    res = run_for(inprocess, fam, layout)
+    assert (res["layout"] == [0]) == (layout == "cpu")
+    assert_no_byte_beyond_stock(res, fam, layout)
+    ok(res["reload"])
+    assert res["derived_differ"] == [], "after a reload to B the derived buffers differ from a cold load of B"
 
 
 @pytest.mark.parametrize("path", PATHS)

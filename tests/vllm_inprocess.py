@@ -28,7 +28,7 @@ from lifecycle.loading import write_checkpoint
 from lifecycle.vllm.tiny import ENGINE_ENV, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB
 
 __all__ = ["CASES", "HEAD", "STRUCTURE", "DraftCase", "build", "build_target", "gpu_weight_layout", "make_draft",
-           "setup", "share_target"]
+           "memory", "setup", "share_target"]
 
 ENV = {**ENGINE_ENV, "VLLM_KIMI_K3_GEMM_AR": "0"}
 
@@ -326,6 +326,25 @@ def weight_digests(model: Any) -> dict[str, str]:
     """Every tensor the lifecycle tracks (parameters and checkpoint-layout shadows), as it is now."""
     b = backbone(model)
     return {n: digest(b.live_tensor(n)) for n in b.lifecycle.specs}
+
+
+def memory(model: Any, fam: str) -> dict[str, Any]:
+    """What a draft (the plugin's or stock vLLM's) holds: `bytes`, of the distinct storages behind its parameters,
+    buffers and the tensors the family's builders set (stock vLLM keeps them as plain attributes); its K/V
+    shadows: how many, how many are views of a derived buffer's storage, and the bytes of those that are not."""
+    from lifecycle.vllm.families import SHADOW, family
+    from lifecycle.vllm.shadows import shadow_bytes_apart
+
+    inner = model.model
+    tensors = [*model.parameters(), *model.buffers(), *(getattr(inner, n, None) for n in family(fam).sets)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if isinstance(t, torch.Tensor) and not t.is_meta}
+    shadows = [t for m in inner.modules() if isinstance(t := m._buffers.get(SHADOW), torch.Tensor)]
+    derived = {t.untyped_storage().data_ptr() for n in family(fam).sets
+               if isinstance(t := getattr(inner, n, None), torch.Tensor)}
+    return {"bytes": sum(storages.values()), "shadows": len(shadows),
+            "shadow_views": sum(t.untyped_storage().data_ptr() in derived for t in shadows),
+            "shadow_bytes_apart": shadow_bytes_apart(inner) if hasattr(inner, "derived_buffer_names") else 0}
 
 
 def identities(model: Any) -> dict[str, list[Any]]:

@@ -22,6 +22,7 @@ from vllm_inprocess import (
     gpu_weight_layout,
     identities,
     make_draft,
+    memory,
     setup,
     share_target,
     target_reload,
@@ -32,9 +33,11 @@ from vllm_inprocess import (
 from vllm_structure_runs import frozen_absent, optional_runs, structure_of
 from vllm_trainer_paths import DRAFT_PATHS, PATHS, attempt, buckets, read, write_draft
 
-__all__ = ["INPROCESS_FAMILIES", "make_checkpoints", "run_inprocess"]
+__all__ = ["INPROCESS_FAMILIES", "MEMORY_ONLY", "make_checkpoints", "run_inprocess"]
 
 INPROCESS_FAMILIES = "qwen3_dspark,gemma4_dspark,dflash2,kimi_k3_dspark"
+#: families the engine tests run: in-process only their memory beside stock vLLM's, on both layouts
+MEMORY_ONLY = "dflash,laguna_dflash"
 
 
 def make_checkpoints(work: Path) -> None:
@@ -65,11 +68,32 @@ def run_inprocess(work: Path, families: str = INPROCESS_FAMILIES, layouts: str =
         for name in layouts.split(","):
             with gpu_weight_layout() if name == "gpu" else nullcontext():
                 out[fam][name] = attempt(lambda f=fam, n=name: _family(CASES[f].with_structure(), work, n))
+    for fam in MEMORY_ONLY.split(","):  # run on live engines; here their bytes are compared with stock vLLM's
+        out[fam] = {n: attempt(lambda f=fam, n=n: _memory_only(CASES[f].with_structure(), work, n))
+                    for n in layouts.split(",")}
     out["runner_lookup"] = attempt(lambda: _runner_lookup(work))
     out["frozen_absent"] = attempt(lambda: frozen_absent(work))
     # last: a stock reload that fails half way leaves vLLM's shared modules (the cached RoPE) on META
     for fam in families.split(","):
         out[fam]["stock"] = attempt(lambda f=fam: _stock_bucketed_reload(CASES[f].with_structure(), work))
+    return out
+
+
+def _memory_only(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
+    """What a draft holds beside stock vLLM's of the same checkpoint (in the layout of the caller's block), cold
+    and after a plain load_weights reload to draft B, whose derived buffers must equal a cold load of B's."""
+    def folder(which: str) -> Path:
+        return work / f"dflashS{which}" if case.family == "dflash" else _draft_dir(work, case, which)
+
+    with gpu_weight_layout() if layout == "gpu" else nullcontext():
+        stock = memory(build(case, folder("A"), work / "target", stock=True), case.family)
+        cold_b = derived_digests(build(case, folder("B"), work / "target"))
+        warm = build(case, folder("A"), work / "target")
+        out = {"stock": stock, "cold": memory(warm, case.family), "layout": _qkv_shape(warm)}
+        draft_config = warm.vllm_config.speculative_config.draft_model_config
+        out["reload"] = attempt(lambda: write_draft(warm, draft_config, read(folder("B")), "plain_load_weights"))
+        out["reloaded"] = memory(warm, case.family)
+        out["derived_differ"] = sorted(n for n, d in derived_digests(warm).items() if d != cold_b.get(n))
     return out
 
 
@@ -92,6 +116,10 @@ def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
                            "cold_structure": structure_of(warm)}
     if layout == "gpu":
         res["same_as_vllm_builder"] = _same_as_vllm_builder(warm)
+    stock = build(case, _draft_dir(work, case, "A"), work / "target", stock=True)
+    share_target(stock, target)  # both count the target's shared modules alike
+    res["memory"] = {"cold": memory(warm, case.family), "stock": memory(stock, case.family)}
+    del stock
     res["pinned"] = b.capture_graphs()
     pinned = identities(warm)
     draft_config = warm.vllm_config.speculative_config.draft_model_config
@@ -105,6 +133,7 @@ def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
         runs.append({"path": path, "draft": dest, "result": result, **_observe(warm, ref[dest], pinned)})
         cur = dest
     res["runs"] = runs
+    res["memory"]["reloaded"] = memory(warm, case.family)
     res["unfinished"] = _unfinished(warm, work, case, ref, pinned)
     res["optional"] = optional_runs(warm, work, case.family, ref, pinned, res["unfinished"]["draft"], _observe)
     return res

@@ -108,7 +108,29 @@ def _layout_probe(worker: Any) -> list[int]:
 
 def _observe(llm: Any) -> dict[str, Any]:
     return {"generate": attempt(lambda: _generate(llm)), **_lifecycle(llm),
-            "structure": llm.collective_rpc(_structure_probe)[0]}
+            "structure": llm.collective_rpc(_structure_probe)[0], "memory": llm.collective_rpc(_memory_probe)[0]}
+
+
+def _memory_probe(worker: Any) -> dict[str, Any]:
+    """What the draft holds (`vllm_inprocess.memory`): bytes, K/V shadows, those that are views of a buffer."""
+    from vllm_inprocess import memory
+
+    from lifecycle.vllm.worker import draft_model_of
+
+    draft = draft_model_of(worker.model_runner)
+    return {**memory(draft, draft.lifecycle_family), "fused_layers": _fused_layers(draft)}
+
+
+def _fused_layers(draft: Any) -> list[str]:
+    """sha256 of each layer's slice of the fused K/V buffer (an empty list for a family without one)."""
+    from vllm_inprocess import digest
+
+    from lifecycle.vllm.drafts import backbones_in
+
+    (b,) = backbones_in(draft)
+    fused = next((t for n in b.derived_buffer_names() if "kv" in n and (t := b._buffers.get(n)) is not None
+                  and t.dim() >= 2 and "norm" not in n), None)
+    return [] if fused is None else [digest(part) for part in fused.chunk(len(b.layers))]
 
 
 def _structure_probe(worker: Any) -> dict[str, Any]:
@@ -187,10 +209,12 @@ def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu", drafts: s
 
 def _partial(llm: Any, work: Path, family: str) -> dict[str, Any]:
     """An incomplete draft payload (layer 1 left out) through the plugin's reload_draft_weights RPC: the draft is
-    quarantined and keeps its last good buffers."""
+    quarantined and keeps its last good buffers (a backed fused buffer: but for the layers the payload wrote)."""
+    before = llm.collective_rpc(_memory_probe)[0]
     out = {"reload": attempt(lambda: llm.collective_rpc("reload_draft_weights", args=(str(work / f"{family}A"),),
                                                       kwargs={"bucket_size": 4, "exclude_prefixes": ["layers.1."]}))}
     out.update(_lifecycle(llm))
+    out["memory_before"], out["memory"] = before, llm.collective_rpc(_memory_probe)[0]
     out["structure"] = llm.collective_rpc(_structure_probe)[0]
     out["fused_path"] = attempt(lambda: llm.collective_rpc(_require_usable))
     return out

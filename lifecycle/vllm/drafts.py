@@ -17,11 +17,10 @@ How each trainer call path reaches the lifecycle:
   it. Until then the draft refuses to draft: it never runs on buffers derived from older weights.
 
 Post-processing may change a source's layout: on CPU an unquantized linear layer is repacked into a oneDNN handle
-and its `weight` becomes an empty (0,) parameter; quantized layers pack their weights on GPU. So the rows a fused
-buffer needs are copied, in checkpoint layout, into a per-layer shadow (`ckpt_kv_weight`) right before the layer's
-quant method processes them, and the fused buffer is built from the shadows (one more copy of those rows). A
-quantized attention projection holds no rows in checkpoint layout: its draft takes vLLM's own non-fused path
-(`quantized.py`). A load_weights call that fails inside a reload ends the epoch (`epochs.py`).
+and its `weight` becomes an empty (0,) parameter; quantized layers pack their weights. Where the fused K/V buffer
+reads its rows then (the live weight, per-layer shadows that are views of the buffer, or vLLM's own non-fused path
+for a quantized projection) is decided per projection at construction (`shadows.py`): never a second copy.
+A load_weights call that fails inside a reload ends the epoch (`epochs.py`).
 """
 
 from __future__ import annotations
@@ -40,7 +39,8 @@ from ..errors import LayersNotReadyError
 from ..events import LIST_CAP
 from ..types import capped
 from .families import SHADOW, VLLMDraftFamily
-from .quantized import attention_prefixes, checkpoint_layout_readable, quantized_fallback
+from .quantized import attention_prefixes
+from .shadows import SHADOW_OF, Capture, plan_shadows
 
 if TYPE_CHECKING:
     from .epochs import PartialOutcome
@@ -55,8 +55,6 @@ MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[LifecycleDraftModel, l
 #: True while vLLM's own reload machinery (`_layerwise_process`, `finalize_layerwise_reload`) processes layers.
 IN_VLLM_RELOAD: contextvars.ContextVar[bool] = contextvars.ContextVar("reload_lifecycle_in_vllm_reload",
                                                                       default=False)
-#: linear module -> the name of the shadow its processing fills (a shadow is current only if its linear is).
-SHADOW_OF: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 IMPLICIT_CAUSE = "load_weights after a completed load, outside initialize_layerwise_reload"
 
 
@@ -74,29 +72,13 @@ class LifecycleDraftModel(DraftBackbone):
 
     def enable_lifecycle(self, *, name: str, rank: int) -> None:
         family = self._family
-        # (layer index, attention, (linear, rows)) of every shadowed source; none when post-processing keeps them
-        sources = ([(i, layer.self_attn, family.shadow.of(layer.self_attn)) for i, layer in enumerate(self.layers)]
-                   if family.shadow is not None else [])
-        quantized = {type(linear.quant_method).__name__ for _, _, (linear, _) in sources
-                     if not checkpoint_layout_readable(linear)}
-        shadows: dict[str, torch.Tensor] = {}
-        shadow_of: dict[nn.Module, tuple[slice, torch.Tensor, str]] = {}
-        if quantized:
-            self.derived_buffers = quantized_fallback(self, family, quantized)
-        else:
-            for i, attn, (linear, rows) in sources:
-                shadow = torch.zeros_like(linear.weight[rows])
-                attn.register_buffer(SHADOW, shadow, persistent=False)
-                shadow_name = f"layers.{i}.self_attn.{SHADOW}"
-                shadows[shadow_name] = shadow
-                shadow_of[linear] = (rows, shadow, shadow_name)
-                SHADOW_OF[linear] = shadow_name
-            self.derived_buffers = family.derived()
+        plan = plan_shadows(self)  # the fused K/V buffer: live weight rows, backed shadows, or vLLM's non-fused path
+        self.derived_buffers = plan.derived
         # attention layers' own parameters (quantized KV-cache scales) are vLLM's to process, and it deletes
         # them once consumed: no derived buffer reads them, so they are not checkpoint tensors of the lifecycle
         untracked = family.untracked_prefixes + attention_prefixes(self)
         tracked: dict[str, torch.Tensor] = {n: p for n, p in self.named_parameters() if not n.startswith(untracked)}
-        tracked.update(shadows)
+        tracked.update(plan.shadows)
         self.init_lifecycle(name, rank=rank, tensors=tracked)
         owned: list[nn.Module] = []
         for mod_name, module in self.named_modules():
@@ -105,7 +87,7 @@ class LifecycleDraftModel(DraftBackbone):
             if own:
                 MODULE_OWNERS[module] = (self, own)
                 owned.append(module)
-                _guard_processing(self, module, shadow_of.get(module))
+                _guard_processing(self, module, plan.captures.get(module))
         # the outermost modules holding the draft's own checkpoint tensors: what an implicit reload hands to vLLM's
         # layerwise reload (never the modules shared with the target, nor the RoPE cache vLLM shares between models)
         inner = {id(d) for m in owned for d in m.modules() if d is not m}
@@ -290,7 +272,7 @@ def _structure_preserving(load: Any) -> Any:
 
 
 def _guard_processing(backbone: LifecycleDraftModel, module: nn.Module,
-                      shadow: tuple[slice, torch.Tensor, str] | None) -> None:
+                      shadow: Capture | None) -> None:
     """Wrap the module's quant method's `process_weights_after_loading` (the very object, wherever vLLM moves the
     parameters meanwhile):
     - right before a load's processing repacks or empties the weight, copy the shadowed rows in checkpoint layout;

@@ -60,6 +60,18 @@ class Shadow:
     def of(self, attn: nn.Module) -> tuple[nn.Module, slice]:
         return getattr(attn, self.linear), self.rows(attn)
 
+    def live(self, spec: DerivedSpec) -> DerivedSpec:
+        """`spec` (a fused buffer read from the shadows) reading the live weight rows instead: where
+        post-processing keeps the weight in checkpoint layout (CUDA, unquantized), no shadow is registered."""
+        if not any(src.endswith(SHADOW) for src in spec.sources):
+            return spec
+
+        def rows(layer: nn.Module) -> torch.Tensor:
+            linear, r = self.of(layer.self_attn)
+            return linear.weight[r]
+
+        return replace(spec, sources=(f"self_attn.{self.linear}.weight",), per_layer=rows, backed=False)
+
 
 KV_ROWS = Shadow("qkv_proj", lambda attn: slice(attn.q_size, None), ("q_size",))
 
@@ -150,7 +162,10 @@ class VLLMDraftFamily:
 
 
 def _shadow_source(name: str, kind: Callable[..., DerivedSpec] = concat) -> DerivedSpec:
-    return kind(name, sources=(f"self_attn.{SHADOW}",), per_layer=lambda layer: getattr(layer.self_attn, SHADOW))
+    # backed: each layer's shadow becomes a view of its slice at the cold build, so the fused buffer is the only
+    # copy of the rows in checkpoint layout, and the capture before processing writes it
+    return kind(name, sources=(f"self_attn.{SHADOW}",), per_layer=lambda layer: getattr(layer.self_attn, SHADOW),
+                backed=True)
 
 
 def _k_norms(name: str = "_k_norm_weights") -> DerivedSpec:
