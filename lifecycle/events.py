@@ -295,40 +295,35 @@ class JsonLinesSink:
         """Write a bounded record as the processor chain would (`node` first, as the chain binds it; `level`,
         `ts`, `schema` added after its fields, in that order), without the chain: the route of a JSON file alone
         takes this path."""
-        if ("level" in record or "ts" in record or "schema" in record or "node" in record
-                or not record):  # never from a lifecycle: the chain's way
-            self(None, level, {"node": node, **record, "level": level, "ts": timestamp(),
-                               "schema": record.get("schema", SCHEMA_VERSION)})
-            return
-        try:
-            line = _encode(record)
-        except (TypeError, ValueError) as e:
-            self._failed(e)
-            return
-        # node before and the three fields after the encoded object's own: the same line as encoding the dict
-        node_json = self._node_json
-        if node_json[0] != node:
-            node_json = self._node_json = (node, _encode(node))
-        self._write(f'{{"node":{node_json[1]},{line[1:-1]},"level":"{level}","ts":"{timestamp()}",'
-                    f'"schema":{SCHEMA_VERSION}}}\n'.encode())
+        line = self._line(record, level, node, None)
+        if line is not None:
+            self._write(line.encode())
 
     def write_held(self, records: list[Mapping[str, Any]], times_ns: list[int], level: str, node: str) -> None:
         """Write records a lifecycle held back (per-bucket events, `hold_events`), each with the time it was
         made, as `write_record` would, in one `write(2)`: a failure loses these lines only."""
-        lines = []
-        for record, now_ns in zip(records, times_ns, strict=True):
-            try:
-                line = _encode(record)
-            except (TypeError, ValueError) as e:
-                self._failed(e)
-                continue
-            node_json = self._node_json
-            if node_json[0] != node:
-                node_json = self._node_json = (node, _encode(node))
-            lines.append(f'{{"node":{node_json[1]},{line[1:-1]},"level":"{level}","ts":"{timestamp(now_ns)}",'
-                         f'"schema":{SCHEMA_VERSION}}}\n')
+        lines = [line for record, now_ns in zip(records, times_ns, strict=True)
+                 if (line := self._line(record, level, node, now_ns)) is not None]
         if lines:
             self._write("".join(lines).encode())
+
+    def _line(self, record: Mapping[str, Any], level: str, node: str, now_ns: int | None) -> str | None:
+        """One JSON line for `record` (None, counted as lost, when it cannot be encoded)."""
+        try:
+            if "level" in record or "ts" in record or "schema" in record or "node" in record or not record:
+                # never from a lifecycle: the fields merged as the chain merges them
+                return _encode({"node": node, **record, "level": level, "ts": timestamp(now_ns),
+                                "schema": record.get("schema", SCHEMA_VERSION)}) + "\n"
+            line = _encode(record)
+        except (TypeError, ValueError) as e:
+            self._failed(e)
+            return None
+        # node before and the three fields after the encoded object's own: the same line as encoding the dict
+        node_json = self._node_json
+        if node_json[0] != node:
+            node_json = self._node_json = (node, _encode(node))
+        return (f'{{"node":{node_json[1]},{line[1:-1]},"level":"{level}","ts":"{timestamp(now_ns)}",'
+                f'"schema":{SCHEMA_VERSION}}}\n')
 
     def _write(self, data: bytes) -> None:
         with self._lock:
