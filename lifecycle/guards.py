@@ -27,7 +27,7 @@ __all__ = ["CONDITIONS", "GUARDS", "MAY_HOLD", "ReloadOrigin", "guards_of_row", 
 
 # ---- conditions ----------------------------------------------------------------------------------------------
 def all_layers_ready(lc: BackboneLifecycle) -> bool:
-    return lc.readiness.counts_complete() and not lc.missing()
+    return lc.readiness.counts_complete() and not lc.missing_by_counts()
 
 
 def has_pinned_graphs(lc: BackboneLifecycle) -> bool:

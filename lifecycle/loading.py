@@ -298,10 +298,10 @@ def _write_and_report(backbone: DraftBackbone, names: list[str], bucket: list[tu
             err = WeightWriteError(names[done], written, len(bucket), e, backbone=lc.name, state=lc.state.value)
             lc.mark_dirty([names[done]])
             if written:
-                lc.weights_loaded(written)
+                lc.weights_loaded(written, materialized=writer is None)
             lc.record_refusal("weights_loaded", err)
             raise err from e
-        return lc.weights_loaded(names)
+        return lc.weights_loaded(names, materialized=writer is None)  # write_tensor leaves nothing on META
     finally:
         lc.release_write_lease(lease)
 

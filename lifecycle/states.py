@@ -55,7 +55,8 @@ S = LifecycleState
 class Condition(str, Enum):
     """Predicates that pick one row among several rows of the same trigger (first match wins)."""
 
-    ALL_LAYERS_READY = "all_layers_ready"  # every tracked tensor of every layer was loaded and is off META
+    ALL_LAYERS_READY = "all_layers_ready"  # every tracked tensor of every layer was loaded and is off META (the
+    # loader's own copy says so for what it wrote: `BackboneLifecycle.missing_by_counts`)
     HAS_PINNED_GRAPHS = "has_pinned_graphs"  # graphs were captured: storage identities are pinned
 
     def __str__(self) -> str:

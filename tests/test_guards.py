@@ -194,6 +194,38 @@ def test_meta_placeholder_left_by_a_reload_is_never_ready(loaded: DFlashQwen3Dra
     assert_derived_unchanged(loaded, snap, sources_rewritten=False)
 
 
+def test_a_load_the_loader_wrote_scans_for_meta_once_at_the_finish(loaded: DFlashQwen3Draft, ckpt_b: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FULLY_LOADED condition trusts the loader's own copies (no placeholder survives `write_tensor`); the
+    finish guard still scans every live tensor. A report that did not come from the loader's copy scans again."""
+    scans = []
+    real = loaded.meta_or_absent
+    monkeypatch.setattr(loaded.lifecycle, "_meta_scan", lambda: scans.append(1) or real())
+    loaded.begin_reload()
+    load_safetensors(loaded, ckpt_b)
+    assert loaded.lifecycle.state is S.FULLY_LOADED and scans == []
+    loaded.finalize_loading()
+    assert len(scans) == 1
+    loaded.refresh_derived_buffers()
+    scans.clear()
+    loaded.begin_reload()
+    loaded.lifecycle.weights_loaded(list(loaded.lifecycle.specs))  # reported, not written by the loader
+    assert loaded.lifecycle.state is S.FULLY_LOADED and len(scans) == 1
+
+
+def test_a_tensor_put_on_meta_after_the_loaders_write_stops_the_finish(loaded: DFlashQwen3Draft,
+                                                                       ckpt_b: Path) -> None:
+    snap = snapshot_derived(loaded)
+    loaded.begin_reload()
+    load_safetensors(loaded, ckpt_b)
+    down = loaded.layers[1].mlp.down_proj
+    down._parameters["weight"] = meta_param(down.weight)  # behind the loader's back, after its write
+    with pytest.raises(LayersNotReadyError) as ei:
+        loaded.finalize_loading()
+    assert ei.value.missing == {"layers.1": ("layers.1.mlp.down_proj.weight (META)",)}
+    assert_derived_unchanged(loaded, snap, sources_rewritten=True)
+
+
 def test_one_pass_meta_scan_agrees_with_resolving_each_name(loaded: DFlashQwen3Draft) -> None:
     """The readiness check's one-pass scan (`meta_or_absent`) sees what `live_tensor` sees, name by name: a META
     placeholder, a parameter deleted, a parameter re-registered as a buffer (still there)."""
