@@ -70,6 +70,7 @@ lint: $(STAMP)
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.tracking_overhead $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.tracking_breakdown $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.refresh $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.selective $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.backed $(BENCH_ARGS)

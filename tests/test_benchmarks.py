@@ -17,7 +17,17 @@ import pytest
 import torch
 
 import lifecycle.derived
-from benchmarks import audit_overhead, backed, cli_start, common, gpu_check, refresh, selective, tracking_overhead
+from benchmarks import (
+    audit_overhead,
+    backed,
+    cli_start,
+    common,
+    gpu_check,
+    refresh,
+    selective,
+    tracking_breakdown,
+    tracking_overhead,
+)
 from models import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +78,18 @@ def test_tracking_overhead_quick(tmp_path, capsys):
     assert any("layer_ready event -> JSON-lines file" in w for w in whats)
     assert any("audit off (kept in memory only)" in w for w in whats)
     assert "TARGETS:" in out
+
+
+def test_tracking_breakdown_quick_times_every_step_of_both_loaders(tmp_path, capsys):
+    out, data = run_quick(tracking_breakdown, tmp_path, capsys)
+    assert [s["shape"] for s in data["shapes"]] == ["many-tensor", "dflash-deep"]
+    for s in data["shapes"]:
+        base, life = s["ms"]["baseline"], s["ms"]["lifecycle"]
+        assert set(tracking_breakdown.SHARED) <= base.keys() and set(tracking_breakdown.OWN).isdisjoint(base)
+        assert set(tracking_breakdown.SHARED) | set(tracking_breakdown.OWN) <= life.keys()
+        assert all(life[step] > 0 for step in tracking_breakdown.OWN)
+        assert s["own_ms"] == pytest.approx(sum(life[step] for step in tracking_breakdown.OWN), abs=1e-3)
+    assert "lifecycle's own steps" in out
 
 
 def test_refresh_quick_counts_no_buffer_storage_for_in_place_and_new_storage_for_rebuild(tmp_path, capsys):
