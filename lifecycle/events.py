@@ -396,10 +396,12 @@ _route = _Route(None, None, _LEVEL_NUMBERS["info"], [False])
 _configure_lock = threading.Lock()
 
 
-def _level_number(level: Any, who: str) -> int:
-    if not isinstance(level, str) or level.lower() not in _LEVEL_NUMBERS:
+def _level_number(level: Any, who: str, *, any_case: bool = False) -> int:
+    """The number of a level name (`any_case`: as a user may spell it, `INFO`); else a ValueError naming `who`."""
+    number = _LEVEL_NUMBERS.get(level.lower() if any_case else level) if isinstance(level, str) else None
+    if number is None:
         raise ValueError(f"{who}: level must be one of {', '.join(LEVELS)}, got {level!r:.80}")
-    return _LEVEL_NUMBERS[level.lower()]
+    return number
 
 
 def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console: bool = True, level: str = "info",
@@ -414,7 +416,7 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
     `AuditSinkError` (naming the path) and leaves the previous route in force; the previous sink is closed
     afterwards, and a failure to close it (a broken file) does not stop the switch."""
     global _route
-    number = _level_number(level, "configure_audit")
+    number = _level_number(level, "configure_audit", any_case=True)
     flush_holders()  # events held for the route in force go to it, not to the next one
     if json_path is not None and not isinstance(json_path, (str, os.PathLike)):
         raise TypeError(f"configure_audit: json_path must be a str or a path, got {type(json_path).__name__}")
@@ -483,17 +485,14 @@ def _capture_chain() -> list[Any] | None:
     return processors if processors and type(processors[-1]) is LogCapture else None
 
 
-def _level(level: str, who: str) -> int:
-    number = _LEVEL_NUMBERS.get(level)
-    if number is None:
-        raise ValueError(f"{who}: level must be one of {', '.join(LEVELS)}, got {level!r:.80}")
-    return number
+def _goes_somewhere(number: int) -> bool:
+    return number >= _route.level and (_route.logger is not None or _capture_chain() is not None)
 
 
 def enabled(level: str = "info") -> bool:
     """Whether an event at `level` would go anywhere now (a file, the console, a `capture_logs` block): ask
     before building an event that nobody keeps (the loader's per-bucket debug event)."""
-    return _level(level, "enabled") >= _route.level and (_route.logger is not None or _capture_chain() is not None)
+    return _goes_somewhere(_level_number(level, "enabled"))
 
 
 #: Per-bucket events may be held back and written in batches (`hold_events`): at most this many ...
@@ -537,22 +536,24 @@ def emit_held(records: list[Mapping[str, Any]], times_ns: list[int], level: str 
     """Send records held back (bounded already), each with the time it was made: one write to a JSON file
     alone; through `emit_record` (stamped now) on any other route the holder did not expect. Never raises."""
     route = _route
-    if _LEVEL_NUMBERS[level] < route.level or (route.logger is None and _capture_chain() is None):
+    if _LEVEL_NUMBERS[level] < route.level:
         return
-    if not route.json_only or _capture_chain() is not None:
+    capture = _capture_chain()
+    if capture is None and route.logger is None:
+        return  # audit off: the holder keeps them, nothing is written
+    if capture is not None or not route.json_only:
         for record in records:
-            emit_record(record, level)
+            emit_record(record, level)  # the console, or a capture_logs block
         return
     try:
         route.sink.write_held(records, times_ns, level, route.node)  # type: ignore[union-attr]
-    except Exception as e:  # pragma: no cover (write_held counts its own failures)
-        _count_failure("output", e, not route.failed_once[0])
+    except Exception as e:  # as in emit_record: an output failure must not reach the lifecycle
+        _output_failed(route, e)
 
 
 def emit(event: str, *, level: str = "info", **fields: Any) -> None:
     """Send one audit event (bounded first). Never raises for a failed write (see the module doc)."""
-    _level(level, "emit")
-    if enabled(level):
+    if _goes_somewhere(_level_number(level, "emit")):
         emit_record(bound_fields({"event": event, **fields}), level)
 
 
@@ -581,9 +582,14 @@ def emit_record(record: Mapping[str, Any], level: str = "info") -> None:
     except structlog.DropEvent:
         pass
     except Exception as e:  # a renderer or stream failure must not reach the lifecycle
-        first = not route.failed_once[0]
-        route.failed_once[0] = True
-        _count_failure("output", e, first)
+        _output_failed(route, e)
+
+
+def _output_failed(route: _Route, error: BaseException) -> None:
+    """Count an event lost outside the sink's own writes; say so on stderr once per route."""
+    first = not route.failed_once[0]
+    route.failed_once[0] = True
+    _count_failure("output", error, first)
 
 
 def read_events(path: str | Path) -> list[dict[str, Any]]:
