@@ -44,8 +44,8 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["DTYPES", "FileIdentity", "IndexEntry", "check_paths", "checkpoint_files", "checkpoint_index",
-           "iter_buckets"]
+__all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "check_paths", "checkpoint_files",
+           "checkpoint_index", "iter_buckets"]
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -89,6 +89,19 @@ class IndexEntry(NamedTuple):
     identity: FileIdentity | None = None
 
 
+class CheckpointIndex(dict[str, IndexEntry]):
+    """Name -> `IndexEntry`, as `checkpoint_index` reads it, with `headers`: each file's header bytes, in file
+    order. Two indexes with equal `headers` list the same names, shapes, dtypes and byte ranges (a trainer's every
+    push of one model), so what was checked against one holds for the other (`loading.validate_index` keeps the
+    headers it checked in full and skips the per-tensor check when they come again)."""
+
+    __slots__ = ("headers",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.headers: tuple[bytes, ...] = ()
+
+
 def _error(path: Path | str, what: str) -> CheckpointError:
     return CheckpointError(f"cannot read checkpoint {path}: {what}", backbone=None)
 
@@ -130,7 +143,7 @@ def _read_exact(fd: int, out: memoryview, offset: int, path: Path) -> None:
         done += n
 
 
-def _read_header(path: Path) -> dict[str, IndexEntry]:
+def _read_header(path: Path) -> tuple[dict[str, IndexEntry], bytes]:
     fd, identity = _open_regular(path)
     try:
         if identity.size < 8:
@@ -141,8 +154,10 @@ def _read_header(path: Path) -> dict[str, IndexEntry]:
         if length > HEADER_LIMIT or 8 + length > identity.size:
             raise _error(path, f"header length {length} exceeds the file ({identity.size} bytes): truncated or not "
                                "a safetensors file")
-        text = bytearray(length)
-        _read_exact(fd, memoryview(text), 8, path)
+        buf = bytearray(length)
+        _read_exact(fd, memoryview(buf), 8, path)
+        text = bytes(buf)
+        del buf
         try:
             header = json.loads(text)
         except ValueError as e:
@@ -155,7 +170,7 @@ def _read_header(path: Path) -> dict[str, IndexEntry]:
             if name == "__metadata__":
                 continue
             entries[name] = _entry(path, name, meta, data_start, data_size, identity)
-        return entries
+        return entries, text
     finally:
         os.close(fd)
 
@@ -211,17 +226,21 @@ def checkpoint_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     return list({f.resolve(): f for f in reversed(files)}.values())[::-1]  # first mention kept, in order
 
 
-def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> dict[str, IndexEntry]:
+def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> CheckpointIndex:
     """Name -> (file, shape, dtype, byte range) from the headers alone; no tensor data is read. Refused
     (`CheckpointError` naming the file): a path that is missing or not a regular file, a header that is
     corrupt, a dtype not supported, a byte range past the end of the file, a tensor in two files."""
-    index: dict[str, IndexEntry] = {}
+    index = CheckpointIndex()
+    headers = []
     for p in checkpoint_files(paths):
-        for name, entry in _read_header(p).items():
+        entries, header = _read_header(p)
+        headers.append(header)
+        for name, entry in entries.items():
             if name in index:
                 raise CheckpointError(f"tensor {name} is in two checkpoint files, {index[name].path} and {p}; "
                                       "a checkpoint must hold each tensor once", backbone=None)
             index[name] = entry
+    index.headers = tuple(headers)
     return index
 
 

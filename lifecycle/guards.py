@@ -38,7 +38,7 @@ def has_pinned_graphs(lc: BackboneLifecycle) -> bool:
 # Each takes (the lifecycle, the trigger or action, audit=): `audit=False` checks quietly (`refusal`, the
 # `recoverable` answers), without the storage_check event.
 def require_all_layers_ready(lc: BackboneLifecycle, action: str, *, audit: bool = True) -> None:
-    missing = lc.missing()
+    missing = lc.missing_by_counts()
     if missing:
         raise LayersNotReadyError(action, missing, backbone=lc.name, state=lc.state.value)
 

@@ -55,6 +55,7 @@ __all__ = [
     "LoadProgress",
     "LoadReport",
     "Subset",
+    "VALIDATED_HEADERS_CAP",
     "Writer",
     "apply_bucket",
     "checkpoint_index",
@@ -128,15 +129,30 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
+#: The most header bytes a backbone keeps to skip the check of a checkpoint whose headers it checked before.
+VALIDATED_HEADERS_CAP = 16 * 2**20
+
+
 def validate_index(backbone: DraftBackbone, index: dict[str, IndexEntry], names: Iterable[str]) -> None:
-    """Refuse (before anything is written) unknown names and shape/dtype mismatches, naming every one."""
+    """Refuse (before anything is written) unknown names and shape/dtype mismatches, naming every one.
+
+    `names` are names of `index`. An index read by `checkpoint_index` carries its files' header bytes: once every
+    tensor of some headers passed, the backbone keeps them (up to `VALIDATED_HEADERS_CAP` bytes), and an index
+    with the same bytes (the next push of the same model: same names, shapes, dtypes, offsets) is not checked
+    tensor by tensor again; a change of what the backbone tracks (`freeze_structure`) forgets them."""
     lc = backbone.lifecycle
+    headers = getattr(index, "headers", None)
+    if headers and headers == lc.validated_headers:  # bytes compared in C: identical headers, identical check
+        return
     names = names if type(names) is list else list(names)
     specs = lc.specs
     # per tensor, the common case inline: known, same shape, same dtype (the messages only for the others)
     suspects = [n for n in names if (spec := specs.get(n)) is None or (entry := index[n]).shape != spec.shape
                 or entry.dtype != spec.dtype]
     if not suspects:
+        if (headers and sum(map(len, headers)) <= VALIDATED_HEADERS_CAP and len(names) >= len(index)
+                and index.keys() == set(names)):  # every tensor of these headers was checked
+            lc.validated_headers = headers
         return
     unknown = [n for n in suspects if n not in specs]
     error: LifecycleError | None = None

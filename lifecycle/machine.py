@@ -79,8 +79,9 @@ class BackboneLifecycle(TableMachine):
         self._meta_scan = meta_scan
         # whether a tensor counted loaded in this epoch may be on META: False while every one was written by the
         # loader's own copy (`weights_loaded(..., materialized=True)`: `write_tensor` leaves no placeholder), so
-        # the FULLY_LOADED condition needs no scan of the live tensors (`missing_by_counts`); any other report,
-        # declaration or failed write sets it until the next epoch
+        # the FULLY_LOADED condition and the finish guard need no scan of the live tensors (`missing_by_counts`);
+        # any other report, declaration or failed write sets it until the next epoch, and so does a finish: once
+        # other code has run, the refresh (which builds from the weights) scans again
         self._may_hold_meta = False
         # an unlocked lifecycle is not thread-safe (no LockedMachine, leases never wait); the lock is there anyway:
         # an uncontended RLock costs less per call than a null context manager
@@ -92,6 +93,8 @@ class BackboneLifecycle(TableMachine):
         self.recovery_blocker: str | None = "no reload was aborted"
         self.torn_buffers: frozenset[str] = frozenset()
         self.structure: dict[str, bool] | None = None  # optional submodule -> present, frozen by the first load
+        # the header bytes of a checkpoint whose every tensor matched `specs` (`loading.validate_index`)
+        self.validated_headers: tuple[bytes, ...] | None = None
 
     # ---- what the table says about the current state -----------------------------------------------------------
     @property
@@ -140,10 +143,12 @@ class BackboneLifecycle(TableMachine):
         return t is None or t.is_meta
 
     def missing_by_counts(self) -> dict[str, tuple[str, ...]]:
-        """`missing()` for the FULLY_LOADED row's condition, at the last bucket: while every tensor of the epoch
-        was materialised by the loader's own copy, the counts say it and no live tensor is scanned (the scan
-        costs about 0.5 us per tensor once the loader's copies have gone through the caches). The finish guard,
-        which decides whether the hooks run and the derived state may be built, always scans."""
+        """`missing()` for `Guard`/`Condition.ALL_LAYERS_READY`: while every tensor of the epoch was materialised
+        by the loader's own copy and the load is not finished, the counts say it and no live tensor is scanned
+        (the scan costs about 0.5 us per tensor once the loader's copies have gone through the caches): the
+        FULLY_LOADED condition at the last bucket and the finish guard. Any other writer, a declaration, a
+        failed write, or a finished load (other code has run since) makes it scan: the refresh, which builds the
+        derived buffers from the weights, scans after every finish."""
         if self._may_hold_meta:
             return self.missing()
         return self.readiness.missing(None)
@@ -242,6 +247,7 @@ class BackboneLifecycle(TableMachine):
             self.readiness.forget(absent)
             for name in absent:
                 self.specs.pop(name, None)
+            self.validated_headers = None  # checked against the specs before some were forgotten
             self.structure = dict(modules)
             self._audit("structure_frozen", present=sorted(m for m, p in modules.items() if p),
                         absent=sorted(m for m, p in modules.items() if not p), tensors_untracked=len(absent),
@@ -291,6 +297,7 @@ class BackboneLifecycle(TableMachine):
                 if declared:
                     self.readiness.unmark(declared)
                 raise
+            self._may_hold_meta = True  # the loader is done: whatever runs next may swap a tensor (see __init__)
 
     def _refuse_if_still_missing(self, action: str, untouched: set[str]) -> None:
         """Refuse (audited) if some layer would still be missing tensors once `untouched` layers are declared

@@ -194,10 +194,11 @@ def test_meta_placeholder_left_by_a_reload_is_never_ready(loaded: DFlashQwen3Dra
     assert_derived_unchanged(loaded, snap, sources_rewritten=False)
 
 
-def test_a_load_the_loader_wrote_scans_for_meta_once_at_the_finish(loaded: DFlashQwen3Draft, ckpt_b: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The FULLY_LOADED condition trusts the loader's own copies (no placeholder survives `write_tensor`); the
-    finish guard still scans every live tensor. A report that did not come from the loader's copy scans again."""
+def test_a_load_the_loader_wrote_scans_for_meta_at_the_refresh_not_before(loaded: DFlashQwen3Draft, ckpt_b: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FULLY_LOADED condition and the finish guard trust the loader's own copies (no placeholder survives
+    `write_tensor`); the refresh, which builds from the weights after other code could run, scans every live
+    tensor. A report that did not come from the loader's copy scans at once, and at the finish."""
     scans = []
     real = loaded.meta_or_absent
     monkeypatch.setattr(loaded.lifecycle, "_meta_scan", lambda: scans.append(1) or real())
@@ -205,21 +206,49 @@ def test_a_load_the_loader_wrote_scans_for_meta_once_at_the_finish(loaded: DFlas
     load_safetensors(loaded, ckpt_b)
     assert loaded.lifecycle.state is S.FULLY_LOADED and scans == []
     loaded.finalize_loading()
-    assert len(scans) == 1
+    assert scans == []
     loaded.refresh_derived_buffers()
+    assert len(scans) == 1
     scans.clear()
     loaded.begin_reload()
     loaded.lifecycle.weights_loaded(list(loaded.lifecycle.specs))  # reported, not written by the loader
     assert loaded.lifecycle.state is S.FULLY_LOADED and len(scans) == 1
+    loaded.finalize_loading()
+    assert len(scans) == 2
 
 
-def test_a_tensor_put_on_meta_after_the_loaders_write_stops_the_finish(loaded: DFlashQwen3Draft,
-                                                                       ckpt_b: Path) -> None:
+def test_a_tensor_put_on_meta_after_the_loaders_write_stops_the_refresh(loaded: DFlashQwen3Draft,
+                                                                        ckpt_b: Path) -> None:
+    """Swapped for META behind the loader's back after its write: the finish trusts the loader's copies, the
+    refresh does not: it is refused naming the tensor, every derived buffer as it was; a reload of the tensor
+    (from FINALIZED) makes the backbone usable again."""
     snap = snapshot_derived(loaded)
     loaded.begin_reload()
     load_safetensors(loaded, ckpt_b)
     down = loaded.layers[1].mlp.down_proj
     down._parameters["weight"] = meta_param(down.weight)  # behind the loader's back, after its write
+    loaded.finalize_loading()
+    with pytest.raises(LayersNotReadyError) as ei:
+        loaded.refresh_derived_buffers()
+    assert ei.value.missing == {"layers.1": ("layers.1.mlp.down_proj.weight (META)",)}
+    assert loaded.lifecycle.state is S.FINALIZED
+    assert_derived_unchanged(loaded, snap, sources_rewritten=True)
+    loaded.begin_reload()
+    load_safetensors(loaded, ckpt_b)
+    loaded.finalize_loading()
+    loaded.refresh_derived_buffers()
+    assert not down.weight.is_meta and loaded.lifecycle.usable
+
+
+def test_a_tensor_put_on_meta_between_a_reported_write_and_the_finish_stops_the_finish(
+        loaded: DFlashQwen3Draft, ckpt_b: Path) -> None:
+    """A writer other than the loader's own copy (here: a custom `writer`) is not trusted: the finish scans."""
+    from lifecycle.loading import write_tensor
+    snap = snapshot_derived(loaded)
+    loaded.begin_reload()
+    load_safetensors(loaded, ckpt_b, writer=write_tensor)
+    down = loaded.layers[1].mlp.down_proj
+    down._parameters["weight"] = meta_param(down.weight)
     with pytest.raises(LayersNotReadyError) as ei:
         loaded.finalize_loading()
     assert ei.value.missing == {"layers.1": ("layers.1.mlp.down_proj.weight (META)",)}

@@ -335,6 +335,73 @@ def test_apply_bucket_validated_skips_tensor_checks_but_not_the_state_check(load
     assert apply_bucket(loaded, good, validated=True) == ["layers.0"]
 
 
+class _CountingSpecs(dict):
+    """The backbone's specs, counting the per-tensor lookups `validate_index` makes."""
+
+    lookups = 0
+
+    def get(self, key, default=None):
+        type(self).lookups += 1
+        return super().get(key, default)
+
+
+def _count_spec_lookups(model: DFlashQwen3Draft) -> type[_CountingSpecs]:
+    counting = type("Counting", (_CountingSpecs,), {"lookups": 0})
+    model.lifecycle.specs = counting(model.lifecycle.specs)
+    return counting
+
+
+def test_headers_checked_in_full_are_not_checked_tensor_by_tensor_again(loaded, tiny_cfg, tmp_path):
+    """The next push of the same model (same header bytes) skips the per-tensor check; the same path rewritten
+    with one shape changed is checked again and refused (the key is the header's bytes, not the path), nothing
+    written."""
+    counting = _count_spec_lookups(loaded)
+    path = write_checkpoint(_good_b(tiny_cfg), tmp_path / "push.safetensors")
+    loaded.begin_reload()
+    load_safetensors(loaded, path)  # the header of the cold load's checkpoint A, byte for byte
+    assert counting.lookups == 0
+    loaded.finalize_loading()
+    loaded.refresh_derived_buffers()
+    write_checkpoint(random_weights(tiny_cfg, 7), path)  # new values, same names/shapes/dtypes: same header
+    loaded.begin_reload()
+    counting.lookups = 0
+    load_safetensors(loaded, path)
+    assert counting.lookups == 0
+    loaded.finalize_loading()
+    loaded.refresh_derived_buffers()
+    weights = _good_b(tiny_cfg)
+    weights["layers.2.self_attn.qkv_proj.weight"] = torch.randn(127, tiny_cfg.hidden_size)
+    write_checkpoint(weights, path)
+    loaded.begin_reload()
+    before = snapshot(loaded)
+    counting.lookups = 0
+    with pytest.raises(WeightShapeError) as ei:
+        load_safetensors(loaded, path)
+    assert "expected (128, 64) got (127, 64)" in str(ei.value)
+    assert counting.lookups == len(loaded.lifecycle.specs)
+    assert_unchanged(loaded, before)
+
+
+def test_a_subset_check_does_not_vouch_for_the_whole_header(target, tiny_cfg, tmp_path):
+    """Only a check of every tensor of a header is kept: a subset load of a file with a bad tensor outside the
+    subset passes, and the full load of the same file is still refused."""
+    weights = _good_b(tiny_cfg)
+    weights["layers.2.self_attn.qkv_proj.weight"] = torch.randn(127, tiny_cfg.hidden_size)
+    path = write_checkpoint(weights, tmp_path / "half-bad.safetensors")
+    load_safetensors(target, path, subset=lambda n: not n.startswith("layers.2."))
+    assert target.lifecycle.validated_headers != checkpoint_index(path).headers
+    with pytest.raises(WeightShapeError):
+        load_safetensors(target, path)
+
+
+def test_forgetting_tensors_forgets_the_checked_headers(tiny_cfg, ckpt_b):
+    model = DFlashQwen3Draft(tiny_cfg)
+    load_safetensors(model, ckpt_b)
+    assert model.lifecycle.validated_headers == checkpoint_index(ckpt_b).headers
+    model.lifecycle.freeze_structure({}, [])
+    assert model.lifecycle.validated_headers is None
+
+
 # ---- progress -----------------------------------------------------------------------------------------------
 
 
