@@ -191,7 +191,8 @@ class TableMachine:
         self._keep(events.bound_fields({"event": event, "backbone": self.name, "rank": self.rank,
                                         "epoch": self.epoch, "seq": self._seq, **fields}))
 
-    def _audit_layers(self, event: str, layers: list[str], tensors: int | None = None) -> None:
+    def _audit_layers(self, event: str, layers: list[str], tensors: int | None = None, at_ns: int | None = None
+                      ) -> None:
         """A `layer_ready` or `layers_unchanged` event: the layers (at most `events.LIST_CAP`, the rest counted in
         `layers_more`), the bucket's `tensors` (layer_ready) and the readiness counts.
 
@@ -203,7 +204,7 @@ class TableMachine:
         readiness = self.readiness
         self._seq += 1
         item = (event, self._seq, readiness.epoch, layers[:events.LIST_CAP], len(layers), tensors,
-                readiness.layers_ready, readiness.layers_total, time.time_ns())
+                readiness.layers_ready, readiness.layers_total, time.time_ns() if at_ns is None else at_ns)
         held = self._held
         hold = events.hold_events() if self._may_hold else events.HOLD_NONE
         held.append(item)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
@@ -47,15 +47,16 @@ from .types import capped
 
 if TYPE_CHECKING:
     from .backbone import DraftBackbone
+    from .machine import BackboneLifecycle
 
 __all__ = [
+    "VALIDATED_HEADERS_CAP",
     "BeforeWrite",
     "BucketBy",
     "IndexEntry",
     "LoadProgress",
     "LoadReport",
     "Subset",
-    "VALIDATED_HEADERS_CAP",
     "Writer",
     "apply_bucket",
     "checkpoint_index",
@@ -310,16 +311,84 @@ def _write_and_report(backbone: DraftBackbone, names: list[str], bucket: list[tu
                 write(backbone, name, value, device)
                 done += 1
         except Exception as e:
-            written = names[:done]
-            err = WeightWriteError(names[done], written, len(bucket), e, backbone=lc.name, state=lc.state.value)
-            lc.mark_dirty([names[done]])
-            if written:
-                lc.weights_loaded(written, materialized=writer is None)
-            lc.record_refusal("weights_loaded", err)
-            raise err from e
+            raise _write_failed(lc, names, done, e, materialized=writer is None) from e
         return lc.weights_loaded(names, materialized=writer is None)  # write_tensor leaves nothing on META
     finally:
         lc.release_write_lease(lease)
+
+
+def _write_failed(lc: BackboneLifecycle, names: list[str], done: int, error: Exception, *, materialized: bool
+                  ) -> WeightWriteError:
+    """A bucket's write failed at `names[done]`: the tensors before it are reported loaded, the failing one as
+    possibly written (dirty, missing until sent again); the refusal is audited. Returns the error to raise."""
+    written = names[:done]
+    err = WeightWriteError(names[done], written, len(names), error, backbone=lc.name, state=lc.state.value)
+    lc.mark_dirty([names[done]])
+    if written:
+        lc.weights_loaded(written, materialized=materialized)
+    lc.record_refusal("weights_loaded", err)
+    return err
+
+
+def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
+                         read: Iterator[list[tuple[str, torch.Tensor]]], device: torch.device | str,
+                         finite_check: bool, report: LoadReport, whole_layers: bool) -> None:
+    """The loader's own buckets on an unlocked lifecycle, with no callback between them: each bucket is read and
+    copied, and the lifecycle is told once the buckets are written (`weights_loaded_buckets`, each with the time
+    it was written), in one pass while its tables are hot, instead of between each bucket's reads and copies
+    (which evict them). Nothing else can act between the buckets (one thread, no progress callback, no debug
+    event), so what it says is the same; the first bucket is reported at once (a transition it fires is stamped
+    before the later buckets' events); whatever ends the loop early (a read or write failure, a NaN, an
+    interrupt) reports the buckets written before it first. `whole_layers`: each bucket is every tracked tensor
+    of one layer (see `BackboneLifecycle._whole_layers_loaded`)."""
+    lc = backbone.lifecycle
+    written: list[tuple[list[str], int]] = []
+
+    def report_written() -> None:
+        _report_written(lc, written, report, whole_layers)
+
+    try:
+        for names in buckets:
+            try:
+                bucket = next(read)
+            except CheckpointError as e:  # the file changed or shrank while read: this bucket is not written
+                report_written()
+                raise _refused(backbone, e) from e
+            if finite_check and (problems := non_finite(bucket)):
+                report_written()
+                error = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value)
+                lc.record_refusal("weights_loaded", error)
+                raise error
+            done = 0
+            try:
+                for name, value in bucket:
+                    write_tensor(backbone, name, value, device)
+                    done += 1
+            except Exception as e:
+                report_written()
+                raise _write_failed(lc, names, done, e, materialized=True) from e
+            written.append((names, time.time_ns()))
+            report.tensors += done
+            if not report.buckets:  # the first bucket's transition (from META, or the epoch's first) in its time
+                report_written()
+            del bucket  # only the bucket being read is held: the peak extra memory is one bucket
+    finally:
+        report_written()
+
+
+def _report_written(lc: BackboneLifecycle, written: list[tuple[list[str], int]], report: LoadReport,
+                    whole_layers: bool) -> None:
+    """Report the buckets written so far (`_load_reported_later`), once: `written` is emptied."""
+    if not written:
+        return
+    buckets, written[:] = written[:], []
+    report.buckets += len(buckets)
+    # write_tensor leaves nothing on META: materialized
+    reported = (lc._whole_layers_loaded(buckets) if whole_layers
+                else lc.weights_loaded_buckets(buckets, materialized=True))
+    for completed in reported:
+        if completed:
+            report.layers_completed.extend(completed)
 
 
 def load_safetensors(
@@ -376,6 +445,16 @@ def load_safetensors(
     single = isinstance(paths, (str, PathLike))  # one file: the report's file list needs no look at the names
     report = LoadReport(files=[str(Path(paths))] if single and names else _file_list(index, names), _index=index,
                         _plan=buckets)
+    if (writer is None and before_write is None and progress is None and not lc.locked
+            and not events.enabled("debug")):
+        # the plan by layer of every tracked tensor (the names are the specs': validated, and as many): each
+        # bucket is one whole layer
+        whole_layers = (bucket_by == "layer" and subset is None and not shuffle and not duplicates
+                        and len(names) == len(lc.specs))
+        with closing(iter_buckets(index, buckets)) as read:
+            _load_reported_later(backbone, buckets, read, device, finite_check, report, whole_layers)
+        report.duration_ms = (time.perf_counter() - t0) * 1e3
+        return report
     done = 0
     total = sum(map(len, buckets))
     with closing(iter_buckets(index, buckets)) as read:

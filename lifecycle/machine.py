@@ -184,7 +184,44 @@ class BackboneLifecycle(TableMachine):
         self.record_refusal("weights_loaded", err)
         raise err
 
-    def weights_loaded(self, names: Iterable[str], *, materialized: bool = False) -> list[str]:
+    @property
+    def locked(self) -> bool:
+        """Built for several writer threads (`LockedMachine`, write leases that triggers wait for)."""
+        return self._locked
+
+    def weights_loaded_buckets(self, buckets: Iterable[tuple[list[str], int]], *, materialized: bool = False
+                               ) -> list[list[str]]:
+        """`weights_loaded` of buckets written earlier, in the order written, each with the time it was written
+        (`time.time_ns()`): its `layer_ready` event carries that time. A loader on an unlocked lifecycle (one
+        thread: nothing can act between its buckets) reports this way after its writes, in one pass while the
+        lifecycle's tables are in the caches, rather than between each bucket's reads and copies. Returns each
+        bucket's completed layers."""
+        with self._lock:
+            return [self.weights_loaded(names, materialized=materialized, at_ns=at_ns) for names, at_ns in buckets]
+
+    def _whole_layers_loaded(self, buckets: list[tuple[list[str], int]]) -> list[list[str]]:
+        """`weights_loaded_buckets` of buckets the loader wrote with its own copy where each bucket is every
+        tracked tensor of one layer (its plan by layer of a checkpoint that holds every tracked tensor): when no
+        layer of them received anything yet in this epoch, each completes its layer, counted per layer without
+        reading a name, and the names join the written set in one step. Otherwise the general path."""
+        readiness = self.readiness
+        layer_of_name, sizes = readiness.layer_of_name, readiness.tensors_of_layer
+        layers = [layer_of_name[names[0]] for names, _ in buckets]
+        with self._lock:
+            if (not buckets or "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]
+                    or any(len(names) != len(sizes[la]) for la, (names, _) in zip(layers, buckets, strict=True))
+                    or not readiness.fresh_layers(layers)):
+                return self.weights_loaded_buckets(buckets, materialized=True)
+            for layer, (names, at_ns) in zip(layers, buckets, strict=True):
+                readiness.mark_layer_written(layer)
+                self._audit_layers("layer_ready", [layer], len(names), at_ns)
+            readiness.settle_layers(layers)
+            if self._bucket_moves("weights_loaded", True):
+                self._fire("weights_loaded", tensors=len(buckets[-1][0]))
+            return [[layer] for layer in layers]
+
+    def weights_loaded(self, names: Iterable[str], *, materialized: bool = False, at_ns: int | None = None
+                       ) -> list[str]:
         """Record that tensors were written (one bucket; one tensor is fine). Unknown names are refused and
         nothing is recorded. Returns the layers that completed with this bucket. `materialized=True` says the
         writer left each of them off META (the loader's own `write_tensor`): while every report of an epoch says
@@ -205,7 +242,7 @@ class BackboneLifecycle(TableMachine):
             except UnknownNames as e:
                 self._raise_unknown(e.names)
             if completed:
-                self._audit_layers("layer_ready", completed, len(names))
+                self._audit_layers("layer_ready", completed, len(names), at_ns)
             if self._bucket_moves("weights_loaded", bool(completed)):
                 self._fire("weights_loaded", tensors=len(names))
             return completed

@@ -90,9 +90,13 @@ class LayerReadiness:
     def new_epoch(self) -> int:
         self.close_epoch()
         if not self._epoch_absorbed and self._written:
-            self._dirty_epochs.append(self._written)  # a new set follows: this one is never written again
-            if len(self._dirty_epochs) > 4:  # many epochs without a refresh: folded, so memory stays bounded
-                self._dirty_epochs = [frozenset().union(*self._dirty_epochs)]
+            if len(self._written) == len(self.layer_of_name):  # every tensor: the earlier parts are within it
+                self._dirty_epochs = [self._written]
+                self._dirty_base = set()
+            else:
+                self._dirty_epochs.append(self._written)  # a new set follows: this one is never written again
+                if len(self._dirty_epochs) > 4:  # many epochs without a refresh: folded, so memory stays bounded
+                    self._dirty_epochs = [frozenset().union(*self._dirty_epochs)]
         self.epoch += 1
         self._closed = False
         self._epoch_absorbed = False
@@ -181,6 +185,31 @@ class LayerReadiness:
         if self.partly_written:
             self.partly_written.discard(layer)  # written in full (nothing may declare it unchanged)
         return [layer]
+
+    def fresh_layers(self, layers: Sequence[str]) -> bool:
+        """Whether `mark_layer_written` may take each of `layers` (distinct): nothing of any was loaded in this
+        epoch, and nothing unusual happened in it (no declaration, failed write or refresh)."""
+        left, size = self._left, self._size
+        return self._plain and len(set(layers)) == len(layers) and all(left[la] == size[la] for la in layers)
+
+    def mark_layer_written(self, layer: str) -> None:
+        """Every tensor of `layer` was written (a layer `fresh_layers` vouched for): the counts now; the names join
+        the written set at `settle_layers`, before anything reads it."""
+        self._left[layer] = 0
+        self._complete += 1
+        if self.partly_written:
+            self.partly_written.discard(layer)
+
+    def settle_layers(self, layers: Iterable[str]) -> None:
+        """The names of the layers `mark_layer_written` took, into the written set: when that completed every
+        layer, the set of every name in one copy of the name table (no name object is read: the table keeps
+        each hash), else each layer's names."""
+        if self._complete == len(self._size) and not self._unchanged:
+            self._written = set(self.layer_of_name)
+            return
+        written, names_of = self._written, self._names_of_layer
+        for layer in layers:
+            written |= names_of[layer]
 
     def _mark_written(self, names: Sequence[str]) -> list[str]:
         completed = self._mark(names, dirty=True)
