@@ -110,7 +110,9 @@ class TableMachine:
 
     @property
     def recent_events(self) -> deque[dict[str, Any]]:
-        """The last events, bounded as written (the worker RPCs read it); held events are written first."""
+        """The last events, bounded as written (the worker RPCs read it); held events are written first. Read it
+        anew after later events: the deque is the same object, but the held events it gains are built into
+        records when it is read."""
         if self._held:
             self.flush_events()
         if self._unbuilt:
@@ -118,12 +120,11 @@ class TableMachine:
         return self._recent  # type: ignore[return-value]  # every entry a record now
 
     def _build_kept(self) -> None:
-        """Replace the held events kept as tuples by their records, in place (the deque stays the same object)."""
+        """Replace the held events kept as tuples by their records, in place (the deque stays the same object,
+        a record already built stays the same dict)."""
         recent = self._recent
-        for i in range(1, min(self._unbuilt, len(recent)) + 1):
-            item = recent[-i]
-            if type(item) is tuple:
-                recent[-i] = self._held_record(item)
+        tail = [recent.pop() for _ in range(min(self._unbuilt, len(recent)))]
+        recent.extend(self._held_record(item) if type(item) is tuple else item for item in reversed(tail))
         self._unbuilt = 0
 
     @property
