@@ -314,7 +314,7 @@ class JsonLinesSink:
         self.failures = 0
         # what comes before an event's fields (`{"node":...,`) and after them up to its timestamp, for the last
         # node and level written: encoded once, not per line
-        self._frame = ("", "", "", "")
+        self._frame: tuple[str, str, str, str] | None = None
 
     def __call__(self, _logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         try:
@@ -354,7 +354,7 @@ class JsonLinesSink:
     def _frame_for(self, level: str, node: str) -> tuple[str, str, str, str]:
         """(node, level, what comes before a record's fields, what comes after them up to the timestamp)."""
         frame = self._frame
-        if frame[0] != node or frame[1] != level:
+        if frame is None or frame[0] != node or frame[1] != level:
             frame = self._frame = (node, level, f'{{"node":{_encode(node)},', f',"level":"{level}","ts":"')
         return frame
 
