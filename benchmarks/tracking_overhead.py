@@ -268,7 +268,7 @@ def event_costs(tmp: Path, quick: bool) -> list[dict[str, Any]]:
         common.per_call_us(lambda: lc.audit_event("transition", **fields), number=n), "numbered, bounded, kept")
     add("layer_ready event, audit off (kept in memory only)",
         common.per_call_us(lambda: lc._audit_layers("layer_ready", ["layers.1"], tensors=8), number=n),
-        f"held, built {audit_events.HOLD_MAX} at a time (amortized)")
+        "held, built only when recent_events is read (never here)")
     add("debug event, filtered at info",
         common.per_call_us(lambda: lc.audit_event("loader_bucket", level="debug", **fields), number=n),
         "the level is checked before anything is built")

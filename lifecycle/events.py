@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -73,8 +73,10 @@ __all__ = [
     "configure_audit",
     "emit",
     "emit_held",
+    "emit_held_lines",
     "emit_record",
     "enabled",
+    "encode_string",
     "flush_holders",
     "hold_events",
     "host_name",
@@ -82,6 +84,7 @@ __all__ = [
     "register_holder",
     "sink_failures",
     "timestamp",
+    "timestamps",
 ]
 
 #: Version of the event schema (the `schema` field). 2: `seq`, fixed-width timestamps, `_more`/`_truncated` counts;
@@ -204,7 +207,20 @@ def add_schema_version(_logger: Any, _name: str, event_dict: MutableMapping[str,
     return event_dict
 
 
-_second: tuple[int, str] = (-1, "")  # the last whole second formatted (replaced whole: safe across threads)
+#: The last whole second formatted: when it starts (ns) and its date and time up to the decimal point. Replaced
+#: whole: safe across threads. At first a start far ahead of any time: the first call formats its second.
+_second: tuple[int, str] = (1 << 80, "")
+
+
+#: "000" to "999": a timestamp's microseconds as two lookups (a third of the time of a zero-padded format).
+_THREE_DIGITS = tuple(f"{i:03d}" for i in range(1000))
+
+
+def _format_second(now_ns: int) -> tuple[int, str]:
+    global _second
+    sec = now_ns // 1_000_000_000
+    _second = (sec * 1_000_000_000, time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(sec)))
+    return _second
 
 
 def timestamp(now_ns: int | None = None) -> str:
@@ -216,12 +232,28 @@ def timestamp(now_ns: int | None = None) -> str:
     >>> bool(re.fullmatch(r"\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d\\.\\d{6}Z", timestamp()))
     True
     """
-    global _second
-    sec, ns = divmod(time.time_ns() if now_ns is None else now_ns, 1_000_000_000)
-    cached = _second
-    if cached[0] != sec:
-        cached = _second = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
-    return f"{cached[1]}.{ns // 1000:06d}Z"
+    if now_ns is None:
+        now_ns = time.time_ns()
+    start, day = _second
+    us = (now_ns - start) // 1000
+    if not 0 <= us < 1_000_000:
+        start, day = _format_second(now_ns)
+        us = (now_ns - start) // 1000
+    return f"{day}{_THREE_DIGITS[us // 1000]}{_THREE_DIGITS[us % 1000]}Z"
+
+
+def timestamps(times_ns: Iterable[int]) -> list[str]:
+    """`timestamp(t)` for each of `times_ns` (a holder's batch of events, in one call)."""
+    out = []
+    start, day = _second
+    digits = _THREE_DIGITS
+    for now_ns in times_ns:
+        us = (now_ns - start) // 1000
+        if not 0 <= us < 1_000_000:
+            start, day = _format_second(now_ns)
+            us = (now_ns - start) // 1000
+        out.append(f"{day}{digits[us // 1000]}{digits[us % 1000]}Z")
+    return out
 
 
 def add_timestamp(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -280,7 +312,9 @@ class JsonLinesSink:
         self._torn = False
         self.closed = False
         self.failures = 0
-        self._node_json = ("", '""')  # the last node written and its JSON: encoded once, not per line
+        # what comes before an event's fields (`{"node":...,`) and after them up to its timestamp, for the last
+        # node and level written: encoded once, not per line
+        self._frame: tuple[str, str, str, str] | None = None
 
     def __call__(self, _logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         try:
@@ -307,6 +341,23 @@ class JsonLinesSink:
         if lines:
             self._write("".join(lines).encode())
 
+    def write_held_lines(self, lines: Callable[[str, str, str], str], level: str, node: str) -> None:
+        """Write held events that format their lines themselves, in one `write(2)`: `lines(head, middle, end)`
+        returns, for each event, `head + fields + middle + timestamp(its time) + end`, where `fields` is the
+        inside of the JSON object `_encode` writes for its record (`"event":"layer_ready",...`): the lines
+        `write_held` writes for those records, without a record to build or encode per event."""
+        _, _, head, middle = self._frame_for(level, node)
+        text = lines(head, middle, _LINE_END)
+        if text:
+            self._write(text.encode())
+
+    def _frame_for(self, level: str, node: str) -> tuple[str, str, str, str]:
+        """(node, level, what comes before a record's fields, what comes after them up to the timestamp)."""
+        frame = self._frame
+        if frame is None or frame[0] != node or frame[1] != level:
+            frame = self._frame = (node, level, f'{{"node":{_encode(node)},', f',"level":"{level}","ts":"')
+        return frame
+
     def _line(self, record: Mapping[str, Any], level: str, node: str, now_ns: int | None) -> str | None:
         """One JSON line for `record` (None, counted as lost, when it cannot be encoded)."""
         try:
@@ -319,11 +370,8 @@ class JsonLinesSink:
             self._failed(e)
             return None
         # node before and the three fields after the encoded object's own: the same line as encoding the dict
-        node_json = self._node_json
-        if node_json[0] != node:
-            node_json = self._node_json = (node, _encode(node))
-        return (f'{{"node":{node_json[1]},{line[1:-1]},"level":"{level}","ts":"{timestamp(now_ns)}",'
-                f'"schema":{SCHEMA_VERSION}}}\n')
+        _, _, head, middle = self._frame_for(level, node)
+        return f"{head}{line[1:-1]}{middle}{timestamp(now_ns)}{_LINE_END}"
 
     def _write(self, data: bytes) -> None:
         with self._lock:
@@ -365,6 +413,13 @@ class JsonLinesSink:
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
 _C_ENCODER = (json.encoder.c_make_encoder(None, str, json.encoder.encode_basestring_ascii, None, ":", ",", False,
                                           False, True) if json.encoder.c_make_encoder is not None else None)
+
+
+#: How every written line ends, after its timestamp.
+_LINE_END = f'","schema":{SCHEMA_VERSION}}}\n'
+#: A string as the JSON encoder writes it (ensure_ascii: quoted, escaped, non-ASCII as \uXXXX escapes): for a
+#: holder that formats its events' lines itself (`emit_held_lines`).
+encode_string = json.encoder.encode_basestring_ascii
 
 
 def _encode(record: Mapping[str, Any]) -> str:
@@ -513,7 +568,10 @@ def hold_events() -> int:
     `register_holder`; everything it holds is written before its next other event, when it is asked for its
     events, before `configure_audit` switches the route, and at exit."""
     route = _route
-    if _capture_chain() is not None:
+    processors = getattr(_STRUCTLOG_CONFIG, "default_processors", None)  # `_capture_chain`, inline: per bucket
+    if processors is None:
+        processors = structlog.get_config()["processors"]
+    if processors and type(processors[-1]) is LogCapture:
         return HOLD_NONE
     return HOLD_WRITE if route.json_only else HOLD_KEEP if route.logger is None else HOLD_NONE
 
@@ -549,6 +607,21 @@ def emit_held(records: list[Mapping[str, Any]], times_ns: list[int], level: str 
         route.sink.write_held(records, times_ns, level, route.node)  # type: ignore[union-attr]
     except Exception as e:  # as in emit_record: an output failure must not reach the lifecycle
         _output_failed(route, e)
+
+
+def emit_held_lines(lines: Callable[[str, str, str], str], level: str = "info") -> bool:
+    """Send records held back that format their own lines (`JsonLinesSink.write_held_lines`), when the route is a
+    JSON file alone (written if `level` is): True. On any other route nothing is sent and the answer is False:
+    the holder sends the records themselves (`emit_held`). Never raises for a failed write."""
+    route = _route
+    if not route.json_only or _capture_chain() is not None:
+        return False
+    if _LEVEL_NUMBERS[level] >= route.level:
+        try:
+            route.sink.write_held_lines(lines, level, route.node)  # type: ignore[union-attr]
+        except Exception as e:  # as in emit_record: an output failure must not reach the lifecycle
+            _output_failed(route, e)
+    return True
 
 
 def emit(event: str, *, level: str = "info", **fields: Any) -> None:

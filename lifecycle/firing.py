@@ -19,6 +19,7 @@ from transitions.extensions import LockedMachine
 
 from . import events
 from .errors import IllegalTransitionError, LayersNotReadyError
+from .events import HOLD_KEEP, HOLD_NONE, HOLD_WRITE, LIST_CAP
 from .guards import CONDITIONS, GUARDS, MAY_HOLD
 from .readiness import LayerReadiness
 from .states import (
@@ -56,7 +57,10 @@ class TableMachine:
         self.name = name
         self.rank = rank
         self.readiness = readiness
-        self._recent: deque[dict[str, Any]] = deque(maxlen=recent_events)
+        # a held event is kept as its tuple (see `flush_events`) until `recent_events` is read; `_unbuilt`: how many
+        # of the last kept entries may still be tuples
+        self._recent: deque[dict[str, Any] | tuple[Any, ...]] = deque(maxlen=recent_events)
+        self._unbuilt = 0
         # per-bucket events held back (see `_audit_layers`); only on an unlocked lifecycle (one thread)
         self._held: list[tuple[Any, ...]] = []
         self._may_hold = not locked
@@ -68,6 +72,11 @@ class TableMachine:
         self._plain_layer_events = (
             type(rank) is int and -(2 ** 63) <= rank < 2 ** 63 and len(name) <= events.STR_CAP
             and all(len(layer) <= events.STR_CAP for layer in readiness.tensors_of_layer))
+        # ... and then, its names being strings, its line in a JSON file is formatted from the tuple held
+        # (`_held_lines`), with the fields every such event of a kind begins with encoded once
+        self._line_prefixes: dict[str, str] | None = (
+            {} if self._plain_layer_events and isinstance(name, str)
+            and all(isinstance(layer, str) for layer in readiness.tensors_of_layer) else None)
         self._model = _Model()
         self._machine = (LockedMachine if locked else Machine)(
             model=self._model,
@@ -101,10 +110,22 @@ class TableMachine:
 
     @property
     def recent_events(self) -> deque[dict[str, Any]]:
-        """The last events, bounded as written (the worker RPCs read it); held events are written first."""
+        """The last events, bounded as written (the worker RPCs read it); held events are written first. Read it
+        anew after later events: the deque is the same object, but the held events it gains are built into
+        records when it is read."""
         if self._held:
             self.flush_events()
-        return self._recent
+        if self._unbuilt:
+            self._build_kept()
+        return self._recent  # type: ignore[return-value]  # every entry a record now
+
+    def _build_kept(self) -> None:
+        """Replace the held events kept as tuples by their records, in place (the deque stays the same object,
+        a record already built stays the same dict)."""
+        recent = self._recent
+        tail = [recent.pop() for _ in range(min(self._unbuilt, len(recent)))]
+        recent.extend(self._held_record(item) if type(item) is tuple else item for item in reversed(tail))
+        self._unbuilt = 0
 
     @property
     def epoch(self) -> int:
@@ -202,40 +223,83 @@ class TableMachine:
         `events.HOLD_MAX` events or `events.HOLD_NS`, before the route changes, and at exit. A process killed
         mid-load loses at most that batch of `layer_ready` lines (the epoch reads as unfinished either way)."""
         readiness = self.readiness
-        self._seq += 1
-        item = (event, self._seq, readiness.epoch, layers[:events.LIST_CAP], len(layers), tensors,
-                readiness.layers_ready, readiness.layers_total, time.time_ns() if at_ns is None else at_ns)
+        self._seq = seq = self._seq + 1
+        item = (event, seq, readiness.epoch, layers[:LIST_CAP], len(layers), tensors, readiness.layers_ready,
+                readiness.layers_total, time.time_ns() if at_ns is None else at_ns)
         held = self._held
-        hold = events.hold_events() if self._may_hold else events.HOLD_NONE
+        hold = events.hold_events() if self._may_hold else HOLD_NONE
         held.append(item)
-        if hold == events.HOLD_KEEP:  # nothing is written: only the last `recent_events` are ever read
+        if hold == HOLD_KEEP:  # nothing is written: only the last `recent_events` are ever read
             if len(held) > 2 * (self._recent.maxlen or 0) + events.HOLD_MAX:
                 del held[:len(held) - (self._recent.maxlen or 0)]
-        elif (hold == events.HOLD_NONE or len(held) >= events.HOLD_MAX
-              or item[-1] - held[0][-1] >= events.HOLD_NS):
+        elif hold == HOLD_NONE or len(held) >= events.HOLD_MAX or item[-1] - held[0][-1] >= events.HOLD_NS:
             self.flush_events()
 
     def flush_events(self) -> None:
-        """Build, write and keep the held per-bucket events, in order."""
+        """Write and keep the held per-bucket events, in order. Where nothing is written (audit off) or a JSON file
+        alone gets lines formatted from the tuples (`_held_lines`), and no audit write failed yet, the tuples are
+        kept as they are and built into records only when `recent_events` is read (most never are: the deque
+        keeps the last ones); else each is built into its record (bounded unless plain), written and kept."""
         held = self._held
         if not held:
             return
         self._held = []
-        records: list[dict[str, Any]] = []
-        for event, seq, epoch, shown, count, tensors, ready, total, _ in held:
-            record = {"event": event, "backbone": self.name, "rank": self.rank, "epoch": epoch, "seq": seq,
-                      "layers": shown, "layers_more": count - len(shown)}
-            if tensors is not None:
-                record["tensors"] = tensors
-            record["layers_ready"] = ready
-            record["layers_total"] = total
-            records.append(record if self._plain_layer_events else events.bound_fields(record))
-        events.emit_held(records, [item[-1] for item in held])
+        hold = events.hold_events()
+        if hold == HOLD_KEEP or (hold == HOLD_WRITE and self._line_prefixes is not None
+                                 and events.emit_held_lines(lambda *frame: self._held_lines(held, *frame))):
+            if not events.sink_failures():
+                self._recent.extend(held)
+                self._unbuilt += len(held)
+                return
+            records = [self._held_record(item) for item in held]
+        else:
+            records = [self._held_record(item) for item in held]
+            events.emit_held(records, [item[-1] for item in held])
         failures = events.sink_failures()
         if failures:
             for record in records:
                 record["sink_failures"] = failures
         self._recent.extend(records)
+        if self._unbuilt:
+            self._unbuilt += len(records)
+
+    def _held_record(self, item: tuple[Any, ...]) -> dict[str, Any]:
+        """The record of a held event: what `_audit` would have built for it (bounded, unless plain)."""
+        event, seq, epoch, shown, count, tensors, ready, total, _ = item
+        record = {"event": event, "backbone": self.name, "rank": self.rank, "epoch": epoch, "seq": seq,
+                  "layers": shown, "layers_more": count - len(shown)}
+        if tensors is not None:
+            record["tensors"] = tensors
+        record["layers_ready"] = ready
+        record["layers_total"] = total
+        return record if self._plain_layer_events else events.bound_fields(record)
+
+    def _held_lines(self, held: list[tuple[Any, ...]], head: str, middle: str, end: str) -> str:
+        """The held events' lines in a JSON file (`events.emit_held_lines`): each one's record as the JSON encoder
+        writes it, formatted from the tuple. Only for plain events (`_line_prefixes`): every value is an int or a
+        name within the bounds, written as is."""
+        prefixes: dict[str, str] = self._line_prefixes  # type: ignore[assignment]
+        encode = events.encode_string
+        lines = []
+        for (event, seq, epoch, shown, count, tensors, ready, total, _), stamp in zip(
+                held, events.timestamps([item[-1] for item in held]), strict=True):
+            prefix = prefixes.get(event) or self._line_prefix(event)
+            layers = encode(shown[0]) if len(shown) == 1 else ",".join(map(encode, shown))
+            if tensors is None:
+                lines.append(f'{head}{prefix}{epoch},"seq":{seq},"layers":[{layers}],"layers_more":'
+                             f'{count - len(shown)},"layers_ready":{ready},"layers_total":{total}{middle}{stamp}{end}')
+            else:
+                lines.append(f'{head}{prefix}{epoch},"seq":{seq},"layers":[{layers}],"layers_more":'
+                             f'{count - len(shown)},"tensors":{tensors},"layers_ready":{ready},"layers_total":{total}'
+                             f'{middle}{stamp}{end}')
+        return "".join(lines)
+
+    def _line_prefix(self, event: str) -> str:
+        """The fields a held `event`'s line begins with, up to its epoch, encoded (and kept for the next ones)."""
+        encode = events.encode_string
+        prefix = self._line_prefixes[event] = (  # type: ignore[index]
+            f'"event":{encode(event)},"backbone":{encode(self.name)},"rank":{self.rank},"epoch":')
+        return prefix
 
     def _keep(self, record: dict[str, Any], level: str = "info") -> None:
         """Write a bounded, numbered record (if audit output is on) and keep it in `recent_events`."""
@@ -246,6 +310,8 @@ class TableMachine:
         if failures:
             record["sink_failures"] = failures
         self._recent.append(record)
+        if self._unbuilt:
+            self._unbuilt += 1
 
     def record_refusal(self, trigger: str, error: Exception, **fields: Any) -> None:
         """Audit a refusal: the machine's own, and those decided outside it (the loader's checks of names,
