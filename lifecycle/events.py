@@ -1,4 +1,4 @@
-"""Audit events: one structlog record per trigger, refusal, refresh and storage check.
+"""Audit events: one structlog record per trigger, refusal, refresh and storage check, and where they go.
 
 >>> import structlog
 >>> with structlog.testing.capture_logs() as logs:
@@ -19,20 +19,12 @@ is active (it swaps structlog's global chain for a capturing one), audit events 
 they would through the global chain. Until `configure_audit` is called, events are only kept in memory (each
 lifecycle's `recent_events`).
 
-Every event is bounded before it is written or kept: at most `LIST_CAP` items in a list of names (the rest
-counted in `<field>_more`), at most `STR_CAP` characters in a string (the cut counted in `<field>_truncated`),
-an integer of more than `INT_BITS_CAP` bits as its size, and a tensor that slipped into a field as its
-description, never its values:
-
->>> import torch
->>> ev = bound_event(None, "info", {"names": [f"t{i}" for i in range(20)], "reason": "x" * 5000,
-...                                 "oops": torch.ones(3), "huge": 10 ** 5000})
->>> len(ev["names"]), ev["names_more"], len(ev["reason"]), ev["reason_truncated"], ev["oops"], ev["huge"]
-(16, 4, 4096, 904, '<tensor shape=(3,) dtype=torch.float32 device=cpu>', '<int of 16610 bits>')
-
-The sink never changes what the lifecycle does: a write that fails (a full disk, a closed or no longer
-writable descriptor, a console stream that went away) is counted (`sink_failures()`, and a `sink_failures`
-field on the events each lifecycle keeps), reported once on stderr, and the event goes on; `emit` never raises.
+Every event is bounded before it is written or kept (`lifecycle.event_bounds`: lists, strings, integers and
+nesting capped with counts of what was cut, never tensor values) and written as JSON lines by
+`lifecycle.event_sink`. Writing never changes what the lifecycle does: a write that fails (a full disk, a closed
+descriptor, a console stream that went away) is counted (`sink_failures()`, and a `sink_failures` field on the
+events each lifecycle keeps), reported once on stderr, and the event goes on; `emit` never raises. This module
+re-exports the names of both, so `lifecycle.events` stays the one place to import the audit API from.
 """
 
 from __future__ import annotations
@@ -40,21 +32,36 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import json.encoder
 import logging
 import os
 import socket
 import sys
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
 from structlog.testing import LogCapture
+
+from .event_bounds import DEPTH_CAP as DEPTH_CAP
+from .event_bounds import INT_BITS_CAP, LIST_CAP, RECORDS_CAP, STR_CAP, bound_event, bound_fields
+from .event_sink import (
+    SCHEMA_VERSION,
+    TS_FORMAT,
+    AuditSinkError,
+    JsonLinesSink,
+    _count_failure,
+    _say,
+    add_schema_version,
+    add_timestamp,
+    encode_string,
+    sink_failures,
+    timestamp,
+    timestamps,
+)
 
 __all__ = [
     "INT_BITS_CAP",
@@ -87,349 +94,11 @@ __all__ = [
     "timestamps",
 ]
 
-#: Version of the event schema (the `schema` field). 2: `seq`, fixed-width timestamps, `_more`/`_truncated` counts;
-#: 3: the FINALIZED state (finish_loading ends there, refresh_derived starts there; hooks run inside finish_loading);
-#: 4: one `layer_ready` event per bucket, listing the layers it completed (`layers`, `layers_more`, `tensors`), and
-#: no `transition` event for a bucket that leaves PARTIALLY_LOADED as it is.
-SCHEMA_VERSION = 4
 #: The audit logger's name (its events carry no logger name: the chain is its own, see the module doc).
 LOGGER_NAME = "reload_lifecycle"
-#: At most this many names in a list field; the rest are counted in `<field>_more`.
-LIST_CAP = 16
-#: At most this many records (dicts) in a list field, such as the per-buffer records of a `refresh` event, and
-#: at most this many keys in a mapping field.
-RECORDS_CAP = 256
-#: At most this many characters in a string field; the number cut is `<field>_truncated`.
-STR_CAP = 4096
-#: An integer wider than this is written as `<int of N bits>` (Python refuses to print one of over 4,300 digits).
-INT_BITS_CAP = 64
-#: Nesting deeper than this (lists in dicts in lists ...) is written as a description.
-DEPTH_CAP = 4
-#: UTC, always with microseconds: fixed width, so timestamps of one log also sort as strings.
-TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 #: The levels `configure_audit` and `emit` accept, lowest first.
 LEVELS = ("debug", "info", "warning", "error", "critical")
 _LEVEL_NUMBERS = {name: logging.getLevelNamesMapping()[name.upper()] for name in LEVELS}
-
-
-class AuditSinkError(OSError):
-    """The audit log could not be opened (`configure_audit`); the previous configuration stays in force."""
-
-
-# ---- bounding -----------------------------------------------------------------------------------------------------
-
-
-def _describe_tensor(value: Any) -> str | None:
-    """A tensor (or anything tensor-like from torch/numpy) as its description; None for anything else."""
-    module = type(value).__module__
-    if not module.startswith(("torch", "numpy")) or not hasattr(value, "shape") or not hasattr(value, "dtype"):
-        return None
-    device = getattr(value, "device", "cpu")
-    return f"<tensor shape={tuple(value.shape)} dtype={value.dtype} device={device}>"
-
-
-def _bound_value(key: str, value: Any, out: MutableMapping[str, Any], depth: int = 0) -> Any:
-    kind = type(value)
-    if kind is int:
-        return value if value.bit_length() <= INT_BITS_CAP else f"<int of {value.bit_length()} bits>"
-    if kind is bool or kind is float or value is None:
-        return value
-    if kind is str:
-        if len(value) > STR_CAP:
-            out[f"{key}_truncated"] = len(value) - STR_CAP
-            return value[:STR_CAP]
-        return value
-    if isinstance(value, (dict, list, tuple)) and depth >= DEPTH_CAP:
-        return f"<{kind.__name__} nested deeper than {DEPTH_CAP}>"
-    if isinstance(value, dict):
-        inner: dict[str, Any] = {}
-        items = list(value.items())
-        if len(items) > RECORDS_CAP:
-            out[f"{key}_more"] = out.get(f"{key}_more", 0) + len(items) - RECORDS_CAP
-            items = items[:RECORDS_CAP]
-        for k, v in items:
-            inner[k] = _bound_value(str(k), v, inner, depth + 1)
-        return inner
-    if isinstance(value, (list, tuple)):
-        records = any(isinstance(v, dict) for v in value)
-        cap = RECORDS_CAP if records else LIST_CAP
-        if len(value) > cap:
-            out[f"{key}_more"] = out.get(f"{key}_more", 0) + len(value) - cap
-            value = value[:cap]
-        items: list[Any] = []
-        for v in value:
-            holder: dict[str, Any] = {}
-            items.append(_bound_value(key, v, holder, depth + 1))
-        return items
-    if isinstance(value, (bool, int, float, str)):  # a subclass (an enum, a numpy scalar): its plain value
-        plain = next(t for t in (bool, int, float, str) if isinstance(value, t))
-        return _bound_value(key, plain.__str__(value) if plain is str else plain(value), out, depth)
-    described = _describe_tensor(value)
-    if described is not None:
-        return described
-    return _bound_value(key, str(value), out, depth)
-
-
-def bound_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """A bounded copy of an event's fields (see the module doc); what is written and what lifecycles keep."""
-    out = dict(fields)
-    bound_event(None, "", out)
-    return out
-
-
-_INT_BOUND = 2 ** INT_BITS_CAP  # |value| < this: at most INT_BITS_CAP bits
-
-
-def bound_event(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """Processor: bounded size, no tensor values (see the module doc)."""
-    slow = None
-    for key, value in event_dict.items():  # the common values decided inline: this runs for every event
-        kind = type(value)
-        if (kind is str and len(value) <= STR_CAP) or kind is bool or kind is float or value is None \
-                or (kind is int and -_INT_BOUND < value < _INT_BOUND):
-            continue
-        if slow is None:
-            slow = []
-        slow.append(key)
-    if slow is None:
-        return event_dict
-    extra: dict[str, Any] = {}
-    for key in slow:
-        event_dict[key] = _bound_value(key, event_dict[key], extra)
-    for key, value in extra.items():  # a count the caller already gave is added to, not replaced
-        given = event_dict.get(key, 0)
-        event_dict[key] = value + given if key.endswith("_more") and type(given) is int else value
-    return event_dict
-
-
-def add_schema_version(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    event_dict.setdefault("schema", SCHEMA_VERSION)
-    return event_dict
-
-
-#: The last whole second formatted: when it starts (ns) and its date and time up to the decimal point. Replaced
-#: whole: safe across threads. At first a start far ahead of any time: the first call formats its second.
-_second: tuple[int, str] = (1 << 80, "")
-
-
-#: "000" to "999": a timestamp's microseconds as two lookups (a third of the time of a zero-padded format).
-_THREE_DIGITS = tuple(f"{i:03d}" for i in range(1000))
-
-
-def _format_second(now_ns: int) -> tuple[int, str]:
-    global _second
-    sec = now_ns // 1_000_000_000
-    _second = (sec * 1_000_000_000, time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(sec)))
-    return _second
-
-
-def timestamp(now_ns: int | None = None) -> str:
-    """Now (or `now_ns`, from `time.time_ns()`), UTC, in `TS_FORMAT` (`2026-01-01T12:00:00.000001Z`, always
-    with microseconds). The date and time of the second are formatted once per second; an event adds only the
-    microseconds.
-
-    >>> import datetime, re
-    >>> bool(re.fullmatch(r"\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d\\.\\d{6}Z", timestamp()))
-    True
-    """
-    if now_ns is None:
-        now_ns = time.time_ns()
-    start, day = _second
-    us = (now_ns - start) // 1000
-    if not 0 <= us < 1_000_000:
-        start, day = _format_second(now_ns)
-        us = (now_ns - start) // 1000
-    return f"{day}{_THREE_DIGITS[us // 1000]}{_THREE_DIGITS[us % 1000]}Z"
-
-
-def timestamps(times_ns: Iterable[int]) -> list[str]:
-    """`timestamp(t)` for each of `times_ns` (a holder's batch of events, in one call)."""
-    out = []
-    start, day = _second
-    digits = _THREE_DIGITS
-    for now_ns in times_ns:
-        us = (now_ns - start) // 1000
-        if not 0 <= us < 1_000_000:
-            start, day = _format_second(now_ns)
-            us = (now_ns - start) // 1000
-        out.append(f"{day}{digits[us // 1000]}{digits[us % 1000]}Z")
-    return out
-
-
-def add_timestamp(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """Processor: `ts`, as `timestamp()` (what structlog's TimeStamper writes with `TS_FORMAT`, in a tenth of the
-    time)."""
-    event_dict["ts"] = timestamp()
-    return event_dict
-
-
-# ---- failures -----------------------------------------------------------------------------------------------------
-
-_failures_lock = threading.Lock()
-_failures = 0
-
-
-def sink_failures() -> int:
-    """How many audit events could not be written in this process (by any sink, since it started)."""
-    return _failures
-
-
-def _count_failure(what: str, error: BaseException, first: bool, lines: int = 1) -> None:
-    """Count lost events (one write of `lines` events); on the first failure of a sink, say so once on stderr."""
-    global _failures
-    with _failures_lock:
-        _failures += lines
-    if first:
-        _say(f"audit {what}: {type(error).__name__}: {error}; the lifecycle goes on, and this and later lost "
-             "events are counted (lifecycle.events.sink_failures(), the `sink_failures` field of recent events)")
-
-
-def _say(message: str) -> None:
-    with contextlib.suppress(Exception):  # stderr itself may be gone: the count stays
-        print(f"reload-lifecycle: {message}", file=sys.stderr, flush=True)
-
-
-# ---- the JSON-lines sink ------------------------------------------------------------------------------------------
-
-
-class JsonLinesSink:
-    """Processor that appends the event as one JSON line to a file and passes it on unchanged.
-
-    One `write(2)` per line on a descriptor opened with O_APPEND: nothing is buffered, so a failed write loses
-    that line only (and a line torn by a partial write is ended before the next one, so the auditor names it
-    and reads on). A failure is counted (`failures`, and the process-wide `sink_failures()`), reported once on
-    stderr, and never raised."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            shown = str(self.path) if len(str(self.path)) <= 200 else f"{str(self.path)[:200]}..."
-            raise AuditSinkError(e.errno, f"cannot open the audit log {shown}: {e.strerror or e}") from e
-        self._lock = threading.Lock()
-        self._torn = False
-        self.closed = False
-        self.failures = 0
-        # what comes before an event's fields (`{"node":...,`) and after them up to its timestamp, for the last
-        # node and level written: encoded once, not per line
-        self._frame: tuple[str, str, str, str] | None = None
-
-    def __call__(self, _logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-        try:
-            data = (_encode(event_dict) + "\n").encode()
-        except (TypeError, ValueError) as e:
-            self._failed(e)
-        else:
-            self._write(data)
-        return event_dict
-
-    def write_record(self, record: Mapping[str, Any], level: str, node: str) -> None:
-        """Write a bounded record as the processor chain would (`node` first, as the chain binds it; `level`,
-        `ts`, `schema` added after its fields, in that order), without the chain: the route of a JSON file alone
-        takes this path."""
-        line = self._line(record, level, node, None)
-        if line is not None:
-            self._write(line.encode())
-
-    def write_held(self, records: list[Mapping[str, Any]], times_ns: list[int], level: str, node: str) -> None:
-        """Write records a lifecycle held back (per-bucket events, `hold_events`), each with the time it was
-        made, as `write_record` would, in one `write(2)`: a failure loses these lines only."""
-        lines = [line for record, now_ns in zip(records, times_ns, strict=True)
-                 if (line := self._line(record, level, node, now_ns)) is not None]
-        if lines:
-            self._write("".join(lines).encode())
-
-    def write_held_lines(self, lines: Callable[[str, str, str], str], level: str, node: str) -> None:
-        """Write held events that format their lines themselves, in one `write(2)`: `lines(head, middle, end)`
-        returns, for each event, `head + fields + middle + timestamp(its time) + end`, where `fields` is the
-        inside of the JSON object `_encode` writes for its record (`"event":"layer_ready",...`): the lines
-        `write_held` writes for those records, without a record to build or encode per event."""
-        _, _, head, middle = self._frame_for(level, node)
-        text = lines(head, middle, _LINE_END)
-        if text:
-            self._write(text.encode())
-
-    def _frame_for(self, level: str, node: str) -> tuple[str, str, str, str]:
-        """(node, level, what comes before a record's fields, what comes after them up to the timestamp)."""
-        frame = self._frame
-        if frame is None or frame[0] != node or frame[1] != level:
-            frame = self._frame = (node, level, f'{{"node":{_encode(node)},', f',"level":"{level}","ts":"')
-        return frame
-
-    def _line(self, record: Mapping[str, Any], level: str, node: str, now_ns: int | None) -> str | None:
-        """One JSON line for `record` (None, counted as lost, when it cannot be encoded)."""
-        try:
-            if "level" in record or "ts" in record or "schema" in record or "node" in record or not record:
-                # never from a lifecycle: the fields merged as the chain merges them
-                return _encode({"node": node, **record, "level": level, "ts": timestamp(now_ns),
-                                "schema": record.get("schema", SCHEMA_VERSION)}) + "\n"
-            line = _encode(record)
-        except (TypeError, ValueError) as e:
-            self._failed(e)
-            return None
-        # node before and the three fields after the encoded object's own: the same line as encoding the dict
-        _, _, head, middle = self._frame_for(level, node)
-        return f"{head}{line[1:-1]}{middle}{timestamp(now_ns)}{_LINE_END}"
-
-    def _write(self, data: bytes) -> None:
-        with self._lock:
-            if self.closed:
-                self._failed(ValueError("the sink was closed"), data.count(b"\n"))
-                return
-            if self._torn:
-                data = b"\n" + data
-            left = len(data)
-            try:
-                left -= os.write(self._fd, data)  # one call writes the line, nearly always
-                if left:
-                    view = memoryview(data)[len(data) - left:]
-                    while view:
-                        view = view[os.write(self._fd, view):]
-                        left = len(view)
-                self._torn = False
-            except OSError as e:
-                self._torn = self._torn or left < len(data)  # a line cut part way: the next starts on a new line
-                self._failed(e, data.count(b"\n", len(data) - left))  # the lines not written to their end
-
-    def _failed(self, error: BaseException, lines: int = 1) -> None:
-        first = self.failures == 0
-        self.failures += lines
-        _count_failure(f"sink {self.path}", error, first=first, lines=lines)
-
-    def close(self) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            with contextlib.suppress(OSError):  # already closed behind our back: nothing left to release
-                os.close(self._fd)
-
-
-#: What `json.dumps(..., default=str, separators=(",", ":"))` writes. The C encoder is made once (`JSONEncoder.
-#: encode` makes a new one per call: half the cost of a small event); records are flat, bounded and acyclic, so no
-#: circular-reference markers. Without the C accelerator, the Python encoder.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
-_C_ENCODER = (json.encoder.c_make_encoder(None, str, json.encoder.encode_basestring_ascii, None, ":", ",", False,
-                                          False, True) if json.encoder.c_make_encoder is not None else None)
-
-
-#: How every written line ends, after its timestamp.
-_LINE_END = f'","schema":{SCHEMA_VERSION}}}\n'
-#: A string as the JSON encoder writes it (ensure_ascii: quoted, escaped, non-ASCII as \uXXXX escapes): for a
-#: holder that formats its events' lines itself (`emit_held_lines`).
-encode_string = json.encoder.encode_basestring_ascii
-
-
-def _encode(record: Mapping[str, Any]) -> str:
-    if _C_ENCODER is None:
-        return _ENCODER.encode(record)
-    return "".join(_C_ENCODER(record, 0))
-
-
-def _drop(_logger: Any, _name: str, _event_dict: MutableMapping[str, Any]) -> str:
-    raise structlog.DropEvent
 
 
 # ---- configuration ------------------------------------------------------------------------------------------------
@@ -507,6 +176,10 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
             _say(f"closing the previous audit sink {old.sink.path} failed ({type(e).__name__}: {e}); "
                  "the new route is in force")
     return sink
+
+
+def _drop(_logger: Any, _name: str, _event_dict: MutableMapping[str, Any]) -> str:
+    raise structlog.DropEvent
 
 
 def host_name() -> str:

@@ -27,7 +27,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lifecycle import events
+from lifecycle import event_sink, events
 from lifecycle.events import configure_audit, read_events
 from lifecycle.loading import apply_bucket, load_safetensors, write_checkpoint
 from lifecycle.machine import BackboneLifecycle
@@ -244,7 +244,7 @@ def _run_reload_script(name: str, layers: list[str], rank: Any, log: Path | None
 def no_failures_yet(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process's count of lost audit events at 0, as in a fresh process: earlier tests may have lost some,
     and a held event is kept unbuilt only while none was."""
-    monkeypatch.setattr(events, "_failures", 0)
+    monkeypatch.setattr(event_sink, "_failures", 0)
 
 
 @pytest.fixture
@@ -361,7 +361,7 @@ def test_held_events_after_a_failed_write_carry_the_count(tmp_path: Path, monkey
         for t in list(tensors)[7:]:
             lc.weights_loaded([t])
         kept = [dict(_timeless_record(e)) for e in lc.recent_events]
-        monkeypatch.setattr(events, "_failures", 0)
+        monkeypatch.setattr(event_sink, "_failures", 0)
         monkeypatch.setattr(events, "hold_events", real_hold)
         return log.read_text(encoding="ascii").splitlines(), kept
 
@@ -385,7 +385,7 @@ def test_any_names_held_lines_are_the_encoders(name: str, layers: list[str], ran
     """For any names the templated line is the JSON encoder's line for the record (ensure_ascii, the same
     separators): each held event's line, parsed and encoded again, is itself, and holds the kept record."""
     # no audit write lost yet (earlier tests may have lost some): kept records carry no `sink_failures`
-    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(events, "_failures", 0):
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(event_sink, "_failures", 0):
         log = Path(tmp) / "held.jsonl"
         configure_audit(json_path=log, console=False, node=NODE)
         tensors = {f"t{i}": layer for i, layer in enumerate(layers)}
