@@ -60,6 +60,9 @@ class BufferPlan:
     # many sources the buffer backs in all
     backs: list[tuple[torch.Tensor, SliceCopy]] = field(default_factory=list)
     backed_sources: int = 0
+    # a per-layer plan of an existing buffer: where each layer's parts go (copies without src) and the layout each
+    # part had, what a later refresh may reuse (`reuse.py`)
+    places: list[list[tuple[SliceCopy, Layout]]] | None = None
 
     def count(self, storages: Iterable[torch.UntypedStorage]) -> None:
         for st in storages:

@@ -22,6 +22,7 @@ from ..types import TensorSpec, dtype_name
 from .buffer_plan import BufferPlan, Problem, Request
 from .custom import plan_custom
 from .per_layer import plan_computed_stack, plan_per_layer
+from .reuse import PlanMemory, observe, recall, remember, source_names
 from .specs import DerivedSpec, current_buffer, resolve_tensor
 
 __all__ = ["RefreshPlan", "plan_refresh"]
@@ -47,6 +48,7 @@ def plan_refresh(
     pinned: bool = False,
     allow_realloc: bool = False,
     resolve: Resolve | None = None,
+    memory: PlanMemory | None = None,
 ) -> RefreshPlan:
     """Validate every buffer and decide every write. Raises before anything is written.
 
@@ -54,6 +56,8 @@ def plan_refresh(
     `pinned`: graphs are captured, so an alias may not be re-pointed at a source that moved.
     `allow_realloc`: an explicit cold rebuild (graphs released): existing buffers may be replaced.
     `resolve`: name -> live tensor (default: walk the module tree).
+    `memory`: where the plans of `concat` / `stack` buffers are kept between refreshes, and reused while nothing
+    they read changed (`reuse.py`); None: plan every buffer afresh.
     Raises LayersNotReadyError (a source absent or on META), SourceLayoutError, StorageReallocationError,
     DerivedBuildError (a builder raised).
     """
@@ -62,18 +66,34 @@ def plan_refresh(
     plans: list[BufferPlan] = []
     for spec in specs:
         existing = None if allow_realloc else current_buffer(backbone, spec.name)
-        names = spec.source_names(backbone)
+        reusable = memory is not None and existing is not None and spec.kind in ("concat", "stack") \
+            and not spec.computed
+        seen = None
+        if reusable:  # the plan the last refresh validated, while nothing it read changed
+            assert memory is not None and existing is not None
+            names = source_names(memory, backbone, spec)
+            seen = observe(backbone, spec, existing, sources.resolve, tensor_specs, names)
+            reused = recall(memory, spec, seen, backbone=backbone, existing=existing, dirty=dirty, full=full,
+                            context=context)
+            if reused is not None:
+                plans.append(reused)
+                continue
+        else:
+            names = spec.source_names(backbone)
+        planned: Planned | None = None
         usable, fallback_reason = sources.check(f"{spec.kind} {spec.name}", names, spec.fallback)
         if fallback_reason:
             plans.append(BufferPlan(spec, "fallback", existing=existing, reason=fallback_reason))
-        if not usable:
-            continue
-        planned = _planner(spec)(Request(backbone, spec, names, existing, sources.resolve, dirty, context, full,
-                                         pinned, allow_realloc))
-        if isinstance(planned, Problem):
-            (sources.layout if planned.kind == "layout" else realloc_problems).append(planned.text)
-        else:
-            plans.append(planned)
+        if usable:
+            planned = _planner(spec)(Request(backbone, spec, names, existing, sources.resolve, dirty, context, full,
+                                             pinned, allow_realloc))
+            if isinstance(planned, Problem):
+                (sources.layout if planned.kind == "layout" else realloc_problems).append(planned.text)
+            else:
+                plans.append(planned)
+        if reusable:
+            assert memory is not None
+            remember(memory, spec, seen, names, planned if isinstance(planned, BufferPlan) else None)
 
     ctx = dict(context)
     where = {"backbone": ctx.get("backbone", "?"), "state": ctx.get("state", "?")}
