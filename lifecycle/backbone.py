@@ -97,7 +97,7 @@ class DraftBackbone(nn.Module):
         )
         self._runtime_hooks: list[Hook] = []
         self._derived_fallbacks: dict[str, str] = {}
-        self._plan_memory: PlanMemory = {}  # the last validated plan of each concat / stack buffer (derived/reuse.py)
+        self._plan_memory = PlanMemory()  # the last validated plans of its alias, concat, stack buffers
         return self._lifecycle
 
     def _check_declared_sources(self) -> None:
@@ -178,7 +178,7 @@ class DraftBackbone(nn.Module):
     def graph_visible_tensors(self) -> dict[str, torch.Tensor | None]:
         """What captured graphs read: every derived buffer, parameter and buffer, under every name it has
         (pinned at capture)."""
-        return dict(zip(self._slot_names, self._slots.gather(self._slot_names)))
+        return dict(zip(self._slot_names, self._slots.gather(self._slot_names), strict=True))
 
     def _pinned_view(self) -> Mapping[str, torch.Tensor | None]:
         """What the lifecycle pins and verifies: `graph_visible_tensors`, as a live view that a pin verification
@@ -280,6 +280,7 @@ class DraftBackbone(nn.Module):
                 self, self.derived_buffers, tensor_specs=lc.specs, dirty=dirty,
                 context={"backbone": lc.name, "state": lc.state.value}, full=full,
                 pinned=lc.graphs_pinned, allow_realloc=rebuild, resolve=self.live_tensor, memory=self._plan_memory,
+                gather=self._slots.gather,
             )
             try:
                 report = apply_refresh(self, plan)

@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .types import dtype_name
 
-__all__ = ["AllocationLog", "AllocationRecord", "IdentityColumns", "PinnedStorage", "StorageIdentity", "count_allocations",
-           "describe_changes"]
+__all__ = ["AllocationLog", "AllocationRecord", "IdentityColumns", "PinnedStorage", "StorageIdentity",
+           "count_allocations", "describe_changes"]
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,8 @@ class IdentityColumns:
         storage: the caller's per-tensor check says what)."""
         try:
             return (array("Q", map(torch.Tensor.data_ptr, tensors)) == self._ptrs  # type: ignore[arg-type]
-                    and all(list(map(read, tensors)) == col for read, col in zip(self._READERS, self._rest)))
+                    and all(list(map(read, tensors)) == column
+                            for read, column in zip(self._READERS, self._rest, strict=True)))
         except (AttributeError, TypeError, RuntimeError, OverflowError):
             return False
 
@@ -152,7 +153,7 @@ class PinnedStorage:
         if self._columns.same(tensors):
             return []
         problems: list[str] = []
-        for (name, old), t in zip(self.identities.items(), tensors):
+        for (name, old), t in zip(self.identities.items(), tensors, strict=True):
             if t is None:
                 problems.append(f"{name}: pinned tensor is gone (was {hex(old.data_ptr)})")
             elif not old.matches(t):

@@ -22,30 +22,51 @@ __all__ = ["apply_refresh"]
 @torch.no_grad()
 def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     """Carry out a validated plan. Cold builds register new non-persistent buffers; everything else is a
-    `copy_` into existing storage (each part of a multi-part slice straight into its place), verified afterwards."""
+    `copy_` into existing storage (each part of a multi-part slice straight into its place), verified afterwards.
+
+    When every in-place write is a plain copy of a checkpoint weight (a parameter or a view of one: no copy reads
+    what another writes), every buffer's bookkeeping is done first and the copies last, the smallest buffer's
+    first: what the refresh does after its bulk copies, which leave the caches cold, is then only the drift check.
+    Otherwise (a computed slice, an `into` writer, a `build` value, a backed buffer re-made views) every buffer is
+    written in the declared order, as a writer may read a buffer declared before it."""
     t0 = time.perf_counter()
     report = RefreshReport()
     before: dict[str, StorageIdentity] = {}
     touched: list[str] = []
-    for bp in plan.buffers:
-        if bp.mode in ("cold", "alias", "in_place"):
+    deferred: list[tuple[BufferPlan, list[tuple[torch.Tensor, torch.Tensor]]]] | None = (
+        [] if all(map(_plain, plan.buffers)) else None)
+    bp = None
+    try:
+        for bp in plan.buffers:
+            if bp.mode in ("cold", "alias") or (bp.mode == "in_place" and deferred is None):
+                touched.append(bp.spec.name)
+            _apply_one(backbone, bp, report, before, plan.context, deferred)
+        for bp, pairs in sorted(deferred or (), key=lambda d: d[0].existing.nbytes):  # type: ignore[union-attr]
             touched.append(bp.spec.name)
-        try:
-            _apply_one(backbone, bp, report, before, plan.context)
-        except Exception as e:
-            raise RefreshInterruptedError(bp.spec.name, touched, e, backbone=plan.context.get("backbone", "?"),
-                                          state=plan.context.get("state", "?")) from e
+            for dst, src in pairs:
+                dst.copy_(src)
+    except Exception as e:
+        assert bp is not None
+        raise RefreshInterruptedError(bp.spec.name, touched, e, backbone=plan.context.get("backbone", "?"),
+                                      state=plan.context.get("state", "?")) from e
 
-    drift = [
-        line
-        for name, old in before.items()
-        for line in describe_changes(name, old, StorageIdentity.of(backbone._buffers[name]))  # type: ignore[arg-type]
-    ]
+    drift = [line for name, old in before.items() if not old.matches(buf := backbone._buffers[name])  # type: ignore[arg-type]
+             for line in describe_changes(name, old, StorageIdentity.of(buf))]  # type: ignore[arg-type]
     if drift:
         raise StorageDriftError(drift, backbone=plan.context.get("backbone", "?"),
                                 state=plan.context.get("state", "?"))
     report.duration_ms = (time.perf_counter() - t0) * 1e3
     return report
+
+
+def _plain(bp: BufferPlan) -> bool:
+    """Whether `bp`'s writes are plain copies of checkpoint weights that may run in any order."""
+    if bp.mode != "in_place":
+        return bp.cold_layout is None  # a computed stack's cold build computes while writing
+    if bp.spec.kind == "custom" or bp.backs:
+        return False
+    return all(c.src is not None and (isinstance(c.src, nn.Parameter) or isinstance(c.src._base, nn.Parameter))
+               for c in bp.copies)
 
 
 def _build_computed_stack(backbone: nn.Module, bp: BufferPlan, rep: BufferReport, context: dict[str, str]
@@ -68,10 +89,17 @@ def _count(rep: BufferReport, storages: list[torch.UntypedStorage]) -> None:
     rep.temporary_bytes += sum(st.nbytes() for st in storages)
 
 
-def _write_in_place(backbone: nn.Module, bp: BufferPlan, rep: BufferReport, context: dict[str, str]) -> None:
+def _write_in_place(backbone: nn.Module, bp: BufferPlan, rep: BufferReport, context: dict[str, str],
+                    deferred: list[tuple[BufferPlan, list[tuple[torch.Tensor, torch.Tensor]]]] | None) -> None:
     spec: DerivedSpec = bp.spec
     buf = bp.existing
     assert buf is not None
+    rep.slices_written = len({c.layer for c in bp.copies}) if spec.kind != "custom" else 0
+    if deferred is not None:  # plain copies (`_plain`): their places now, the copies once every buffer is ready
+        pairs = [(destination(spec, buf, c), c.src) for c in bp.copies]
+        rep.elements_written = sum(dst.numel() for dst, _ in pairs)
+        deferred.append((bp, pairs))  # type: ignore[arg-type]
+        return
     if spec.kind == "custom" and spec.into is not None:
         with count_allocations() as log:  # what the writer allocates on the way, counted exactly
             spec.into(backbone, buf)
@@ -88,11 +116,11 @@ def _write_in_place(backbone: nn.Module, bp: BufferPlan, rep: BufferReport, cont
         dst = destination(spec, buf, c)
         dst.copy_(c.src)
         rep.elements_written += dst.numel()
-    rep.slices_written = len({c.layer for c in bp.copies}) if spec.kind != "custom" else 0
 
 
 def _apply_one(backbone: nn.Module, bp: BufferPlan, report: RefreshReport, before: dict[str, StorageIdentity],
-               context: dict[str, str]) -> None:
+               context: dict[str, str],
+               deferred: list[tuple[BufferPlan, list[tuple[torch.Tensor, torch.Tensor]]]] | None) -> None:
     spec = bp.spec
     rep = BufferReport(spec.name, spec.kind, bp.mode, slices_total=bp.slices_total, reason=bp.reason,
                        temporaries=bp.temporaries, temporary_bytes=bp.temporary_bytes)
@@ -108,7 +136,7 @@ def _apply_one(backbone: nn.Module, bp: BufferPlan, report: RefreshReport, befor
     elif bp.mode == "in_place":
         assert bp.existing is not None
         before[spec.name] = StorageIdentity.of(bp.existing)
-        _write_in_place(backbone, bp, rep, context)
+        _write_in_place(backbone, bp, rep, context, deferred)
         repoint(spec, bp.existing, bp.backs)
     rep.backed_sources, rep.rebacked = bp.backed_sources, len(bp.backs)
     live = current_buffer(backbone, spec.name)

@@ -22,7 +22,7 @@ from ..types import TensorSpec, dtype_name
 from .buffer_plan import BufferPlan, Problem, Request
 from .custom import plan_custom
 from .per_layer import plan_computed_stack, plan_per_layer
-from .reuse import PlanMemory, observe, recall, remember, source_names
+from .reuse import Gather, PlanMemory
 from .specs import DerivedSpec, current_buffer, resolve_tensor
 
 __all__ = ["RefreshPlan", "plan_refresh"]
@@ -49,6 +49,7 @@ def plan_refresh(
     allow_realloc: bool = False,
     resolve: Resolve | None = None,
     memory: PlanMemory | None = None,
+    gather: Gather | None = None,
 ) -> RefreshPlan:
     """Validate every buffer and decide every write. Raises before anything is written.
 
@@ -56,44 +57,42 @@ def plan_refresh(
     `pinned`: graphs are captured, so an alias may not be re-pointed at a source that moved.
     `allow_realloc`: an explicit cold rebuild (graphs released): existing buffers may be replaced.
     `resolve`: name -> live tensor (default: walk the module tree).
-    `memory`: where the plans of `concat` / `stack` buffers are kept between refreshes, and reused while nothing
-    they read changed (`reuse.py`); None: plan every buffer afresh.
+    `memory`: where the plans of `alias`, `concat` and `stack` buffers are kept between refreshes, and reused
+    while nothing they read changed (`reuse.py`); None: plan every buffer afresh. `gather`: names -> their live
+    tensors in one call (default: `resolve` for each).
     Raises LayersNotReadyError (a source absent or on META), SourceLayoutError, StorageReallocationError,
     DerivedBuildError (a builder raised).
     """
     sources = _SourceCheck(resolve or partial(resolve_tensor, backbone), tensor_specs)
+    look = None
+    if memory is not None and not allow_realloc:  # the last refresh's plans, while nothing they read changed
+        look = memory.look(backbone, specs, gather=gather or (lambda names: list(map(sources.resolve, names))),
+                           tensor_specs=tensor_specs, dirty=dirty, full=full, context=context)
+    elif memory is not None:
+        memory.forget()
     realloc_problems: list[str] = []
     plans: list[BufferPlan] = []
-    for spec in specs:
+    planned: dict[int, BufferPlan] = {}
+    for i, spec in enumerate(specs):
+        if look is not None and i in look.reused:
+            plans.append(look.reused[i])
+            continue
         existing = None if allow_realloc else current_buffer(backbone, spec.name)
-        reusable = memory is not None and existing is not None and spec.kind in ("concat", "stack") \
-            and not spec.computed
-        seen = None
-        if reusable:  # the plan the last refresh validated, while nothing it read changed
-            assert memory is not None and existing is not None
-            names = source_names(memory, backbone, spec)
-            seen = observe(backbone, spec, existing, sources.resolve, tensor_specs, names)
-            reused = recall(memory, spec, seen, backbone=backbone, existing=existing, dirty=dirty, full=full,
-                            context=context)
-            if reused is not None:
-                plans.append(reused)
-                continue
-        else:
-            names = spec.source_names(backbone)
-        planned: Planned | None = None
+        names = spec.source_names(backbone)
         usable, fallback_reason = sources.check(f"{spec.kind} {spec.name}", names, spec.fallback)
         if fallback_reason:
             plans.append(BufferPlan(spec, "fallback", existing=existing, reason=fallback_reason))
-        if usable:
-            planned = _planner(spec)(Request(backbone, spec, names, existing, sources.resolve, dirty, context, full,
-                                             pinned, allow_realloc))
-            if isinstance(planned, Problem):
-                (sources.layout if planned.kind == "layout" else realloc_problems).append(planned.text)
-            else:
-                plans.append(planned)
-        if reusable:
-            assert memory is not None
-            remember(memory, spec, seen, names, planned if isinstance(planned, BufferPlan) else None)
+        if not usable:
+            continue
+        bp = _planner(spec)(Request(backbone, spec, names, existing, sources.resolve, dirty, context, full,
+                                    pinned, allow_realloc))
+        if isinstance(bp, Problem):
+            (sources.layout if bp.kind == "layout" else realloc_problems).append(bp.text)
+        else:
+            plans.append(bp)
+            planned[i] = bp
+    if memory is not None and look is not None and not look.reused:
+        memory.remember(specs, look, planned, tensor_specs)
 
     ctx = dict(context)
     where = {"backbone": ctx.get("backbone", "?"), "state": ctx.get("state", "?")}

@@ -1,23 +1,26 @@
-"""What a refresh reuses from the last plan of a `concat` or `stack` buffer: the layout that plan validated, for as
-long as everything it read is unchanged, so that a refresh evaluates `per_layer` only for the slices it writes.
+"""What a refresh reuses from the last plan: the validated plans of its `alias`, `concat` and `stack` buffers, for
+as long as everything those plans read is unchanged, so that a refresh evaluates `per_layer` only for the slices
+it writes and validates nothing twice.
 
-A plan of a per-layer buffer reads: the layer modules, every source tensor (ready, in the checkpoint layout), what
-`per_layer` returns for every layer (views of the sources: their shapes, dtypes, devices, so where each part goes),
-and the existing buffer (the layout fits; for a backed buffer, every source is the view of its place). The
-`Observation` is all of that which can change without the plan noticing: the ids of the layer modules, each
-source's storage identity (data_ptr, storage_offset, shape, stride, dtype, device; read with one C-level `map` per
-field, as a pin verification reads them) and checkpoint spec, and the buffer's storage identity. A plan is
-remembered with the observation made before it ran, and reused only while a new observation equals it: a replaced
-parameter, a `.data =` swap, a resize, a moved or re-registered buffer, another layer module or layer count, a
-new declaration object: each changes the observation, and the next refresh plans afresh.
+A plan of such a buffer reads: the layer modules; every source tensor (ready, in the checkpoint layout); what
+`per_layer` returns for every layer (views of the sources: their shapes, dtypes and devices, so where each part
+goes); the existing buffer (the layout fits; a backed buffer's sources are the views of their places; an alias
+may be re-pointed). The observation of a refresh is all of that which can change without the plan noticing,
+read in bulk (`slots.Slots.gather`, `storage.IdentityColumns`, as a pin verification reads): the declaration
+object, the ids of the layer modules, each source's storage identity (data_ptr, storage_offset, shape, stride,
+dtype, device) and checkpoint spec, and each existing buffer's storage identity. The plans are remembered with the
+observation made before they ran, and reused only while a new observation equals it: a replaced parameter, a
+`.data =` swap, a resize, a moved or re-registered buffer, another layer module or layer count, a new
+declaration: each changes the observation, and the refresh plans afresh.
 
-What a reused plan still does: it evaluates `per_layer` for every slice it writes (the dirty layers, every layer
-with `full`) and checks each part against the remembered layout (a part that changed layout or became a
-temporary sends the refresh to a fresh plan); a backed buffer's verification IS the observation (a source with
-its remembered identity is still the view of its place). What it relies on, as `stack(computed=True)` does: a
-layer whose sources kept their identity gives the layout its last evaluation validated (`per_layer` is a function
-of the layer's sources, as declared). Only plans without temporaries are remembered (a computing `per_layer` is
-evaluated for every layer at every refresh, as before).
+What a reused plan still does: it evaluates `per_layer` for every slice it writes (the dirty layers; every layer
+with `full`) and checks each part against the remembered layout (a part that changed layout or became a temporary
+sends the refresh to a fresh plan); an alias is re-pointed at its live source; a backed buffer's verification IS
+the observation (a source with its remembered identity is still the view of its place). What it relies on, as
+`stack(computed=True)` does: a layer whose sources kept their identity gives the layout its last evaluation
+validated (`per_layer` is a function of the layer's sources, as declared). A buffer whose plan made a temporary
+(a computing `per_layer`), fell back, or re-made views is planned afresh at every refresh, as are `custom` and
+computed buffers.
 """
 
 from __future__ import annotations
@@ -28,110 +31,157 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..storage import StorageIdentity
+from ..storage import IdentityColumns
 from ..types import TensorSpec
 from .buffer_plan import BufferPlan, Layout, SliceCopy, owned_storages, parts_of, temporaries
 from .specs import DerivedSpec, _layers
 
-__all__ = ["Observation", "PlanMemory", "Remembered", "observe", "recall", "remember"]
+__all__ = ["Gather", "Look", "PlanMemory", "reusable"]
 
-Resolve = Callable[[str], "torch.Tensor | None"]
-_READERS: tuple[Callable[[torch.Tensor], object], ...] = (
-    torch.Tensor.data_ptr, torch.Tensor.storage_offset, lambda t: t.shape, torch.Tensor.stride,
-    lambda t: t.dtype, lambda t: t.device)
+Gather = Callable[[Sequence[str]], Sequence["torch.Tensor | None"]]
+Places = list[list[tuple[SliceCopy, Layout]]]
 
 
-@dataclass(frozen=True)
-class Observation:
-    """Everything a per-layer buffer's plan read that may change behind its back (compared with `==`)."""
-
-    spec: DerivedSpec
-    layers: list[int]
-    checkpoint: list[TensorSpec | None]
-    sources: list[list[object]]
-    buffer: StorageIdentity
-
-    def __eq__(self, other: object) -> bool:
-        return (isinstance(other, Observation) and self.spec is other.spec and self.layers == other.layers
-                and self.buffer == other.buffer and self.sources == other.sources
-                and self.checkpoint == other.checkpoint)
-
-    __hash__ = None  # type: ignore[assignment]
+def reusable(spec: DerivedSpec) -> bool:
+    """Whether a plan of this kind of buffer can be remembered (its every input is observable)."""
+    return spec.kind == "alias" or (spec.kind in ("concat", "stack") and not spec.computed)
 
 
 @dataclass(frozen=True)
-class Remembered:
-    """A validated plan of one buffer: what it observed, its source names by layer, and where each layer's parts
-    go with the layout each part had (`(copy without src, (shape, dtype, device))`)."""
+class _Kept:
+    """One remembered buffer plan: the buffer's position in the declaration and its sources in the observation;
+    for a per-layer buffer, its source names by layer and where each layer's parts go with the layout each had
+    (`(copy without src, (shape, dtype, device))`)."""
 
-    seen: Observation
-    names: list[str]
+    index: int
+    first: int
     layer_names: list[tuple[str, ...]]
-    places: list[list[tuple[SliceCopy, Layout]]]
+    places: Places | None
     backed_sources: int
 
 
-#: buffer name -> its remembered plan; one per backbone (`DraftBackbone` keeps it)
-PlanMemory = dict[str, Remembered]
+@dataclass(frozen=True)
+class _Remembered:
+    specs: Sequence[DerivedSpec]
+    layer_attrs: list[str]
+    layer_ids: list[list[int]]
+    names: list[str]
+    checkpoint: list[TensorSpec | None]
+    sources: IdentityColumns
+    observed: list[int]  # the declaration positions whose existing buffers are observed
+    buffers: IdentityColumns
+    kept: list[_Kept]
 
 
-def observe(backbone: nn.Module, spec: DerivedSpec, existing: torch.Tensor, resolve: Resolve,
-            tensor_specs: Mapping[str, TensorSpec], names: Sequence[str]) -> Observation | None:
-    """The observation of `spec`'s inputs now; None when a source is absent or has no storage (a fresh plan says
-    what is wrong)."""
-    live = list(map(resolve, names))
-    try:
-        sources = [list(map(read, live)) for read in _READERS]
-    except (AttributeError, TypeError, RuntimeError):
-        return None
-    return Observation(spec, list(map(id, _layers(backbone, spec.layers_attr))), list(map(tensor_specs.get, names)),
-                       sources, StorageIdentity.of(existing))
+@dataclass
+class Look:
+    """What a refresh observed before planning: the plans it may reuse (declaration position -> plan), or, when
+    it may reuse none, what to remember once it planned afresh."""
+
+    reused: dict[int, BufferPlan]
+    names: list[str] | None = None
+    firsts: dict[int, int] | None = None
+    seen: tuple[Sequence[torch.Tensor | None], list[torch.Tensor | None], list[int], list[list[int]]] | None = None
 
 
-def source_names(memory: PlanMemory, backbone: nn.Module, spec: DerivedSpec) -> list[str]:
-    """`spec.source_names(backbone)`, from the remembered plan while the layer count is the same."""
-    m = memory.get(spec.name)
-    if m is not None and m.seen.spec is spec and len(m.layer_names) == len(_layers(backbone, spec.layers_attr)):
-        return m.names
-    return spec.source_names(backbone)
+class PlanMemory:
+    """The last validated plans of a backbone's `alias`, `concat` and `stack` buffers (`DraftBackbone` keeps one;
+    `plan_refresh(memory=...)` uses it)."""
+
+    def __init__(self) -> None:
+        self._last: _Remembered | None = None
+
+    def forget(self) -> None:
+        self._last = None
+
+    def look(self, backbone: nn.Module, specs: Sequence[DerivedSpec], *, gather: Gather,
+             tensor_specs: Mapping[str, TensorSpec], dirty: frozenset[str], full: bool, context: Mapping[str, str]
+             ) -> Look:
+        """Observe every input of the remembered plans; while it equals what they observed, return them (made for
+        this refresh's dirty set), else what to remember after planning afresh."""
+        m = self._last
+        if m is not None and (m.specs is not specs or m.layer_ids != _layer_ids(backbone, m.layer_attrs)):
+            m = None
+        if m is not None:
+            names = m.names
+            buffers = [backbone._buffers.get(specs[i].name) for i in m.observed]
+            tensors = gather(names)
+            if m.sources.same(tensors) and m.buffers.same(buffers) and \
+                    list(map(tensor_specs.get, names)) == m.checkpoint:
+                reused = _replan(m, backbone, specs, tensors, buffers, dirty, full, context)
+                if reused is not None:
+                    return Look(reused)
+        observed = [i for i, spec in enumerate(specs) if reusable(spec)]
+        names, firsts = [], {}
+        for i in observed:
+            firsts[i] = len(names)
+            names += specs[i].source_names(backbone)
+        attrs = sorted({specs[i].layers_attr for i in observed if specs[i].kind != "alias"})
+        seen = (gather(names), [backbone._buffers.get(specs[i].name) for i in observed], observed,
+                _layer_ids(backbone, attrs))
+        return Look({}, names, firsts, seen)
+
+    def remember(self, specs: Sequence[DerivedSpec], look: Look, planned: Mapping[int, BufferPlan],
+                 tensor_specs: Mapping[str, TensorSpec]) -> None:
+        """Keep the fresh plans that can be reused (`planned`: declaration position -> its plan), with what was
+        observed before they were made. A buffer not yet built, a source absent: nothing is kept."""
+        if look.seen is None or look.names is None or look.firsts is None:
+            return
+        tensors, buffers, observed, layer_ids = look.seen
+        self._last = None
+        if any(t is None for t in tensors) or any(b is None or b.is_meta for b in buffers):
+            return
+        kept = []
+        for i in observed:
+            spec, bp = specs[i], planned.get(i)
+            if bp is None or bp.existing is None or bp.temporaries:
+                continue
+            if spec.kind == "alias" and bp.mode == "alias":
+                kept.append(_Kept(i, look.firsts[i], [], None, 0))
+            elif spec.kind != "alias" and bp.places is not None and not (spec.backed and bp.backs):
+                per = len(spec.sources)
+                names = look.names[look.firsts[i]:look.firsts[i] + per * len(bp.places)]
+                kept.append(_Kept(i, look.firsts[i], [tuple(names[k:k + per]) for k in range(0, len(names), per)],
+                                  bp.places, bp.backed_sources))
+        if kept:
+            self._last = _Remembered(
+                specs, sorted({specs[i].layers_attr for i in observed if specs[i].kind != "alias"}), layer_ids,
+                look.names, list(map(tensor_specs.get, look.names)), IdentityColumns.of(tensors),  # type: ignore[arg-type]
+                observed, IdentityColumns.of(buffers), kept)  # type: ignore[arg-type]
 
 
-def recall(memory: PlanMemory, spec: DerivedSpec, seen: Observation | None, *, backbone: nn.Module,
-           existing: torch.Tensor, dirty: frozenset[str], full: bool, context: Mapping[str, str]
-           ) -> BufferPlan | None:
-    """The plan of `spec` from its remembered one when `seen` equals what that plan observed, else None. Only the
-    slices to write are evaluated (their parts checked against the remembered layout); a backed buffer evaluates
-    none: every source kept the identity of its place."""
-    m = memory.get(spec.name)
-    if m is None or seen is None or m.seen != seen:
-        return None
-    bp = BufferPlan(spec, "backed", existing=existing, slices_total=len(m.places), backed_sources=m.backed_sources)
-    if spec.backed:
-        return bp
-    layers = _layers(backbone, spec.layers_attr)
-    for i, places in enumerate(m.places):
-        if not (full or not dirty.isdisjoint(m.layer_names[i])):
+def _layer_ids(backbone: nn.Module, attrs: Sequence[str]) -> list[list[int]]:
+    return [list(map(id, _layers(backbone, attr))) for attr in attrs]
+
+
+def _replan(m: _Remembered, backbone: nn.Module, specs: Sequence[DerivedSpec], tensors: Sequence[torch.Tensor | None],
+            buffers: list[torch.Tensor | None], dirty: frozenset[str], full: bool, context: Mapping[str, str]
+            ) -> dict[int, BufferPlan] | None:
+    """The remembered plans, for this refresh: an alias re-pointed at its live source, the slices to write of
+    each per-layer buffer evaluated (their parts checked against the remembered layout), a backed buffer
+    verified. None when a part is not what the remembered plan validated."""
+    out: dict[int, BufferPlan] = {}
+    existing = dict(zip(m.observed, buffers, strict=True))
+    for k in m.kept:
+        spec = specs[k.index]
+        if k.places is None:
+            out[k.index] = BufferPlan(spec, "alias", existing=existing[k.index], new_tensor=tensors[k.first])
             continue
-        parts = parts_of(spec, i, context, layers[i])
-        if len(parts) != len(places) or any(
-                p.shape != shape or p.dtype != dtype or p.device != device
-                for p, (_, (shape, dtype, device)) in zip(parts, places)) \
-                or temporaries(parts, lambda: owned_storages(backbone)):
-            return None  # not what the remembered plan validated: plan afresh
-        bp.copies.extend(SliceCopy(c.layer, c.start, c.length, p) for p, (c, _) in zip(parts, places))
-    bp.mode = "in_place" if bp.copies else "skipped"
-    return bp
-
-
-def remember(memory: PlanMemory, spec: DerivedSpec, seen: Observation | None, names: list[str],
-             planned: BufferPlan | None) -> None:
-    """Keep `planned` (a fresh plan of an existing buffer, made after `seen` was observed) for the next refresh,
-    when it is reusable: it validated every layer, copied nothing into a backed buffer, and made no temporary.
-    Anything else forgets the buffer's remembered plan."""
-    if (seen is None or planned is None or planned.places is None or planned.temporaries
-            or (spec.backed and planned.backs)):
-        memory.pop(spec.name, None)
-        return
-    per = len(spec.sources)
-    memory[spec.name] = Remembered(seen, names, [tuple(names[i * per:(i + 1) * per]) for i in range(len(planned.places))],
-                                   planned.places, planned.backed_sources)
+        bp = BufferPlan(spec, "backed", existing=existing[k.index], slices_total=len(k.places),
+                        backed_sources=k.backed_sources)
+        out[k.index] = bp
+        if spec.backed:
+            continue
+        layers = _layers(backbone, spec.layers_attr)
+        for i, places in enumerate(k.places):
+            if not full and dirty.isdisjoint(k.layer_names[i]):
+                continue
+            parts = parts_of(spec, i, context, layers[i])
+            if len(parts) != len(places) or any(
+                    p.shape != shape or p.dtype != dtype or p.device != device
+                    for p, (_, (shape, dtype, device)) in zip(parts, places, strict=True)) \
+                    or temporaries(parts, lambda: owned_storages(backbone)):
+                return None
+            bp.copies += [SliceCopy(c.layer, c.start, c.length, p) for p, (c, _) in zip(parts, places, strict=True)]
+        bp.mode = "in_place" if bp.copies else "skipped"
+    return out
