@@ -116,6 +116,12 @@ class BufferReport:
 class RefreshReport:
     buffers: list[BufferReport] = field(default_factory=list)
     duration_ms: float = 0.0
+    # `as_log()` of every buffer, when the refresh built them before its bulk copies (see `logs`)
+    buffer_logs: list[dict[str, object]] | None = field(default=None, repr=False, compare=False)
+
+    def logs(self) -> list[dict[str, object]]:
+        """What the audit `refresh` event lists: `as_log()` of every buffer."""
+        return self.buffer_logs if self.buffer_logs is not None else [b.as_log() for b in self.buffers]
 
     def __getitem__(self, name: str) -> BufferReport:
         for b in self.buffers:

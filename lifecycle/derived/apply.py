@@ -41,6 +41,8 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
             if bp.mode in ("cold", "alias") or (bp.mode == "in_place" and deferred is None):
                 touched.append(bp.spec.name)
             _apply_one(backbone, bp, report, before, plan.context, deferred)
+        if deferred is not None:  # every report is final: its audit record is built while the caches are warm
+            report.buffer_logs = [b.as_log() for b in report.buffers]
         for bp, pairs in sorted(deferred or (), key=lambda d: d[0].existing.nbytes):  # type: ignore[union-attr]
             touched.append(bp.spec.name)
             for dst, src in pairs:
@@ -132,12 +134,14 @@ def _apply_one(backbone: nn.Module, bp: BufferPlan, report: RefreshReport, befor
             rep.elements_written = bp.new_tensor.numel()
             rep.slices_written = bp.slices_total
         backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
-        repoint(spec, bp.new_tensor, bp.backs)
+        if bp.backs:
+            repoint(spec, bp.new_tensor, bp.backs)
     elif bp.mode == "in_place":
         assert bp.existing is not None
         before[spec.name] = StorageIdentity.of(bp.existing)
         _write_in_place(backbone, bp, rep, context, deferred)
-        repoint(spec, bp.existing, bp.backs)
+        if bp.backs:
+            repoint(spec, bp.existing, bp.backs)
     rep.backed_sources, rep.rebacked = bp.backed_sources, len(bp.backs)
     live = current_buffer(backbone, spec.name)
     if live is not None:

@@ -64,7 +64,7 @@ class _Kept:
 class _Remembered:
     specs: Sequence[DerivedSpec]
     layer_attrs: list[str]
-    layer_ids: list[list[int]]
+    layer_ids: list[list[nn.Module]]
     names: list[str]
     checkpoint: list[TensorSpec | None]
     sources: IdentityColumns
@@ -81,7 +81,8 @@ class Look:
     reused: dict[int, BufferPlan]
     names: list[str] | None = None
     firsts: dict[int, int] | None = None
-    seen: tuple[Sequence[torch.Tensor | None], list[torch.Tensor | None], list[int], list[list[int]]] | None = None
+    seen: tuple[Sequence[torch.Tensor | None], list[torch.Tensor | None], list[int], list[list[nn.Module]]] | None \
+        = None
 
 
 class PlanMemory:
@@ -150,8 +151,15 @@ class PlanMemory:
                 observed, IdentityColumns.of(buffers), kept)  # type: ignore[arg-type]
 
 
-def _layer_ids(backbone: nn.Module, attrs: Sequence[str]) -> list[list[int]]:
-    return [list(map(id, _layers(backbone, attr))) for attr in attrs]
+def _layer_ids(backbone: nn.Module, attrs: Sequence[str]) -> list[list[nn.Module]]:
+    """The modules of each layer list (compared by identity: a replaced layer module is another plan); a
+    ModuleList's are read from its table (its `__iter__` is Python code)."""
+    out = []
+    for attr in attrs:
+        layers = _layers(backbone, attr)
+        table = getattr(layers, "_modules", None)
+        out.append(list(table.values()) if isinstance(table, dict) else list(layers))
+    return out
 
 
 def _replan(m: _Remembered, backbone: nn.Module, specs: Sequence[DerivedSpec], tensors: Sequence[torch.Tensor | None],
@@ -172,7 +180,7 @@ def _replan(m: _Remembered, backbone: nn.Module, specs: Sequence[DerivedSpec], t
         out[k.index] = bp
         if spec.backed:
             continue
-        layers = _layers(backbone, spec.layers_attr)
+        layers = m.layer_ids[m.layer_attrs.index(spec.layers_attr)]  # the layer modules, as observed
         for i, places in enumerate(k.places):
             if not full and dirty.isdisjoint(k.layer_names[i]):
                 continue
