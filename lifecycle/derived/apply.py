@@ -11,7 +11,7 @@ from ..errors import RefreshInterruptedError, StorageDriftError
 from ..storage import StorageIdentity, count_allocations, describe_changes
 from ..types import BufferReport, RefreshReport
 from .backing import repoint
-from .buffer_plan import BufferPlan, destination
+from .buffer_plan import BufferPlan, destination, of_a_parameter
 from .per_layer import fill_computed
 from .plan import RefreshPlan
 from .specs import DerivedSpec, _layers, current_buffer
@@ -67,8 +67,7 @@ def _plain(bp: BufferPlan) -> bool:
         return bp.cold_layout is None  # a computed stack's cold build computes while writing
     if bp.spec.kind == "custom" or bp.backs:
         return False
-    return all(c.src is not None and (isinstance(c.src, nn.Parameter) or isinstance(c.src._base, nn.Parameter))
-               for c in bp.copies)
+    return all(c.src is not None and of_a_parameter(c.src) for c in bp.copies)
 
 
 def _build_computed_stack(backbone: nn.Module, bp: BufferPlan, rep: BufferReport, context: dict[str, str]

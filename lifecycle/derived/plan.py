@@ -92,7 +92,7 @@ def plan_refresh(
             plans.append(bp)
             planned[i] = bp
     if memory is not None and look is not None and not look.reused:
-        memory.remember(specs, look, planned, tensor_specs)
+        memory.remember(look, planned)
 
     ctx = dict(context)
     where = {"backbone": ctx.get("backbone", "?"), "state": ctx.get("state", "?")}

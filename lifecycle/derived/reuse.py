@@ -25,15 +25,16 @@ computed buffers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..storage import IdentityColumns
 from ..types import TensorSpec
-from .buffer_plan import BufferPlan, Layout, SliceCopy, owned_storages, parts_of, temporaries
+from .buffer_plan import BufferPlan, Layout, SliceCopy, of_a_parameter, owned_storages, parts_of, temporaries
 from .specs import DerivedSpec, _layers
 
 __all__ = ["Gather", "Look", "PlanMemory", "reusable"]
@@ -49,9 +50,9 @@ def reusable(spec: DerivedSpec) -> bool:
 
 @dataclass(frozen=True)
 class _Kept:
-    """One remembered buffer plan: the buffer's position in the declaration and its sources in the observation;
-    for a per-layer buffer, its source names by layer and where each layer's parts go with the layout each had
-    (`(copy without src, (shape, dtype, device))`)."""
+    """One remembered buffer plan: the buffer's position in the declaration and its first source in the
+    observation; for a per-layer buffer, its source names by layer and where each layer's parts go with the layout
+    each had (`(copy without src, (shape, dtype, device))`)."""
 
     index: int
     first: int
@@ -60,29 +61,32 @@ class _Kept:
     backed_sources: int
 
 
-@dataclass(frozen=True)
-class _Remembered:
-    specs: Sequence[DerivedSpec]
-    layer_attrs: list[str]
-    layer_ids: list[list[nn.Module]]
-    names: list[str]
-    checkpoint: list[TensorSpec | None]
-    sources: IdentityColumns
-    observed: list[int]  # the declaration positions whose existing buffers are observed
-    buffers: IdentityColumns
-    kept: list[_Kept]
-
-
 @dataclass
 class Look:
-    """What a refresh observed before planning: the plans it may reuse (declaration position -> plan), or, when
-    it may reuse none, what to remember once it planned afresh."""
+    """What a refresh observed before planning, every reusable buffer's inputs (`observed`: their declaration
+    positions, `firsts`: where each one's sources start in `names`), and the plans it may reuse (declaration
+    position -> plan): all of them while the observation equals the remembered one, else none."""
 
-    reused: dict[int, BufferPlan]
-    names: list[str] | None = None
-    firsts: dict[int, int] | None = None
-    seen: tuple[Sequence[torch.Tensor | None], list[torch.Tensor | None], list[int], list[list[nn.Module]]] | None \
-        = None
+    specs: Sequence[DerivedSpec]
+    observed: list[int]
+    firsts: dict[int, int]
+    names: list[str]
+    layer_attrs: list[str]
+    layer_modules: list[list[nn.Module]]
+    checkpoint: list[TensorSpec | None]
+    sources: Sequence[torch.Tensor | None]
+    buffers: list[torch.Tensor | None]
+    reused: dict[int, BufferPlan] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Remembered:
+    """The last plans kept, with the observation made before they were made (identities as compact columns)."""
+
+    look: Look
+    sources: IdentityColumns
+    buffers: IdentityColumns
+    kept: list[_Kept]
 
 
 class PlanMemory:
@@ -98,60 +102,56 @@ class PlanMemory:
     def look(self, backbone: nn.Module, specs: Sequence[DerivedSpec], *, gather: Gather,
              tensor_specs: Mapping[str, TensorSpec], dirty: frozenset[str], full: bool, context: Mapping[str, str]
              ) -> Look:
-        """Observe every input of the remembered plans; while it equals what they observed, return them (made for
-        this refresh's dirty set), else what to remember after planning afresh."""
+        """Observe every input of the remembered plans; while it equals what they observed, the look carries them
+        (made for this refresh's dirty set); else it carries what to remember after planning afresh."""
         m = self._last
-        if m is not None and (m.specs is not specs or m.layer_ids != _layer_ids(backbone, m.layer_attrs)):
-            m = None
-        if m is not None:
-            names = m.names
-            buffers = [backbone._buffers.get(specs[i].name) for i in m.observed]
-            tensors = gather(names)
-            if m.sources.same(tensors) and m.buffers.same(buffers) and \
-                    list(map(tensor_specs.get, names)) == m.checkpoint:
-                reused = _replan(m, backbone, specs, tensors, buffers, dirty, full, context)
+        if m is not None and m.look.specs is specs:  # same declaration: same names while the layers are the same
+            was = m.look
+            now = dataclasses.replace(was, layer_modules=_layer_modules(backbone, was.layer_attrs),
+                                      checkpoint=list(map(tensor_specs.get, was.names)), sources=gather(was.names),
+                                      buffers=[backbone._buffers.get(specs[i].name) for i in was.observed])
+            if now.layer_modules == was.layer_modules and m.sources.same(now.sources) \
+                    and m.buffers.same(now.buffers) and now.checkpoint == was.checkpoint:
+                reused = _replan(m, backbone, specs, now, dirty, full, context)
                 if reused is not None:
-                    return Look(reused)
+                    now.reused = reused
+                    return now
         observed = [i for i, spec in enumerate(specs) if reusable(spec)]
-        names, firsts = [], {}
+        names: list[str] = []
+        firsts = {}
         for i in observed:
             firsts[i] = len(names)
             names += specs[i].source_names(backbone)
         attrs = sorted({specs[i].layers_attr for i in observed if specs[i].kind != "alias"})
-        seen = (gather(names), [backbone._buffers.get(specs[i].name) for i in observed], observed,
-                _layer_ids(backbone, attrs))
-        return Look({}, names, firsts, seen)
+        return Look(specs, observed, firsts, names, attrs, _layer_modules(backbone, attrs),
+                    list(map(tensor_specs.get, names)), gather(names),
+                    [backbone._buffers.get(specs[i].name) for i in observed])
 
-    def remember(self, specs: Sequence[DerivedSpec], look: Look, planned: Mapping[int, BufferPlan],
-                 tensor_specs: Mapping[str, TensorSpec]) -> None:
-        """Keep the fresh plans that can be reused (`planned`: declaration position -> its plan), with what was
+    def remember(self, look: Look, planned: Mapping[int, BufferPlan]) -> None:
+        """Keep the fresh plans that can be reused (`planned`: declaration position -> its plan), with what `look`
         observed before they were made. A buffer not yet built, a source absent: nothing is kept."""
-        if look.seen is None or look.names is None or look.firsts is None:
-            return
-        tensors, buffers, observed, layer_ids = look.seen
         self._last = None
-        if any(t is None for t in tensors) or any(b is None or b.is_meta for b in buffers):
+        if any(t is None for t in look.sources) or any(b is None or b.is_meta for b in look.buffers):
             return
         kept = []
-        for i in observed:
-            spec, bp = specs[i], planned.get(i)
+        for i in look.observed:
+            spec, bp = look.specs[i], planned.get(i)
             if bp is None or bp.existing is None or bp.temporaries:
                 continue
+            first = look.firsts[i]
             if spec.kind == "alias" and bp.mode == "alias":
-                kept.append(_Kept(i, look.firsts[i], [], None, 0))
+                kept.append(_Kept(i, first, [], None, 0))
             elif spec.kind != "alias" and bp.places is not None and not (spec.backed and bp.backs):
                 per = len(spec.sources)
-                names = look.names[look.firsts[i]:look.firsts[i] + per * len(bp.places)]
-                kept.append(_Kept(i, look.firsts[i], [tuple(names[k:k + per]) for k in range(0, len(names), per)],
-                                  bp.places, bp.backed_sources))
+                names = look.names[first:first + per * len(bp.places)]
+                kept.append(_Kept(i, first, [tuple(names[k:k + per]) for k in range(0, len(names), per)], bp.places,
+                                  bp.backed_sources))
         if kept:
-            self._last = _Remembered(
-                specs, sorted({specs[i].layers_attr for i in observed if specs[i].kind != "alias"}), layer_ids,
-                look.names, list(map(tensor_specs.get, look.names)), IdentityColumns.of(tensors),  # type: ignore[arg-type]
-                observed, IdentityColumns.of(buffers), kept)  # type: ignore[arg-type]
+            self._last = _Remembered(look, IdentityColumns.of(look.sources),  # type: ignore[arg-type]
+                                     IdentityColumns.of(look.buffers), kept)  # type: ignore[arg-type]
 
 
-def _layer_ids(backbone: nn.Module, attrs: Sequence[str]) -> list[list[nn.Module]]:
+def _layer_modules(backbone: nn.Module, attrs: Sequence[str]) -> list[list[nn.Module]]:
     """The modules of each layer list (compared by identity: a replaced layer module is another plan); a
     ModuleList's are read from its table (its `__iter__` is Python code)."""
     out = []
@@ -162,34 +162,35 @@ def _layer_ids(backbone: nn.Module, attrs: Sequence[str]) -> list[list[nn.Module
     return out
 
 
-def _replan(m: _Remembered, backbone: nn.Module, specs: Sequence[DerivedSpec], tensors: Sequence[torch.Tensor | None],
-            buffers: list[torch.Tensor | None], dirty: frozenset[str], full: bool, context: Mapping[str, str]
-            ) -> dict[int, BufferPlan] | None:
+def _replan(m: _Remembered, backbone: nn.Module, specs: Sequence[DerivedSpec], now: Look, dirty: frozenset[str],
+            full: bool, context: Mapping[str, str]) -> dict[int, BufferPlan] | None:
     """The remembered plans, for this refresh: an alias re-pointed at its live source, the slices to write of
     each per-layer buffer evaluated (their parts checked against the remembered layout), a backed buffer
     verified. None when a part is not what the remembered plan validated."""
     out: dict[int, BufferPlan] = {}
-    existing = dict(zip(m.observed, buffers, strict=True))
+    existing = dict(zip(now.observed, now.buffers, strict=True))
     for k in m.kept:
         spec = specs[k.index]
         if k.places is None:
-            out[k.index] = BufferPlan(spec, "alias", existing=existing[k.index], new_tensor=tensors[k.first])
+            out[k.index] = BufferPlan(spec, "alias", existing=existing[k.index], new_tensor=now.sources[k.first])
             continue
         bp = BufferPlan(spec, "backed", existing=existing[k.index], slices_total=len(k.places),
                         backed_sources=k.backed_sources)
         out[k.index] = bp
         if spec.backed:
             continue
-        layers = m.layer_ids[m.layer_attrs.index(spec.layers_attr)]  # the layer modules, as observed
+        layers = now.layer_modules[now.layer_attrs.index(spec.layers_attr)]
+        copies = bp.copies
         for i, places in enumerate(k.places):
             if not full and dirty.isdisjoint(k.layer_names[i]):
                 continue
             parts = parts_of(spec, i, context, layers[i])
-            if len(parts) != len(places) or any(
-                    p.shape != shape or p.dtype != dtype or p.device != device
-                    for p, (_, (shape, dtype, device)) in zip(parts, places, strict=True)) \
-                    or temporaries(parts, lambda: owned_storages(backbone)):
+            if len(parts) != len(places):
                 return None
-            bp.copies += [SliceCopy(c.layer, c.start, c.length, p) for p, (c, _) in zip(parts, places, strict=True)]
-        bp.mode = "in_place" if bp.copies else "skipped"
+            for p, (c, (shape, dtype, device)) in zip(parts, places, strict=True):
+                if p.shape != shape or p.dtype != dtype or p.device != device or (
+                        not of_a_parameter(p) and temporaries([p], lambda: owned_storages(backbone))):
+                    return None  # not what the remembered plan validated: plan afresh
+                copies.append(SliceCopy(c.layer, c.start, c.length, p))
+        bp.mode = "in_place" if copies else "skipped"
     return out
