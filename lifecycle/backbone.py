@@ -292,10 +292,7 @@ class DraftBackbone(nn.Module):
                     self._derived_fallbacks[b.name] = b.reason
                 elif b.mode != "skipped":
                     self._derived_fallbacks.pop(b.name, None)
-            lc.audit_event("refresh", buffers=report.logs(),
-                           elements_written=report.elements_written, bytes_allocated=report.bytes_allocated,
-                           temporary_bytes=report.temporary_bytes,
-                           duration_ms=round(report.duration_ms, 3))
+            lc.audit_event("refresh", **report.audit_fields(), duration_ms=round(report.duration_ms, 3))
             return report
 
         return lc.refresh_derived(refresh)

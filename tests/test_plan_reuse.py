@@ -309,3 +309,18 @@ def test_a_backed_buffer_is_verified_by_the_observation_and_a_replaced_source_is
         assert reused["mode"] == "backed" and reused_calls == {}  # verified without evaluating any layer
     else:
         assert reused["mode"] == "in_place" and reused["rebacked"] == 1
+
+
+def test_a_refresh_runs_without_autograd_and_restores_the_grad_mode(ckpt: Path) -> None:
+    m = built(ckpt, memory=True)
+    m.layers[0].qkv_proj.weight.requires_grad_(True)
+    reload_layers(m, [0])
+    assert torch.is_grad_enabled()
+    m.refresh_derived_buffers()
+    assert torch.is_grad_enabled()
+    assert not m._kv.requires_grad and m._kv.grad_fn is None
+    assert torch.equal(m._kv, m.expected()["_kv"])
+    with torch.no_grad():
+        reload_layers(m, [0])
+        m.refresh_derived_buffers()
+        assert not torch.is_grad_enabled()

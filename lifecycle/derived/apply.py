@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.modules.module as _module
 from torch import nn
 
 from ..errors import RefreshInterruptedError, StorageDriftError
@@ -19,7 +20,6 @@ from .specs import DerivedSpec, _layers, current_buffer
 __all__ = ["apply_refresh"]
 
 
-@torch.no_grad()
 def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     """Carry out a validated plan. Cold builds register new non-persistent buffers; everything else is a
     `copy_` into existing storage (each part of a multi-part slice straight into its place), verified afterwards.
@@ -28,7 +28,19 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     what another writes), every buffer's bookkeeping is done first and the copies last, the smallest buffer's
     first: what the refresh does after its bulk copies, which leave the caches cold, is then only the drift check.
     Otherwise (a computed slice, an `into` writer, a `build` value, a backed buffer re-made views) every buffer is
-    written in the declared order, as a writer may read a buffer declared before it."""
+    written in the declared order, as a writer may read a buffer declared before it.
+
+    Runs without autograd (as under `torch.no_grad()`: a copy from a source that requires grad must not make the
+    buffer part of a graph), switched in C: the context manager's Python frames would run cold after the copies."""
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return _apply(backbone, plan)
+    finally:
+        torch._C._set_grad_enabled(grad)
+
+
+def _apply(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     t0 = time.perf_counter()
     report = RefreshReport()
     before: dict[str, StorageIdentity] = {}
@@ -42,7 +54,7 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
                 touched.append(bp.spec.name)
             _apply_one(backbone, bp, report, before, plan.context, deferred)
         if deferred is not None:  # every report is final: its audit record is built while the caches are warm
-            report.buffer_logs = [b.as_log() for b in report.buffers]
+            report.audit_fields()
         for bp, pairs in sorted(deferred or (), key=lambda d: d[0].existing.nbytes):  # type: ignore[union-attr]
             touched.append(bp.spec.name)
             for dst, src in pairs:
@@ -59,6 +71,13 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
                                 state=plan.context.get("state", "?"))
     report.duration_ms = (time.perf_counter() - t0) * 1e3
     return report
+
+
+def _registered(backbone: nn.Module, name: str, t: torch.Tensor) -> bool:
+    """Whether `t` is already `name`'s non-persistent buffer (an alias whose source did not move), so that
+    registering it again would change nothing: no global buffer-registration hook would see it."""
+    return backbone._buffers.get(name) is t and name in backbone._non_persistent_buffers_set \
+        and not _module._global_buffer_registration_hooks
 
 
 def _plain(bp: BufferPlan) -> bool:
@@ -132,7 +151,8 @@ def _apply_one(backbone: nn.Module, bp: BufferPlan, report: RefreshReport, befor
         if bp.mode == "cold":
             rep.elements_written = bp.new_tensor.numel()
             rep.slices_written = bp.slices_total
-        backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
+        if not _registered(backbone, spec.name, bp.new_tensor):
+            backbone.register_buffer(spec.name, bp.new_tensor, persistent=False)
         if bp.backs:
             repoint(spec, bp.new_tensor, bp.backs)
     elif bp.mode == "in_place":

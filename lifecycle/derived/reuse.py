@@ -25,7 +25,6 @@ computed buffers.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -55,6 +54,7 @@ class _Kept:
     each had (`(copy without src, (shape, dtype, device))`)."""
 
     index: int
+    observed: int  # its position among the observed buffers
     first: int
     layer_names: list[tuple[str, ...]]
     places: Places | None
@@ -107,9 +107,9 @@ class PlanMemory:
         m = self._last
         if m is not None and m.look.specs is specs:  # same declaration: same names while the layers are the same
             was = m.look
-            now = dataclasses.replace(was, layer_modules=_layer_modules(backbone, was.layer_attrs),
-                                      checkpoint=list(map(tensor_specs.get, was.names)), sources=gather(was.names),
-                                      buffers=[backbone._buffers.get(specs[i].name) for i in was.observed])
+            now = Look(specs, was.observed, was.firsts, was.names, was.layer_attrs,
+                       _layer_modules(backbone, was.layer_attrs), list(map(tensor_specs.get, was.names)),
+                       gather(was.names), [backbone._buffers.get(specs[i].name) for i in was.observed])
             if now.layer_modules == was.layer_modules and m.sources.same(now.sources) \
                     and m.buffers.same(now.buffers) and now.checkpoint == was.checkpoint:
                 reused = _replan(m, backbone, specs, now, dirty, full, context)
@@ -134,18 +134,18 @@ class PlanMemory:
         if any(t is None for t in look.sources) or any(b is None or b.is_meta for b in look.buffers):
             return
         kept = []
-        for i in look.observed:
+        for at, i in enumerate(look.observed):
             spec, bp = look.specs[i], planned.get(i)
             if bp is None or bp.existing is None or bp.temporaries:
                 continue
             first = look.firsts[i]
             if spec.kind == "alias" and bp.mode == "alias":
-                kept.append(_Kept(i, first, [], None, 0))
+                kept.append(_Kept(i, at, first, [], None, 0))
             elif spec.kind != "alias" and bp.places is not None and not (spec.backed and bp.backs):
                 per = len(spec.sources)
                 names = look.names[first:first + per * len(bp.places)]
-                kept.append(_Kept(i, first, [tuple(names[k:k + per]) for k in range(0, len(names), per)], bp.places,
-                                  bp.backed_sources))
+                kept.append(_Kept(i, at, first, [tuple(names[k:k + per]) for k in range(0, len(names), per)],
+                                  bp.places, bp.backed_sources))
         if kept:
             self._last = _Remembered(look, IdentityColumns.of(look.sources),  # type: ignore[arg-type]
                                      IdentityColumns.of(look.buffers), kept)  # type: ignore[arg-type]
@@ -168,14 +168,12 @@ def _replan(m: _Remembered, backbone: nn.Module, specs: Sequence[DerivedSpec], n
     each per-layer buffer evaluated (their parts checked against the remembered layout), a backed buffer
     verified. None when a part is not what the remembered plan validated."""
     out: dict[int, BufferPlan] = {}
-    existing = dict(zip(now.observed, now.buffers, strict=True))
     for k in m.kept:
-        spec = specs[k.index]
+        spec, existing = specs[k.index], now.buffers[k.observed]
         if k.places is None:
-            out[k.index] = BufferPlan(spec, "alias", existing=existing[k.index], new_tensor=now.sources[k.first])
+            out[k.index] = BufferPlan(spec, "alias", existing=existing, new_tensor=now.sources[k.first])
             continue
-        bp = BufferPlan(spec, "backed", existing=existing[k.index], slices_total=len(k.places),
-                        backed_sources=k.backed_sources)
+        bp = BufferPlan(spec, "backed", existing=existing, slices_total=len(k.places), backed_sources=k.backed_sources)
         out[k.index] = bp
         if spec.backed:
             continue
