@@ -266,17 +266,8 @@ def test_per_layer_is_trusted_to_depend_on_its_sources_only_for_the_slices_not_w
 # ---- backed buffers: the observation is the verification -----------------------------------------------------
 
 
-class BackedDraft(DraftBackbone):
-    def __init__(self, *, memory: bool) -> None:
-        super().__init__()
-        with torch.device("meta"):
-            self.layers = nn.ModuleList(Layer(i) for i in range(L))
-            self.norm = nn.RMSNorm(HIDDEN)
-        self.requires_grad_(False)
-        self.derived_buffers = (stack("_k_norms", sources=("k_norm.weight",), per_layer=k_norm, backed=True),)
-        self.init_lifecycle("reuse-backed")
-        if not memory:
-            self._plan_memory = None  # type: ignore[assignment]
+class BackedDraft(Draft):
+    derived_buffers = (stack("_k_norms", sources=("k_norm.weight",), per_layer=k_norm, backed=True),)
 
 
 @pytest.mark.parametrize("mutation", ["none", "replaced_parameter", "data_swap_norm"])
