@@ -315,3 +315,17 @@ def test_a_refresh_runs_without_autograd_and_restores_the_grad_mode(ckpt: Path) 
         reload_layers(m, [0])
         m.refresh_derived_buffers()
         assert not torch.is_grad_enabled()
+
+
+def test_the_memory_holds_no_tensor_so_a_replaced_source_is_freed(ckpt: Path) -> None:
+    import gc
+    import weakref
+
+    m = built(ckpt, memory=True)
+    old = weakref.ref(m.layers[1].qkv_proj.weight)
+    m.layers[1].qkv_proj.weight = nn.Parameter(torch.zeros(Q + 2 * KV, HIDDEN), requires_grad=False)
+    gc.collect()
+    assert old() is None  # nothing of the last plan kept the replaced parameter (or its storage) alive
+    reload_layers(m, [1])
+    m.refresh_derived_buffers()
+    assert torch.equal(m._kv.narrow(0, 2 * KV, 2 * KV), torch.zeros(2 * KV, HIDDEN))

@@ -77,7 +77,7 @@ def _registered(backbone: nn.Module, name: str, t: torch.Tensor) -> bool:
     """Whether `t` is already `name`'s non-persistent buffer (an alias whose source did not move), so that
     registering it again would change nothing: no global buffer-registration hook would see it."""
     return backbone._buffers.get(name) is t and name in backbone._non_persistent_buffers_set \
-        and not _module._global_buffer_registration_hooks
+        and not getattr(_module, "_global_buffer_registration_hooks", True)  # unknown: register as before
 
 
 def _plain(bp: BufferPlan) -> bool:

@@ -25,6 +25,7 @@ computed buffers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -81,7 +82,8 @@ class Look:
 
 @dataclass(frozen=True)
 class _Remembered:
-    """The last plans kept, with the observation made before they were made (identities as compact columns)."""
+    """The last plans kept, with the observation made before they were made: its identities as compact columns,
+    its tensors not kept (`look.sources` and `look.buffers` empty)."""
 
     look: Look
     sources: IdentityColumns
@@ -146,8 +148,9 @@ class PlanMemory:
                 names = look.names[first:first + per * len(bp.places)]
                 kept.append(_Kept(i, at, first, [tuple(names[k:k + per]) for k in range(0, len(names), per)],
                                   bp.places, bp.backed_sources))
-        if kept:
-            self._last = _Remembered(look, IdentityColumns.of(look.sources),  # type: ignore[arg-type]
+        if kept:  # the identities as columns, and no tensor held: a replaced source or buffer is freed as before
+            self._last = _Remembered(dataclasses.replace(look, sources=(), buffers=[]),
+                                     IdentityColumns.of(look.sources),  # type: ignore[arg-type]
                                      IdentityColumns.of(look.buffers), kept)  # type: ignore[arg-type]
 
 
