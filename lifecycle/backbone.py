@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,9 +30,11 @@ import torch
 from torch import nn
 
 from .derived import DerivedSpec, apply_refresh, current_buffer, plan_refresh, resolve_tensor
+from .derived.reuse import PlanMemory
 from .errors import LayersNotReadyError, QuarantinedError, RefreshInterruptedError, StorageReallocationError
 from .hooks import Hook, Phase, collect_hooks
 from .machine import BackboneLifecycle
+from .slots import Slots
 from .states import LifecycleState
 from .types import RefreshReport, TensorSpec
 
@@ -71,6 +74,8 @@ class DraftBackbone(nn.Module):
             for leaf in (*mod._parameters, *mod._buffers)
         }
         self._tensor_slots.update(slots or {})
+        self._slots = Slots(self._tensor_slots, partial(resolve_tensor, self))  # read in bulk: pin checks, plans
+        self._slot_names = list(self._tensor_slots)
         # the checkpoint tensors with their slots, in one list: the readiness check walks it once per scan
         self._checkpoint_slots: list[tuple[str, nn.Module | None, str]] = [
             (n, *self._tensor_slots.get(n, (None, ""))) for n in tensor_specs]
@@ -86,12 +91,13 @@ class DraftBackbone(nn.Module):
             tensor_specs,
             rank=rank,
             resolve=self.live_tensor,
-            pinned_tensors=self.graph_visible_tensors,
+            pinned_tensors=self._pinned_view,
             meta_scan=self.meta_or_absent,
             locked=locked,
         )
         self._runtime_hooks: list[Hook] = []
         self._derived_fallbacks: dict[str, str] = {}
+        self._plan_memory = PlanMemory()  # the last validated plans of its alias, concat, stack buffers
         return self._lifecycle
 
     def _check_declared_sources(self) -> None:
@@ -120,6 +126,8 @@ class DraftBackbone(nn.Module):
         self.lifecycle.freeze_structure(modules, absent)
         for name in absent:
             self._tensor_slots.pop(name, None)
+        self._slots.changed()
+        self._slot_names = list(self._tensor_slots)
         self._checkpoint_slots = [s for s in self._checkpoint_slots if s[0] not in absent]
 
     # ---- accessors --------------------------------------------------------------------------------------------
@@ -141,12 +149,7 @@ class DraftBackbone(nn.Module):
 
     def live_tensor(self, name: str) -> torch.Tensor | None:
         """The parameter or buffer called `name` as it is now (None when absent)."""
-        slot = self._tensor_slots.get(name)
-        if slot is None:
-            return resolve_tensor(self, name)
-        mod, leaf = slot
-        t = mod._parameters.get(leaf)
-        return t if t is not None else mod._buffers.get(leaf)
+        return self._slots.live(name)
 
     def meta_or_absent(self) -> set[str]:
         """Names of checkpoint tensors that are absent or on META now: `live_tensor` for each, in one loop. The
@@ -175,7 +178,16 @@ class DraftBackbone(nn.Module):
     def graph_visible_tensors(self) -> dict[str, torch.Tensor | None]:
         """What captured graphs read: every derived buffer, parameter and buffer, under every name it has
         (pinned at capture)."""
-        return {name: self.live_tensor(name) for name in self._tensor_slots}
+        return dict(zip(self._slot_names, self._slots.gather(self._slot_names), strict=True))
+
+    def _pinned_view(self) -> Mapping[str, torch.Tensor | None]:
+        """What the lifecycle pins and verifies: `graph_visible_tensors`, as a live view that a pin verification
+        reads in bulk (`slots.LiveSlots.tensors_at`), unless a subclass redefines what graphs read."""
+        cls = type(self)
+        if cls.graph_visible_tensors is DraftBackbone.graph_visible_tensors \
+                and cls.live_tensor is DraftBackbone.live_tensor:
+            return self._slots.view()
+        return self.graph_visible_tensors()
 
     def derived_buffer_names(self) -> list[str]:
         return [s.name for s in self.derived_buffers]
@@ -267,7 +279,8 @@ class DraftBackbone(nn.Module):
             plan = plan_refresh(
                 self, self.derived_buffers, tensor_specs=lc.specs, dirty=dirty,
                 context={"backbone": lc.name, "state": lc.state.value}, full=full,
-                pinned=lc.graphs_pinned, allow_realloc=rebuild, resolve=self.live_tensor,
+                pinned=lc.graphs_pinned, allow_realloc=rebuild, resolve=self.live_tensor, memory=self._plan_memory,
+                gather=self._slots.gather,
             )
             try:
                 report = apply_refresh(self, plan)
@@ -279,10 +292,7 @@ class DraftBackbone(nn.Module):
                     self._derived_fallbacks[b.name] = b.reason
                 elif b.mode != "skipped":
                     self._derived_fallbacks.pop(b.name, None)
-            lc.audit_event("refresh", buffers=[b.as_log() for b in report.buffers],
-                           elements_written=report.elements_written, bytes_allocated=report.bytes_allocated,
-                           temporary_bytes=report.temporary_bytes,
-                           duration_ms=round(report.duration_ms, 3))
+            lc.audit_event("refresh", **report.audit_fields(), duration_ms=round(report.duration_ms, 3))
             return report
 
         return lc.refresh_derived(refresh)

@@ -15,9 +15,12 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import attrgetter
+from types import MappingProxyType
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -25,8 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .types import dtype_name
 
-__all__ = ["AllocationLog", "AllocationRecord", "PinnedStorage", "StorageIdentity", "count_allocations",
-           "describe_changes"]
+__all__ = ["AllocationLog", "AllocationRecord", "IdentityColumns", "PinnedStorage", "StorageIdentity",
+           "count_allocations", "describe_changes"]
 
 
 @dataclass(frozen=True)
@@ -74,20 +77,83 @@ def describe_changes(name: str, old: StorageIdentity, new: StorageIdentity, fiel
     return out
 
 
-@dataclass
-class PinnedStorage:
-    """Storage identities snapshotted at graph capture. Verification compares them with the live tensors."""
+class IdentityColumns:
+    """The storage identities of a list of tensors, one column per field, compared with live tensors in bulk.
 
-    identities: dict[str, StorageIdentity] = field(default_factory=dict)
+    A pin verification compares every graph-visible tensor twice per refresh, the second time right after the
+    refresh's copies went through the caches: so a pass reads each field of every live tensor with one C-level
+    `map`, cheapest and likeliest to change first (`data_ptr` first, a META tensor's being 0 as in
+    `StorageIdentity.of`), and compares it with a compact column: the pointers in an `array`, every other value
+    interned (the few distinct shapes, strides, dtypes and devices of a model are each one object), so that a
+    pass touches little besides the live tensors themselves.
+
+    >>> t = torch.zeros(4, 2)
+    >>> cols = IdentityColumns.of([t, t[1:]])
+    >>> cols.same([t, t[1:]]), cols.same([t, t[2:]]), cols.same([t, None])
+    (True, False, False)
+    """
+
+    __slots__ = ("_ptrs", "_rest")
+
+    _READERS: tuple[Callable[[torch.Tensor], object], ...] = (
+        torch.Tensor.storage_offset, attrgetter("shape"), torch.Tensor.stride, attrgetter("dtype"),
+        attrgetter("device"))
+
+    def __init__(self, identities: Iterable[StorageIdentity]) -> None:
+        idents = list(identities)
+        pool: dict[object, object] = {}
+        self._ptrs = array("Q", [i.data_ptr for i in idents])
+        self._rest = [[pool.setdefault(v, v) for v in (getattr(i, f) for i in idents)] for f in _FIELDS[1:]]
+
+    @classmethod
+    def of(cls, tensors: Iterable[torch.Tensor]) -> IdentityColumns:
+        return cls(map(StorageIdentity.of, tensors))
+
+    def same(self, tensors: Sequence[torch.Tensor | None]) -> bool:
+        """Whether every tensor has exactly the identity in its place (False for a None, or a tensor without
+        storage: the caller's per-tensor check says what)."""
+        try:
+            return (array("Q", map(torch.Tensor.data_ptr, tensors)) == self._ptrs  # type: ignore[arg-type]
+                    and all(list(map(read, tensors)) == column
+                            for read, column in zip(self._READERS, self._rest, strict=True)))
+        except (AttributeError, TypeError, RuntimeError, OverflowError):
+            return False
+
+
+@dataclass(frozen=True)
+class PinnedStorage:
+    """Storage identities snapshotted at graph capture. Verification compares them with the live tensors.
+
+    `identities` is read-only: a verification first compares the live tensors with the snapshot in bulk
+    (`IdentityColumns`); only when something differs does the per-tensor loop say what.
+
+    >>> t = torch.zeros(4, 2)
+    >>> pins = PinnedStorage.snapshot({"w": t})
+    >>> pins.changes({"w": t}), pins.changes({"w": t.t()}), pins.changes({})
+    ([], ['w: shape (4, 2) -> (2, 4)', 'w: stride (2, 1) -> (1, 2)'], ['w: pinned tensor is gone (was 0x...)'])
+    """
+
+    identities: Mapping[str, StorageIdentity] = field(default_factory=dict)
+    _names: list[str] = field(init=False, repr=False, compare=False)
+    _columns: IdentityColumns = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "identities", MappingProxyType(dict(self.identities)))
+        object.__setattr__(self, "_names", list(self.identities))
+        object.__setattr__(self, "_columns", IdentityColumns(self.identities.values()))
 
     @classmethod
     def snapshot(cls, tensors: Mapping[str, torch.Tensor]) -> PinnedStorage:
         return cls({name: StorageIdentity.of(t) for name, t in tensors.items()})
 
     def changes(self, live: Mapping[str, torch.Tensor | None]) -> list[str]:
+        # a live view that reads many names at once (`lifecycle.slots.LiveSlots`), else one `get` per name
+        bulk = getattr(live, "tensors_at", None)
+        tensors = bulk(self._names) if bulk is not None else list(map(live.get, self._names))
+        if self._columns.same(tensors):
+            return []
         problems: list[str] = []
-        for name, old in self.identities.items():
-            t = live.get(name)
+        for (name, old), t in zip(self.identities.items(), tensors, strict=True):
             if t is None:
                 problems.append(f"{name}: pinned tensor is gone (was {hex(old.data_ptr)})")
             elif not old.matches(t):

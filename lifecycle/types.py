@@ -116,6 +116,17 @@ class BufferReport:
 class RefreshReport:
     buffers: list[BufferReport] = field(default_factory=list)
     duration_ms: float = 0.0
+    # the audit `refresh` event's fields, once asked for (a refresh asks before its bulk copies: see `audit_fields`)
+    _audit: dict[str, object] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def audit_fields(self) -> dict[str, object]:
+        """What the audit `refresh` event says of the buffers: `as_log()` of each and the totals. Built once: a
+        refresh builds it when every buffer's report is final and before its bulk copies, which leave the caches
+        cold (the event itself is written after them)."""
+        if self._audit is None:
+            self._audit = {"buffers": [b.as_log() for b in self.buffers], "elements_written": self.elements_written,
+                           "bytes_allocated": self.bytes_allocated, "temporary_bytes": self.temporary_bytes}
+        return self._audit
 
     def __getitem__(self, name: str) -> BufferReport:
         for b in self.buffers:

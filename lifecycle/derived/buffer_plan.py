@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -21,16 +21,15 @@ from ..types import dtype_name
 from .specs import DerivedSpec
 
 __all__ = ["BufferPlan", "Layout", "Problem", "Request", "SliceCopy", "built", "destination", "fmt_layout",
-           "layer_copies", "owned_storages", "parts_of", "rebuild_problem", "same_layout", "temporaries",
-           "write_parts"]
+           "layer_copies", "of_a_parameter", "owned_storages", "parts_of", "rebuild_problem", "same_layout",
+           "temporaries", "write_parts"]
 
 T = TypeVar("T")
 Resolve = Callable[[str], "torch.Tensor | None"]
 Layout = tuple[tuple[int, ...], torch.dtype, torch.device]
 
 
-@dataclass(frozen=True)
-class SliceCopy:
+class SliceCopy(NamedTuple):
     """One copy into the buffer: `layer`'s part (or whole slice) at `start` for `length` elements of the join
     axis (the concat dim, or a stack slice's first dim); `length` None: the layer's whole slice (a custom: the
     whole buffer). `src` None: a computed stack slice, evaluated at apply time."""
@@ -60,6 +59,9 @@ class BufferPlan:
     # many sources the buffer backs in all
     backs: list[tuple[torch.Tensor, SliceCopy]] = field(default_factory=list)
     backed_sources: int = 0
+    # a per-layer plan of an existing buffer: where each layer's parts go (copies without src) and the layout each
+    # part had, what a later refresh may reuse (`reuse.py`)
+    places: list[list[tuple[SliceCopy, Layout]]] | None = None
 
     def count(self, storages: Iterable[torch.UntypedStorage]) -> None:
         for st in storages:
@@ -123,20 +125,26 @@ def owned_storages(backbone: nn.Module) -> set[int]:
 def parts_of(spec: DerivedSpec, i: int, context: Mapping[str, str], layer: nn.Module) -> list[torch.Tensor]:
     """A layer's slice as a list of parts (one when `per_layer` returns a tensor)."""
     assert spec.per_layer is not None
-    step = f"per_layer for {spec.layers_attr}.{i}"
     try:
         out = spec.per_layer(layer)
     except LifecycleError:
         raise
     except Exception as e:
-        raise DerivedBuildError(spec.name, step, e, backbone=context.get("backbone", "?"),
-                                state=context.get("state", "?")) from e
+        raise DerivedBuildError(spec.name, f"per_layer for {spec.layers_attr}.{i}", e,
+                                backbone=context.get("backbone", "?"), state=context.get("state", "?")) from e
     parts = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (list, tuple)) else [out]
     if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
         what = "no parts" if not parts else ", ".join(type(p).__name__ for p in parts)
-        raise DerivedBuildError(spec.name, step, TypeError(f"returned {what}, not a tensor or a sequence of tensors"),
+        raise DerivedBuildError(spec.name, f"per_layer for {spec.layers_attr}.{i}",
+                                TypeError(f"returned {what}, not a tensor or a sequence of tensors"),
                                 backbone=context.get("backbone", "?"), state=context.get("state", "?"))
     return parts
+
+
+def of_a_parameter(p: torch.Tensor) -> bool:
+    """Whether `p` is a parameter or a view of one (`type` first: `isinstance` of a Parameter runs Python)."""
+    return type(p) is nn.Parameter or type(p._base) is nn.Parameter or isinstance(p, nn.Parameter) \
+        or isinstance(p._base, nn.Parameter)
 
 
 def temporaries(parts: Sequence[torch.Tensor], owned: Callable[[], set[int]]) -> list[torch.UntypedStorage]:
@@ -145,7 +153,7 @@ def temporaries(parts: Sequence[torch.Tensor], owned: Callable[[], set[int]]) ->
     out: dict[int, torch.UntypedStorage] = {}
     mine: set[int] | None = None
     for p in parts:
-        if isinstance(p, nn.Parameter) or isinstance(p._base, nn.Parameter):
+        if of_a_parameter(p):
             continue  # a parameter or a view of one: the common case, decided without touching storages
         st = p.untyped_storage()
         ptr = st.data_ptr()

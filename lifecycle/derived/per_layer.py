@@ -106,19 +106,21 @@ def plan_per_layer(r: Request) -> Planned:
     if problem:
         return problem
     bp.existing = r.existing
+    copies = [layer_copies(spec, i, starts[i], ps) for i, ps in enumerate(parts)]
+    bp.places = [[(SliceCopy(c.layer, c.start, c.length, None), (tuple(c.src.shape), c.src.dtype, c.src.device))
+                  for c in cs if c.src is not None] for cs in copies]
     if spec.backed:  # nothing to copy where a source is the view of its place: only verified
-        for i, ps in enumerate(parts):
-            for c in layer_copies(spec, i, starts[i], ps):
-                if not still_backed(spec, r.existing, c):  # replaced: copy in, view again
-                    bp.copies.append(c)
-                    bp.backs.append((c.src, c))
+        for c in (c for cs in copies for c in cs):
+            if not still_backed(spec, r.existing, c):  # replaced: copy in, view again
+                bp.copies.append(c)
+                bp.backs.append((c.src, c))
         if bp.backs and (problem_text := _backing_problem(r, parts, sorted({c.layer for _, c in bp.backs}))):
             return Problem("layout", problem_text)
         bp.mode = "in_place" if bp.copies else "backed"
         return bp
-    for i, ps in enumerate(parts):
+    for i, cs in enumerate(copies):
         if r.full or r.layer_dirty(i):
-            bp.copies.extend(layer_copies(spec, i, starts[i], ps))
+            bp.copies.extend(cs)
     bp.mode = "in_place" if bp.copies else "skipped"
     return bp
 

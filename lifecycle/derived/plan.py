@@ -22,6 +22,7 @@ from ..types import TensorSpec, dtype_name
 from .buffer_plan import BufferPlan, Problem, Request
 from .custom import plan_custom
 from .per_layer import plan_computed_stack, plan_per_layer
+from .reuse import Gather, PlanMemory
 from .specs import DerivedSpec, current_buffer, resolve_tensor
 
 __all__ = ["RefreshPlan", "plan_refresh"]
@@ -47,6 +48,8 @@ def plan_refresh(
     pinned: bool = False,
     allow_realloc: bool = False,
     resolve: Resolve | None = None,
+    memory: PlanMemory | None = None,
+    gather: Gather | None = None,
 ) -> RefreshPlan:
     """Validate every buffer and decide every write. Raises before anything is written.
 
@@ -54,13 +57,26 @@ def plan_refresh(
     `pinned`: graphs are captured, so an alias may not be re-pointed at a source that moved.
     `allow_realloc`: an explicit cold rebuild (graphs released): existing buffers may be replaced.
     `resolve`: name -> live tensor (default: walk the module tree).
+    `memory`: where the plans of `alias`, `concat` and `stack` buffers are kept between refreshes, and reused
+    while nothing they read changed (`reuse.py`); None: plan every buffer afresh. `gather`: names -> their live
+    tensors in one call (default: `resolve` for each).
     Raises LayersNotReadyError (a source absent or on META), SourceLayoutError, StorageReallocationError,
     DerivedBuildError (a builder raised).
     """
     sources = _SourceCheck(resolve or partial(resolve_tensor, backbone), tensor_specs)
+    look = None
+    if memory is not None and not allow_realloc:  # the last refresh's plans, while nothing they read changed
+        look = memory.look(backbone, specs, gather=gather or (lambda names: list(map(sources.resolve, names))),
+                           tensor_specs=tensor_specs, dirty=dirty, full=full, context=context)
+    elif memory is not None:
+        memory.forget()
     realloc_problems: list[str] = []
     plans: list[BufferPlan] = []
-    for spec in specs:
+    planned: dict[int, BufferPlan] = {}
+    for i, spec in enumerate(specs):
+        if look is not None and i in look.reused:
+            plans.append(look.reused[i])
+            continue
         existing = None if allow_realloc else current_buffer(backbone, spec.name)
         names = spec.source_names(backbone)
         usable, fallback_reason = sources.check(f"{spec.kind} {spec.name}", names, spec.fallback)
@@ -68,12 +84,15 @@ def plan_refresh(
             plans.append(BufferPlan(spec, "fallback", existing=existing, reason=fallback_reason))
         if not usable:
             continue
-        planned = _planner(spec)(Request(backbone, spec, names, existing, sources.resolve, dirty, context, full,
-                                         pinned, allow_realloc))
-        if isinstance(planned, Problem):
-            (sources.layout if planned.kind == "layout" else realloc_problems).append(planned.text)
+        bp = _planner(spec)(Request(backbone, spec, names, existing, sources.resolve, dirty, context, full,
+                                    pinned, allow_realloc))
+        if isinstance(bp, Problem):
+            (sources.layout if bp.kind == "layout" else realloc_problems).append(bp.text)
         else:
-            plans.append(planned)
+            plans.append(bp)
+            planned[i] = bp
+    if memory is not None and look is not None and not look.reused:
+        memory.remember(look, planned)
 
     ctx = dict(context)
     where = {"backbone": ctx.get("backbone", "?"), "state": ctx.get("state", "?")}

@@ -34,7 +34,9 @@ class DerivedSpec:
     every index of a module list; `depends_fn` adds names computed from the backbone).
     `per_layer`: concat/stack, a layer's slice: a tensor (a view of its sources), or a sequence of parts (separate
     K and V weights) that the slice lays out one after the other along the concat dim (a stack: along the slice's
-    first dim), each copied straight into its place in the buffer.
+    first dim), each copied straight into its place in the buffer. A function of the layer's declared sources: a
+    refresh evaluates it for the slices it writes, and a slice whose sources kept their storage identity keeps
+    the layout its last evaluation validated (`lifecycle.derived.reuse`).
     `fallback`: when set, a source in the wrong layout disables the buffer (its last values stay, the model
     takes the named fallback path) instead of refusing the refresh. Never silent: the report and the audit
     event say so.
@@ -103,7 +105,9 @@ def concat(name: str, *, sources: Sequence[str], per_layer: PerLayer, dim: int =
     """One slice per layer, concatenated along `dim` (e.g. the fused KV weight). `per_layer` returns the slice
     (a view of the layer's `sources`), or its parts: `per_layer=lambda l: (l.k_proj.weight, l.v_proj.weight)`
     lays each layer's K rows then V rows out along `dim`, each copied straight into its place (no per-layer
-    `torch.cat`, no temporary).
+    `torch.cat`, no temporary). A refresh evaluates `per_layer` for the slices it writes, and for every slice
+    when something the last plan read changed its identity (a replaced or resized source, a moved buffer); a
+    `per_layer` that computes (a temporary) is evaluated for every slice at every refresh.
 
     `backed=True` (opt-in; `dim=0`, every part one of the layer's sources as a whole): after the cold build the
     sources ARE views of the buffer, so the weights and the buffer are one copy instead of two, a reload writes
