@@ -24,7 +24,7 @@ model holds the plain one's bytes minus its derived buffers).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         backed_model.lifecycle.pinned_changes()
         backed_model.lifecycle.pinned_changes()
 
-    evict_src = torch.empty(16 * 2**20)
-    evict_dst = torch.empty_like(evict_src)
-
-    def after_eviction(setup: Callable[[], object]) -> Callable[[], None]:
-        return lambda: (evict_dst.copy_(evict_src), setup())  # type: ignore[func-returns-value]
-
+    after_eviction = common.Eviction().before
     arms = [
         Arm("plain, full reload", plain.refresh_derived_buffers,
             after_eviction(lambda: common.mark_reloaded(plain))),
@@ -114,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             after_eviction(lambda: common.mark_reloaded(backed_model))),
         Arm("plain, nothing written", plain.refresh_derived_buffers,
             after_eviction(lambda: common.mark_reloaded(plain, []))),
-        Arm("pin checks alone", pin_checks, after_eviction(lambda: None)),
+        Arm("pin checks alone", pin_checks, after_eviction()),
     ]
     with torch.no_grad():
         samples = common.interleaved(arms, repeats)

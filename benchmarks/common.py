@@ -187,6 +187,27 @@ class Arm:
     setup: Callable[[], object] | None = None
 
 
+class Eviction:
+    """A 64 MiB copy (two 64 MiB tensors, made once): run in an arm's setup, untimed, before the arm's own setup,
+    it gives every arm the same cache state to start from. Arms rotate each round, but who follows whom does not
+    change: without it an arm that always follows a 256 MiB copy, or an allocation of one, runs colder than the
+    arm it is compared with."""
+
+    def __init__(self) -> None:
+        self._src = torch.empty(16 * 2**20)
+        self._dst = torch.empty_like(self._src)
+
+    def before(self, setup: Callable[[], object] | None = None) -> Callable[[], None]:
+        """A setup that evicts, then runs `setup` (if any)."""
+
+        def run() -> None:
+            self._dst.copy_(self._src)
+            if setup is not None:
+                setup()
+
+        return run
+
+
 def interleaved(arms: Sequence[Arm], repeats: int, *, warmup: int = 1,
                 clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Time every arm `repeats` times (seconds), interleaved round by round with the order rotated each round, so

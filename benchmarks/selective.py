@@ -5,7 +5,8 @@
 The refresh benchmark's draft (8 layers, 256 MiB fused KV weight, graphs captured). For k = 1, 2, 4, ..., L a
 reload reports k evenly spaced layers as written and declares the rest unchanged
 (`finalize_loading(keep_untouched=True)`); then `refresh_derived_buffers()` is timed. All k are interleaved round
-by round, at torch's default intra-op thread count and at 1 thread. Elements written come from the refresh
+by round, at torch's default intra-op thread count and at 1 thread, each from the same cache state (a 64 MiB
+copy before its setup: in the rotation k=1 follows k=L's full copy). Elements written come from the refresh
 report (deterministic: k x (2 x kv_size x hidden + head_dim)).
 Target (ARCHITECTURE.md): a reload that touched k of L layers refreshes in about k/L of a full refresh (the
 anchor: one layer's slice ~0.11x of a plain copy of the whole buffer).
@@ -71,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def reload_k(k: int) -> None:
         common.mark_reloaded(model, spread(k, L))
 
-    arms = [Arm(f"k={k}", model.refresh_derived_buffers, lambda k=k: reload_k(k)) for k in ks(L)]
+    after_eviction = common.Eviction().before  # k=1 follows k=L's full copy in the rotation: level them
+    arms = [Arm(f"k={k}", model.refresh_derived_buffers, after_eviction(lambda k=k: reload_k(k))) for k in ks(L)]
     default_threads = torch.get_num_threads()
     samples: dict[int, dict[str, list[float]]] = {}
     with torch.no_grad():
