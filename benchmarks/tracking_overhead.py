@@ -31,6 +31,7 @@ Targets (issue 15), each printed against a figure measured in this run:
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import tempfile
@@ -336,6 +337,7 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int, device: str = "cpu"
     def fresh(audit_setup: Callable[[], None]) -> Callable[[], None]:
         def setup() -> None:
             holder.pop("m", None)
+            gc.collect()  # the previous round's model freed before the next is built (never two 1.5 GB drafts)
             holder["m"] = shape.build()
             audit_setup()
         return setup
@@ -347,7 +349,7 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int, device: str = "cpu"
         Arm("lifecycle, audit on", common.synced(lambda: lifecycle_cold(holder["m"], path, device), device),
             fresh(audit_on)),
     ]
-    cold = common.interleaved(cold_arms, max(3, repeats // 2))
+    cold = common.interleaved(cold_arms, max(5, repeats))
     audit_off()
     holder.clear()
     path.unlink()

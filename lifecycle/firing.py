@@ -224,8 +224,9 @@ class TableMachine:
         mid-load loses at most that batch of `layer_ready` lines (the epoch reads as unfinished either way)."""
         readiness = self.readiness
         self._seq = seq = self._seq + 1
-        item = (event, seq, readiness.epoch, layers[:LIST_CAP], len(layers), tensors, readiness.layers_ready,
-                readiness.layers_total, time.time_ns() if at_ns is None else at_ns)
+        # the counts read from their fields (`layers_ready`, `layers_total`): properties cost a call each
+        item = (event, seq, readiness.epoch, layers[:LIST_CAP], len(layers), tensors, readiness._complete,
+                len(readiness.tensors_of_layer), time.time_ns() if at_ns is None else at_ns)
         held = self._held
         hold = events.hold_events() if self._may_hold else HOLD_NONE
         held.append(item)
