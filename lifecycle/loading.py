@@ -337,10 +337,11 @@ def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
     copied, and the lifecycle is told once the buckets are written (`weights_loaded_buckets`, each with the time
     it was written), in one pass while its tables are hot, instead of between each bucket's reads and copies
     (which evict them). Nothing else can act between the buckets (one thread, no progress callback, no debug
-    event), so what it says is the same; the first bucket is reported at once (a transition it fires is stamped
-    before the later buckets' events); whatever ends the loop early (a read or write failure, a NaN, an
-    interrupt) reports the buckets written before it first. `whole_layers`: each bucket is every tracked tensor
-    of one layer (see `BackboneLifecycle._whole_layers_loaded`)."""
+    event), so what it says is the same. On a backbone with nothing loaded yet the first bucket is reported at
+    once (the transition out of META it fires is stamped before the later buckets' events; in a reload only the
+    last layer's completion moves the state, and it is reported after every bucket's event). Whatever ends the
+    loop early (a read or write failure, a NaN, an interrupt) reports the buckets written before it first.
+    `whole_layers`: each bucket is every tracked tensor of one layer (`BackboneLifecycle._whole_layers_loaded`)."""
     lc = backbone.lifecycle
     written: list[tuple[list[str], int]] = []
 
@@ -369,7 +370,7 @@ def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
                 raise _write_failed(lc, names, done, e, materialized=True) from e
             written.append((names, time.time_ns()))
             report.tensors += done
-            if not report.buckets:  # the first bucket's transition (from META, or the epoch's first) in its time
+            if not report.buckets and lc.unloaded:  # the first report from META moves the state: in its time
                 report_written()
             del bucket  # only the bucket being read is held: the peak extra memory is one bucket
     finally:
