@@ -332,7 +332,7 @@ def _write_failed(lc: BackboneLifecycle, names: list[str], done: int, error: Exc
 
 def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
                          read: Iterator[list[tuple[str, torch.Tensor]]], device: torch.device | str,
-                         finite_check: bool, report: LoadReport, whole_layers: bool) -> None:
+                         finite_check: bool, report: LoadReport, whole_layers: list[str] | None) -> None:
     """The loader's own buckets on an unlocked lifecycle, with no callback between them: each bucket is read and
     copied, and the lifecycle is told once the buckets are written (`weights_loaded_buckets`, each with the time
     it was written), in one pass while its tables are hot, instead of between each bucket's reads and copies
@@ -341,7 +341,7 @@ def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
     once (the transition out of META it fires is stamped before the later buckets' events; in a reload only the
     last layer's completion moves the state, and it is reported after every bucket's event). Whatever ends the
     loop early (a read or write failure, a NaN, an interrupt) reports the buckets written before it first.
-    `whole_layers`: each bucket is every tracked tensor of one layer (`BackboneLifecycle._whole_layers_loaded`)."""
+    `whole_layers`: each bucket is every tracked tensor of this layer (`BackboneLifecycle._whole_layers_loaded`)."""
     lc = backbone.lifecycle
     written: list[tuple[list[str], int]] = []
 
@@ -377,15 +377,27 @@ def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
         report_written()
 
 
+def _whole_layer_plan(lc: BackboneLifecycle, buckets: list[list[str]]) -> list[str] | None:
+    """Each bucket's layer, when each is every tracked tensor of one layer, each layer once (a plan by layer of a
+    checkpoint with every tracked tensor): read while the plan's names are in the caches. Else None."""
+    layer_of_name, tensors_of = lc.readiness.layer_of_name, lc.readiness.tensors_of_layer
+    layers = [layer_of_name[b[0]] for b in buckets]
+    if len(set(layers)) != len(layers) or any(len(b) != len(tensors_of[la]) for la, b in zip(layers, buckets,
+                                                                                           strict=True)):
+        return None
+    return layers
+
+
 def _report_written(lc: BackboneLifecycle, written: list[tuple[list[str], int]], report: LoadReport,
-                    whole_layers: bool) -> None:
+                    whole_layers: list[str] | None) -> None:
     """Report the buckets written so far (`_load_reported_later`), once: `written` is emptied."""
     if not written:
         return
     buckets, written[:] = written[:], []
+    first = report.buckets  # the plan's index of buckets[0]: the buckets are reported in the order written
     report.buckets += len(buckets)
     # write_tensor leaves nothing on META: materialized
-    reported = (lc._whole_layers_loaded(buckets) if whole_layers
+    reported = (lc._whole_layers_loaded(buckets, whole_layers[first:first + len(buckets)]) if whole_layers
                 else lc.weights_loaded_buckets(buckets, materialized=True))
     for completed in reported:
         if completed:
@@ -450,8 +462,8 @@ def load_safetensors(
             and not events.enabled("debug")):
         # the plan by layer of every tracked tensor (the names are the specs': validated, and as many): each
         # bucket is one whole layer
-        whole_layers = (bucket_by == "layer" and subset is None and not shuffle and not duplicates
-                        and len(names) == len(lc.specs))
+        whole_layers = _whole_layer_plan(lc, buckets) if (bucket_by == "layer" and subset is None and not shuffle
+                                                          and not duplicates and len(names) == len(lc.specs)) else None
         with closing(iter_buckets(index, buckets)) as read:
             _load_reported_later(backbone, buckets, read, device, finite_check, report, whole_layers)
         report.duration_ms = (time.perf_counter() - t0) * 1e3

@@ -199,17 +199,16 @@ class BackboneLifecycle(TableMachine):
         with self._lock:
             return [self.weights_loaded(names, materialized=materialized, at_ns=at_ns) for names, at_ns in buckets]
 
-    def _whole_layers_loaded(self, buckets: list[tuple[list[str], int]]) -> list[list[str]]:
-        """`weights_loaded_buckets` of buckets the loader wrote with its own copy where each bucket is every
-        tracked tensor of one layer (its plan by layer of a checkpoint that holds every tracked tensor): when no
-        layer of them received anything yet in this epoch, each completes its layer, counted per layer without
-        reading a name, and the names join the written set in one step. Otherwise the general path."""
+    def _whole_layers_loaded(self, buckets: list[tuple[list[str], int]], layers: list[str]) -> list[list[str]]:
+        """`weights_loaded_buckets` of buckets the loader wrote with its own copy where `buckets[i]` is every
+        tracked tensor of `layers[i]` (its plan by layer of a checkpoint that holds every tracked tensor,
+        `loading._whole_layer_plan`): when no layer of them received anything yet in this epoch, each completes
+        its layer, counted per layer without reading a name, and the names join the written set in one step.
+        Otherwise the general path."""
         readiness = self.readiness
-        layer_of_name, sizes = readiness.layer_of_name, readiness.tensors_of_layer
-        layers = [layer_of_name[names[0]] for names, _ in buckets]
         with self._lock:
-            if (not buckets or "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]
-                    or any(len(names) != len(sizes[la]) for la, (names, _) in zip(layers, buckets, strict=True))
+            if (not buckets or len(layers) != len(buckets)
+                    or "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]
                     or not readiness.fresh_layers(layers)):
                 return self.weights_loaded_buckets(buckets, materialized=True)
             for layer, (names, at_ns) in zip(layers, buckets, strict=True):
