@@ -56,7 +56,11 @@ def setup_run(args: argparse.Namespace, default_repeats: int) -> int:
 
 
 def json_path(args: argparse.Namespace, name: str) -> Path:
-    return Path(args.json) if args.json else RESULTS_DIR / f"{name}.json"
+    """`--json`, else `benchmarks/results/NAME.json`; a `--quick` run's figures mean nothing, so they go to
+    `benchmarks/results/quick/` (git-ignored) and never replace a full run's."""
+    if args.json:
+        return Path(args.json)
+    return (RESULTS_DIR / "quick" if args.quick else RESULTS_DIR) / f"{name}.json"
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> Path:

@@ -286,3 +286,15 @@ def test_shadow_memory_quick_counts_no_byte_over_stock_vllm(tmp_path):
         assert r["main_over_stock_bytes"] > 0
         assert r["shadows"] == (2 if layout == "cpu" else 0) and r["shadow_views"] == r["shadows"]
     assert data["targets_met"] == data["targets"] == 4 and "TARGETS: 4/4 met" in proc.stdout
+
+
+def test_a_quick_run_never_replaces_a_full_runs_results() -> None:
+    import argparse
+
+    from benchmarks import common
+
+    full = common.json_path(argparse.Namespace(json=None, quick=False), "refresh")
+    quick = common.json_path(argparse.Namespace(json=None, quick=True), "refresh")
+    assert full == common.RESULTS_DIR / "refresh.json"
+    assert quick.parent == common.RESULTS_DIR / "quick" and quick != full
+    assert common.json_path(argparse.Namespace(json="/tmp/x.json", quick=True), "refresh") == Path("/tmp/x.json")
