@@ -297,37 +297,55 @@ def _write_and_report(backbone: DraftBackbone, names: list[str], bucket: list[tu
         elif not validated and (
                 problems := [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]):
             error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value)
-        elif finite_check and (problems := non_finite(bucket)):
-            error = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value)
         if error is not None:
             lc.record_refusal("weights_loaded", error)
             raise error
+        if finite_check and (refusal := _non_finite_refusal(lc, bucket)):
+            raise refusal
         if before_write is not None:
             before_write(names)
-        write = writer or write_tensor
-        done = 0
-        try:
-            for name, value in bucket:
-                write(backbone, name, value, device)
-                done += 1
-        except Exception as e:
-            raise _write_failed(lc, names, done, e, materialized=writer is None) from e
+        _write_bucket(backbone, names, bucket, device, writer)
         return lc.weights_loaded(names, materialized=writer is None)  # write_tensor leaves nothing on META
     finally:
         lc.release_write_lease(lease)
 
 
-def _write_failed(lc: BackboneLifecycle, names: list[str], done: int, error: Exception, *, materialized: bool
-                  ) -> WeightWriteError:
-    """A bucket's write failed at `names[done]`: the tensors before it are reported loaded, the failing one as
-    possibly written (dirty, missing until sent again); the refusal is audited. Returns the error to raise."""
-    written = names[:done]
-    err = WeightWriteError(names[done], written, len(names), error, backbone=lc.name, state=lc.state.value)
-    lc.mark_dirty([names[done]])
-    if written:
-        lc.weights_loaded(written, materialized=materialized)
-    lc.record_refusal("weights_loaded", err)
-    return err
+def _write_bucket(backbone: DraftBackbone, names: list[str], bucket: list[tuple[str, torch.Tensor]],
+                  device: torch.device | str, writer: Writer | None,
+                  before_failure: Callable[[], None] | None = None) -> None:
+    """Write every tensor of a bucket (`writer`, else `write_tensor`). A write that fails part way raises
+    `WeightWriteError` (after `before_failure`): the tensors before it are reported loaded, the failing one as
+    possibly written (dirty, missing until sent again); the refusal is audited."""
+    write = writer or write_tensor
+    done = 0
+    try:
+        for name, value in bucket:
+            write(backbone, name, value, device)
+            done += 1
+    except Exception as e:
+        if before_failure is not None:
+            before_failure()
+        lc = backbone.lifecycle
+        written = names[:done]
+        err = WeightWriteError(names[done], written, len(names), e, backbone=lc.name, state=lc.state.value)
+        lc.mark_dirty([names[done]])
+        if written:
+            lc.weights_loaded(written, materialized=writer is None)
+        lc.record_refusal("weights_loaded", err)
+        raise err from e
+
+
+def _non_finite_refusal(lc: BackboneLifecycle, bucket: list[tuple[str, torch.Tensor]],
+                        before: Callable[[], None] | None = None) -> NonFiniteWeightError | None:
+    """The `finite_check` refusal of a bucket holding NaN or Inf, audited (after `before`), or None."""
+    problems = non_finite(bucket)
+    if not problems:
+        return None
+    if before is not None:
+        before()
+    error = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value)
+    lc.record_refusal("weights_loaded", error)
+    return error
 
 
 def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
@@ -355,21 +373,11 @@ def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
             except CheckpointError as e:  # the file changed or shrank while read: this bucket is not written
                 report_written()
                 raise _refused(backbone, e) from e
-            if finite_check and (problems := non_finite(bucket)):
-                report_written()
-                error = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value)
-                lc.record_refusal("weights_loaded", error)
-                raise error
-            done = 0
-            try:
-                for name, value in bucket:
-                    write_tensor(backbone, name, value, device)
-                    done += 1
-            except Exception as e:
-                report_written()
-                raise _write_failed(lc, names, done, e, materialized=True) from e
+            if finite_check and (refusal := _non_finite_refusal(lc, bucket, report_written)):
+                raise refusal  # the buckets before it were reported first
+            _write_bucket(backbone, names, bucket, device, None, before_failure=report_written)
             written.append((names, time.time_ns()))
-            report.tensors += done
+            report.tensors += len(bucket)
             if not report.buckets and lc.unloaded:  # the first report from META moves the state: in its time
                 report_written()
             del bucket  # only the bucket being read is held: the peak extra memory is one bucket

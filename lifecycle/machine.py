@@ -224,8 +224,8 @@ class BackboneLifecycle(TableMachine):
         """Record that tensors were written (one bucket; one tensor is fine). Unknown names are refused and
         nothing is recorded. Returns the layers that completed with this bucket. `materialized=True` says the
         writer left each of them off META (the loader's own `write_tensor`): while every report of an epoch says
-        so, the FULLY_LOADED condition at the last bucket trusts the counts instead of scanning every live tensor
-        for a placeholder; `finish_loading` scans either way.
+        so, the FULLY_LOADED condition and the finish guard trust the counts instead of scanning every live tensor
+        for a placeholder (`missing_by_counts`); the refresh scans either way.
 
         Per bucket: one `layer_ready` event listing the layers it completed (none if it completed none); the
         machine fires only when the state changes (the first report after META, the last layer of an epoch):

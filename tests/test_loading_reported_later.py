@@ -15,7 +15,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from lifecycle import LifecycleState, WeightWriteError
+from lifecycle import LifecycleState, NonFiniteWeightError, WeightWriteError
 from lifecycle import loading as loading_module
 from lifecycle.events import configure_audit, read_events
 from lifecycle.loading import apply_bucket, load_safetensors, write_checkpoint
@@ -150,3 +150,51 @@ def test_capture_logs_sees_the_same_events(tmp_path: Path) -> None:
             load_safetensors(m, a, **extra)
         seen[way] = [(e["event"], e.get("layers"), e.get("layers_ready"), e.get("dst")) for e in logs]
     assert seen["later"] == seen["as written"] and seen["later"]
+
+
+def test_a_load_sent_again_after_a_failed_write_completes_the_same(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retry a trainer makes after a failed write: the second load of the same epoch is no fresh epoch (the
+    per-layer count must not apply to what the first wrote) and ends FULLY_LOADED, then finalizes, either way."""
+    real = loading_module.write_tensor
+    armed = {"on": False}
+
+    def failing(module: torch.nn.Module, name: str, value: torch.Tensor, device: object) -> None:
+        if armed["on"] and name == "layers.2.mlp.down_proj.weight":
+            armed["on"] = False  # fails once
+            raise RuntimeError("disk gone")
+        real(module, name, value, device)
+
+    monkeypatch.setattr(loading_module, "write_tensor", failing)
+    b = write_checkpoint(random_weights(CFG, 1), tmp_path / "retry.safetensors")
+
+    def fail_then_retry(m: DFlashQwen3Draft) -> None:
+        armed["on"] = True
+        with pytest.raises(WeightWriteError):
+            load_safetensors(m, b, progress=None)
+
+    runs = _both_ways(tmp_path, "reload", prepare=fail_then_retry)
+    later, now = runs["later"], runs["as written"]
+    assert later["readiness"] == now["readiness"] and later["trail"] == now["trail"]
+    assert later["readiness"]["state"] is S.FULLY_LOADED and later["readiness"]["missing"] == {}
+    for run in (later, now):
+        run["model"].finalize_loading()
+        run["model"].refresh_derived_buffers()
+        assert run["model"].lifecycle.usable
+
+
+def test_a_non_finite_bucket_is_refused_the_same_after_the_buckets_before_it(tmp_path: Path) -> None:
+    weights = random_weights(CFG, 1)
+    weights["layers.2.mlp.down_proj.weight"][0, 0] = float("nan")
+    path = write_checkpoint(weights, tmp_path / "nan.safetensors")
+    seen = {}
+    for way, extra in (("later", {}), ("as written", {"progress": lambda _p: None})):
+        m = _model("reload", write_checkpoint(random_weights(CFG, 0), tmp_path / "a.safetensors"))
+        log = tmp_path / f"nan-{way}.jsonl"
+        configure_audit(json_path=log, console=False)
+        with pytest.raises(NonFiniteWeightError):
+            load_safetensors(m, path, finite_check=True, **extra)
+        configure_audit(console=False)
+        seen[way] = (_readiness(m), _trail(read_events(log)))
+    assert seen["later"] == seen["as written"]
+    assert seen["later"][1][-1][0] == "refused" and seen["later"][0]["loaded"]["layers.1.mlp.down_proj.weight"]
