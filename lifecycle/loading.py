@@ -386,12 +386,12 @@ def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
 
 
 def _whole_layer_plan(lc: BackboneLifecycle, buckets: list[list[str]]) -> list[str] | None:
-    """Each bucket's layer, when each is every tracked tensor of one layer, each layer once (a plan by layer of a
-    checkpoint with every tracked tensor): read while the plan's names are in the caches. Else None."""
+    """Each bucket's layer, when each is every tracked tensor of one layer (a plan by layer of a checkpoint with
+    every tracked tensor: one bucket per layer by construction; `LayerReadiness.fresh_layers` checks again that
+    none comes twice): read while the plan's names are in the caches. Else None."""
     layer_of_name, tensors_of = lc.readiness.layer_of_name, lc.readiness.tensors_of_layer
     layers = [layer_of_name[b[0]] for b in buckets]
-    if len(set(layers)) != len(layers) or any(len(b) != len(tensors_of[la]) for la, b in zip(layers, buckets,
-                                                                                           strict=True)):
+    if any(len(b) != len(tensors_of[la]) for la, b in zip(layers, buckets, strict=True)):
         return None
     return layers
 
