@@ -225,15 +225,35 @@ class TableMachine:
         readiness = self.readiness
         self._seq = seq = self._seq + 1
         # the counts read from their fields (`layers_ready`, `layers_total`): properties cost a call each
-        item = (event, seq, readiness.epoch, layers[:LIST_CAP], len(layers), tensors, readiness._complete,
-                len(readiness.tensors_of_layer), time.time_ns() if at_ns is None else at_ns)
-        held = self._held
+        self._hold_layer_events([(event, seq, readiness.epoch, layers[:LIST_CAP], len(layers), tensors,
+                                  readiness._complete, len(readiness.tensors_of_layer),
+                                  time.time_ns() if at_ns is None else at_ns)])
+
+    def _audit_whole_layers(self, layers: list[str], buckets: list[tuple[list[str], int]], ready_before: int
+                            ) -> None:
+        """One `layer_ready` event per bucket of `buckets`, `buckets[i]` being every tensor of `layers[i]` (written
+        at its time), completing the layers in order from `ready_before` layers ready: the events
+        `_audit_layers` makes for them one by one, made in one pass (a load's reports come in one call)."""
+        readiness = self.readiness
+        seq, epoch, total = self._seq, readiness.epoch, len(readiness.tensors_of_layer)
+        self._seq = seq + len(layers)
+        self._hold_layer_events([("layer_ready", seq + i, epoch, [layer], 1, len(names), ready_before + i, total, at_ns)
+                                 for i, (layer, (names, at_ns)) in enumerate(zip(layers, buckets, strict=True), 1)])
+
+    def _hold_layer_events(self, items: list[tuple[Any, ...]]) -> None:
+        """Hold per-bucket events (tuples, in order) as `_audit_layers` says, and flush when a bound is reached."""
         hold = events.hold_events() if self._may_hold else HOLD_NONE
-        held.append(item)
+        if hold == HOLD_NONE:  # each written (and kept) as it comes
+            for item in items:
+                self._held.append(item)  # a flush replaces the list
+                self.flush_events()
+            return
+        held = self._held
+        held.extend(items)
         if hold == HOLD_KEEP:  # nothing is written: only the last `recent_events` are ever read
             if len(held) > 2 * (self._recent.maxlen or 0) + events.HOLD_MAX:
                 del held[:len(held) - (self._recent.maxlen or 0)]
-        elif hold == HOLD_NONE or len(held) >= events.HOLD_MAX or item[-1] - held[0][-1] >= events.HOLD_NS:
+        elif len(held) >= events.HOLD_MAX or held[-1][-1] - held[0][-1] >= events.HOLD_NS:
             self.flush_events()
 
     def flush_events(self) -> None:

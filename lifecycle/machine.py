@@ -211,9 +211,9 @@ class BackboneLifecycle(TableMachine):
                     or "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]
                     or not readiness.fresh_layers(layers)):
                 return self.weights_loaded_buckets(buckets, materialized=True)
-            for layer, (names, at_ns) in zip(layers, buckets, strict=True):
-                readiness.mark_layer_written(layer)
-                self._audit_layers("layer_ready", [layer], len(names), at_ns)
+            ready_before = readiness._complete
+            readiness.mark_layers_written(layers)
+            self._audit_whole_layers(layers, buckets, ready_before)
             readiness.settle_layers(layers)
             if self._bucket_moves("weights_loaded", True):
                 self._fire("weights_loaded", tensors=len(buckets[-1][0]))

@@ -187,21 +187,23 @@ class LayerReadiness:
         return [layer]
 
     def fresh_layers(self, layers: Sequence[str]) -> bool:
-        """Whether `mark_layer_written` may take each of `layers` (distinct): nothing of any was loaded in this
+        """Whether `mark_layers_written` may take each of `layers` (distinct): nothing of any was loaded in this
         epoch, and nothing unusual happened in it (no declaration, failed write or refresh)."""
         left, size = self._left, self._size
         return self._plain and len(set(layers)) == len(layers) and all(left[la] == size[la] for la in layers)
 
-    def mark_layer_written(self, layer: str) -> None:
-        """Every tensor of `layer` was written (a layer `fresh_layers` vouched for): the counts now; the names join
-        the written set at `settle_layers`, before anything reads it."""
-        self._left[layer] = 0
-        self._complete += 1
+    def mark_layers_written(self, layers: Sequence[str]) -> None:
+        """Every tensor of each of `layers` was written (layers `fresh_layers` vouched for): the counts now; the
+        names join the written set at `settle_layers`, before anything reads it."""
+        left = self._left
+        for layer in layers:
+            left[layer] = 0
+        self._complete += len(layers)
         if self.partly_written:
-            self.partly_written.discard(layer)
+            self.partly_written.difference_update(layers)
 
     def settle_layers(self, layers: Iterable[str]) -> None:
-        """The names of the layers `mark_layer_written` took, into the written set: when that completed every
+        """The names of the layers `mark_layers_written` took, into the written set: when that completed every
         layer, the set of every name in one copy of the name table (no name object is read: the table keeps
         each hash), else each layer's names."""
         if self._complete == len(self._size) and not self._unchanged:
