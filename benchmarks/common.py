@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -213,11 +214,14 @@ class Eviction:
 
 
 def interleaved(arms: Sequence[Arm], repeats: int, *, warmup: int = 1,
-                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+                clock: Callable[[], float] = time.perf_counter,
+                faults: dict[str, list[int]] | None = None) -> dict[str, list[float]]:
     """Time every arm `repeats` times (seconds), interleaved round by round with the order rotated each round, so
     drift and other tenants' load hit every arm alike. `warmup` untimed rounds first (page cache, allocator).
     `clock`: wall time by default; `time.thread_time` measures CPU work of this thread only (for pure-Python
-    bookkeeping: it does not count time the scheduler gave to other tenants)."""
+    bookkeeping: it does not count time the scheduler gave to other tenants). `faults`, if given, gets each
+    timed run's minor page faults (the process's): an arm whose buffers the allocator gives back to the system
+    between rounds faults every page in again, which shows here and not in the arm's own code."""
     samples: dict[str, list[float]] = {a.name: [] for a in arms}
     gc.collect()  # once: the collector is then off while an arm is timed, and runs (if due) in between
     for r in range(warmup + repeats):
@@ -227,13 +231,17 @@ def interleaved(arms: Sequence[Arm], repeats: int, *, warmup: int = 1,
                 arm.setup()
             gc.disable()
             try:
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = clock()
                 arm.run()
                 dt = clock() - t0
+                faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
             finally:
                 gc.enable()
             if r >= warmup:
                 samples[arm.name].append(dt)
+                if faults is not None:
+                    faults.setdefault(arm.name, []).append(faulted)
     return samples
 
 

@@ -121,7 +121,7 @@ def baseline_load(model: DraftBackbone, path: Path, layer_map: dict[str, str], p
     index = checkpoint_index(path)
     buckets = plan_buckets(list(index), layer_map.__getitem__, bucket_by="layer")
     n = 0
-    for bucket in iter_buckets(index, buckets):
+    for bucket in iter_buckets(index, buckets, reuse=True):  # as the loader reads for its own write_tensor
         for name, value in bucket:
             write_tensor(model, name, value, device)
         n += len(bucket)
@@ -147,7 +147,7 @@ def stubbed_io(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
     """Disk reads come from memory and writes do nothing, in the loader and the baseline alike: what is left of
     the loader's time is the lifecycle's bookkeeping (validation, readiness, triggers, events)."""
 
-    def from_memory(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]]
+    def from_memory(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]], reuse: bool = False
                     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         for bucket in buckets:
             yield [(n, tensors[n]) for n in bucket]
@@ -310,7 +310,8 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int, device: str = "cpu"
         Arm("lifecycle, audit off", common.synced(lambda: lifecycle_reload(live["m"], path, device), device),
             audit_off),
     ]
-    samples = common.interleaved(reload_arms, repeats)
+    faults: dict[str, list[int]] = {}
+    samples = common.interleaved(reload_arms, repeats, faults=faults)
     audit_on()
     lifecycle_reload(live["m"], path, device)
     audit_off()
@@ -330,7 +331,7 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int, device: str = "cpu"
     for arm in ("lifecycle, audit on", "lifecycle, audit off"):
         book_ms = (min(stub[arm]) - min(stub["baseline"])) * 1e3
         rows.append(_row(shape, "reload", arm, tensors, nbytes, layers, base, samples[arm], samples["baseline"],
-                         book_ms, events_per_load))
+                         book_ms, events_per_load, (faults["baseline"], faults[arm])))
 
     # cold load: a fresh model on META for every repeat (built untimed)
     holder: dict[str, DraftBackbone] = {}
@@ -350,18 +351,20 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int, device: str = "cpu"
         Arm("lifecycle, audit on", common.synced(lambda: lifecycle_cold(holder["m"], path, device), device),
             fresh(audit_on)),
     ]
-    cold = common.interleaved(cold_arms, max(5, repeats))
+    cold_faults: dict[str, list[int]] = {}
+    cold = common.interleaved(cold_arms, max(5, repeats), faults=cold_faults)
     audit_off()
     holder.clear()
     path.unlink()
     rows.append(_row(shape, "cold", "lifecycle, audit on", tensors, nbytes, layers,
-                     common.summarize(cold["baseline"]), cold["lifecycle, audit on"], cold["baseline"], None, None))
+                     common.summarize(cold["baseline"]), cold["lifecycle, audit on"], cold["baseline"], None, None,
+                     (cold_faults["baseline"], cold_faults["lifecycle, audit on"])))
     return rows, {"shape": shape.name, **update}, kinds
 
 
 def _row(shape: Shape, mode: str, arm: str, tensors: int, nbytes: int, layers: int, base: dict[str, float],
-         samples: list[float], baseline_samples: list[float], bookkeeping_ms: float | None, events: int | None
-         ) -> dict[str, Any]:
+         samples: list[float], baseline_samples: list[float], bookkeeping_ms: float | None, events: int | None,
+         faults: tuple[list[int], list[int]]) -> dict[str, Any]:
     s = common.summarize(samples)
     paired = common.paired_ratio(samples, baseline_samples)
     # against the fastest baseline round: the loader's time with the least interference from other tenants
@@ -375,6 +378,8 @@ def _row(shape: Shape, mode: str, arm: str, tensors: int, nbytes: int, layers: i
         "bookkeeping_ms": None if bookkeeping_ms is None else round(bookkeeping_ms, 3),
         "bookkeeping_overhead": None if book is None else round(book, 4),
         "audit_events_per_load": events,
+        # minor page faults per load, median (baseline, lifecycle): a difference is the allocator's, not the code's
+        "page_faults_per_load": [int(statistics.median(f)) for f in faults],
         "target_overhead": TARGET_OVERHEAD,
         "met_end_to_end": paired["median"] - 1 <= TARGET_OVERHEAD,
         "end_to_end_is_target": audit_on,  # the target is set with audit on; audit off is shown beside it
@@ -434,10 +439,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     verdict = lambda ok: "-" if ok is None else ("met" if ok else "MISSED")  # noqa: E731
     common.say("\n1. end to end: loader time, median ms (min-max); overhead = lifecycle / baseline - 1, the median of "
                "the per-round ratios (IQR). Target: <= +2.0% with audit on.\n   bookkeeping = the lifecycle's own "
-               "CPU work (I/O and copies stubbed out, min over rounds) / baseline min.")
+               "CPU work (I/O and copies stubbed out, min over rounds) / baseline min.\n   page faults/load = minor "
+               "page faults of a load, median, baseline / lifecycle: where they differ, the allocator gave a buffer "
+               "back between rounds in one arm (its pages are faulted in again), not the lifecycle's own work.")
     common.say(common.table(
         ["draft", "load", "arm", "tensors", "MB", "layers", "baseline ms", "lifecycle ms", "overhead (IQR)",
-         "target", "bookkeeping", "events/load"],
+         "target", "bookkeeping", "events/load", "page faults/load"],
         [[r["shape"], r["mode"], r["arm"], r["tensors"], r["mb"], r["layers"],
           f"{r['baseline']['median_ms']:.1f} ({common.spread(r['baseline'])})",
           f"{r['lifecycle']['median_ms']:.1f} ({common.spread(r['lifecycle'])})",
@@ -445,7 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{pct(r['overhead_paired']['p75'])})",
           verdict(r["met_end_to_end"]) if r["end_to_end_is_target"] else "(shown)",
           "-" if r["bookkeeping_ms"] is None else f"{r['bookkeeping_ms']:.2f} ms = {pct(r['bookkeeping_overhead'])}",
-          r["audit_events_per_load"] if r["audit_events_per_load"] is not None else "-"] for r in rows]))
+          r["audit_events_per_load"] if r["audit_events_per_load"] is not None else "-",
+          "{} / {}".format(*r["page_faults_per_load"])] for r in rows]))
     common.say(f"\n2. per tensor: the readiness update of a load's buckets (one per layer) vs a dict update per tensor "
                f"of the same buckets; ns per tensor, CPU time, min over rounds. Target: <= {TARGET_PER_TENSOR_X:g}x.")
     common.say(common.table(

@@ -16,8 +16,9 @@ trusted beyond what was checked:
   opened for reading waits for a writer forever). Files are opened non-blocking and checked on the descriptor.
 - The header is parsed here, and every tensor's byte range is checked against the file's size before any data
   is read: a file truncated after its header is refused from the index.
-- Data is read with `os.preadv` into fresh tensors, never memory-mapped: a file truncated under a mapping
-  kills the process with SIGBUS; under a read it comes up short, which is a `CheckpointError`.
+- Data is read with `os.preadv` into fresh tensors (or, for the loader, which copies each value, one buffer
+  reused from bucket to bucket), never memory-mapped: a file truncated under a mapping kills the process with
+  SIGBUS; under a read it comes up short, which is a `CheckpointError`.
 - Each file's identity (size, mtime_ns, inode, device) is recorded when its header is read and compared again
   when the file is opened for its data and after every bucket read from it, through the descriptor (rewritten
   in place: size or mtime changed) and through the path (replaced or removed). A change is a `CheckpointError`
@@ -269,23 +270,43 @@ class _OpenFile:
                                   "write the next checkpoint to a new path", backbone=None)
 
 
-def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]]
+_ALIGN = 64  # each value of a reused buffer starts at a multiple: any dtype's alignment, a cache line
+
+
+def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]], *, reuse: bool = False
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Stream the buckets from disk: only one bucket's tensors are in memory at a time. Each file is opened
     once, when a bucket first needs it; it must be the file the index describes, and it is checked again
-    after each bucket's reads, before the bucket is handed out (see the module docstring)."""
+    after each bucket's reads, before the bucket is handed out (see the module docstring).
+
+    `reuse=True`: every bucket is read into one buffer (the size of the largest bucket so far), and its tensors
+    are views of it, valid until the next bucket is asked for: for a reader that copies each value before it
+    asks (the loader's `write_tensor`). Why: a fresh tensor per value is freed with its bucket, and depending on
+    what else sits in the heap the allocator gives those pages back to the system and faults them in again for
+    the next bucket, page by page: a real-size draft (1.5 GB bf16) reloaded in 820 ms, 300 ms with reuse."""
     files: dict[Path, _OpenFile] = {}
+    staging: torch.Tensor | None = None
     try:
         for bucket in buckets:
             out = []
             used: dict[Path, _OpenFile] = {}
-            for name in bucket:
-                entry = index[name]
+            entries = [index[name] for name in bucket]
+            if reuse:
+                need = sum(-(-e.nbytes // _ALIGN) * _ALIGN for e in entries)
+                if staging is None or staging.numel() < need:
+                    staging = None  # the smaller buffer goes first: the peak stays one bucket
+                    staging = torch.empty(need, dtype=torch.uint8)
+            offset = 0
+            for name, entry in zip(bucket, entries, strict=True):
                 f = files.get(entry.path)
                 if f is None:
                     f = files[entry.path] = _OpenFile(entry.path, entry.identity)
                 used[entry.path] = f
-                out.append((name, _read_tensor(f, entry)))
+                if staging is None:
+                    out.append((name, _read_tensor(f, entry)))
+                else:
+                    out.append((name, _read_tensor(f, entry, staging[offset:offset + entry.nbytes])))
+                    offset += -(-entry.nbytes // _ALIGN) * _ALIGN
             for f in used.values():
                 f.check(f"after reading {len(bucket)} tensor(s)")
             yield out
@@ -294,8 +315,9 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]]
             os.close(f.fd)
 
 
-def _read_tensor(f: _OpenFile, entry: IndexEntry) -> torch.Tensor:
-    raw = torch.empty(entry.nbytes, dtype=torch.uint8)  # the only allocation: the tensor's own bytes
+def _read_tensor(f: _OpenFile, entry: IndexEntry, into: torch.Tensor | None = None) -> torch.Tensor:
+    # the only allocation: the tensor's own bytes (or none: `into`, a slice of `iter_buckets`' reused buffer)
+    raw = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into
     if entry.nbytes:
         _read_exact(f.fd, memoryview(raw.numpy()), entry.start, f.path)
     return raw.view(entry.dtype).reshape(entry.shape)

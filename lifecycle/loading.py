@@ -472,13 +472,14 @@ def load_safetensors(
         # bucket is one whole layer
         whole_layers = _whole_layer_plan(lc, buckets) if (bucket_by == "layer" and subset is None and not shuffle
                                                           and not duplicates and len(names) == len(lc.specs)) else None
-        with closing(iter_buckets(index, buckets)) as read:
+        with closing(iter_buckets(index, buckets, reuse=True)) as read:  # write_tensor copies each value
             _load_reported_later(backbone, buckets, read, device, finite_check, report, whole_layers)
         report.duration_ms = (time.perf_counter() - t0) * 1e3
         return report
     done = 0
     total = sum(map(len, buckets))
-    with closing(iter_buckets(index, buckets)) as read:
+    # a `writer` may keep a value: a buffer of its own for each; `write_tensor` copies (one reused buffer)
+    with closing(iter_buckets(index, buckets, reuse=writer is None)) as read:
         for i, bucket_names in enumerate(buckets):
             try:
                 bucket = next(read)
