@@ -366,6 +366,7 @@ def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
     def report_written() -> None:
         _report_written(lc, written, report, whole_layers)
 
+    first_from_meta = lc.unloaded  # nothing else can change the state during the loop
     try:
         for names in buckets:
             try:
@@ -378,7 +379,8 @@ def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
             _write_bucket(backbone, names, bucket, device, None, before_failure=report_written)
             written.append((names, time.time_ns()))
             report.tensors += len(bucket)
-            if not report.buckets and lc.unloaded:  # the first report from META moves the state: in its time
+            if first_from_meta:  # the first report from META moves the state: in its time
+                first_from_meta = False
                 report_written()
             del bucket  # only the bucket being read is held: the peak extra memory is one bucket
     finally:
