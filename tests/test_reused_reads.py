@@ -4,7 +4,7 @@ Before it, every value of a checkpoint was read into a fresh tensor and freed wi
 draft (8 layers, hidden 4096, bf16, 1.5 GB) each bucket's tensors were above the allocator's mmap threshold:
 every reload faulted all 1.5 GB in again (377k minor faults, 820 ms; with the reused buffer 61k faults, 300 ms),
 and on a 155 MB draft of small tensors the heap sometimes gave its pages back between buckets (15k faults and
-+46% for the lifecycle's reload in one benchmark process out of four). These tests pin what the reuse must not
++46% for the lifecycle's reload in two benchmark processes out of five). These tests pin what the reuse must not
 change: the values each bucket yields, that nothing the loader leaves behind aliases the buffer, and that a
 `writer` that keeps what it is given still gets tensors of its own.
 """
