@@ -273,6 +273,10 @@ class _OpenFile:
 _ALIGN = 64  # each value of a reused buffer starts at a multiple: any dtype's alignment, a cache line
 
 
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]], *, reuse: bool = False
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Stream the buckets from disk: only one bucket's tensors are in memory at a time. Each file is opened
@@ -292,7 +296,7 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]],
             used: dict[Path, _OpenFile] = {}
             entries = [index[name] for name in bucket]
             if reuse:
-                need = sum(-(-e.nbytes // _ALIGN) * _ALIGN for e in entries)
+                need = sum(_padded(e.nbytes) for e in entries)
                 if staging is None or staging.numel() < need:
                     staging = None  # the smaller buffer goes first: the peak stays one bucket
                     staging = torch.empty(need, dtype=torch.uint8)
@@ -306,7 +310,7 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]],
                     out.append((name, _read_tensor(f, entry)))
                 else:
                     out.append((name, _read_tensor(f, entry, staging[offset:offset + entry.nbytes])))
-                    offset += -(-entry.nbytes // _ALIGN) * _ALIGN
+                    offset += _padded(entry.nbytes)
             for f in used.values():
                 f.check(f"after reading {len(bucket)} tensor(s)")
             yield out

@@ -211,10 +211,7 @@ class BackboneLifecycle(TableMachine):
                     or "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]
                     or not readiness.fresh_layers(layers)):
                 return self.weights_loaded_buckets(buckets, materialized=True)
-            ready_before = readiness._complete
-            readiness.mark_layers_written(layers)
-            self._audit_whole_layers(layers, buckets, ready_before)
-            readiness.settle_layers(layers)
+            self._audit_whole_layers(layers, buckets, readiness.mark_layers_written(layers))
             if self._bucket_moves("weights_loaded", True):
                 self._fire("weights_loaded", tensors=len(buckets[-1][0]))
             return [[layer] for layer in layers]

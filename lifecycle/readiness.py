@@ -192,26 +192,25 @@ class LayerReadiness:
         left, size = self._left, self._size
         return self._plain and len(set(layers)) == len(layers) and all(left[la] == size[la] for la in layers)
 
-    def mark_layers_written(self, layers: Sequence[str]) -> None:
-        """Every tensor of each of `layers` was written (layers `fresh_layers` vouched for): the counts now; the
-        names join the written set at `settle_layers`, before anything reads it."""
+    def mark_layers_written(self, layers: Sequence[str]) -> int:
+        """Every tensor of each of `layers` was written (layers `fresh_layers` vouched for): counted per layer,
+        without reading a name, and the names join the written set (when that completes every layer, the set of
+        every name in one copy of the name table: no name object is read, the table keeps each hash). Returns
+        how many layers were ready before."""
+        ready_before = self._complete
         left = self._left
         for layer in layers:
             left[layer] = 0
         self._complete += len(layers)
         if self.partly_written:
             self.partly_written.difference_update(layers)
-
-    def settle_layers(self, layers: Iterable[str]) -> None:
-        """The names of the layers `mark_layers_written` took, into the written set: when that completed every
-        layer, the set of every name in one copy of the name table (no name object is read: the table keeps
-        each hash), else each layer's names."""
         if self._complete == len(self._size) and not self._unchanged:
             self._written = set(self.layer_of_name)
-            return
-        written, names_of = self._written, self._names_of_layer
-        for layer in layers:
-            written |= names_of[layer]
+        else:
+            written, names_of = self._written, self._names_of_layer
+            for layer in layers:
+                written |= names_of[layer]
+        return ready_before
 
     def _mark_written(self, names: Sequence[str]) -> list[str]:
         completed = self._mark(names, dirty=True)
