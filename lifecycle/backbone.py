@@ -79,12 +79,7 @@ class DraftBackbone(nn.Module):
         # the checkpoint tensors with their slots, in one list: the readiness check walks it once per scan
         self._checkpoint_slots: list[tuple[str, nn.Module | None, str]] = [
             (n, *self._tensor_slots.get(n, (None, ""))) for n in tensor_specs]
-        # the same slots as three parallel lists (module, its table's attribute name, leaf), for the scan in C
-        slotted = [(mod, "_parameters" if leaf in mod._parameters else "_buffers", leaf)
-                   for _, mod, leaf in self._checkpoint_slots if mod is not None]
-        self._scan: tuple[list[nn.Module], list[str], list[str]] | None = (
-            tuple(map(list, zip(*slotted, strict=True))) if len(slotted) == len(tensor_specs) and slotted  # type: ignore[assignment]
-            else None)
+        self._scan = self._scan_columns()
         self._check_declared_sources()
         self._lifecycle = BackboneLifecycle(
             name or type(self).__name__,
@@ -129,6 +124,16 @@ class DraftBackbone(nn.Module):
         self._slots.changed()
         self._slot_names = list(self._tensor_slots)
         self._checkpoint_slots = [s for s in self._checkpoint_slots if s[0] not in absent]
+        self._scan = self._scan_columns()  # else the scan in C reads the untracked tensors and always falls back
+
+    def _scan_columns(self) -> tuple[list[nn.Module], list[str], list[str]] | None:
+        """The checkpoint slots as three parallel lists (module, its table's attribute name, leaf), for
+        `meta_or_absent`'s scan in C; None when some tensor has no slot."""
+        slotted = [(mod, "_parameters" if leaf in mod._parameters else "_buffers", leaf)
+                   for _, mod, leaf in self._checkpoint_slots if mod is not None]
+        if not slotted or len(slotted) != len(self._checkpoint_slots):
+            return None
+        return tuple(map(list, zip(*slotted, strict=True)))  # type: ignore[return-value]
 
     # ---- accessors --------------------------------------------------------------------------------------------
     @property

@@ -207,3 +207,36 @@ def test_gather_reads_exactly_what_live_reads(ops: list[tuple[str, int, str]]) -
             assert len(got) == len(ns) and all(g is slots.live(n) for g, n in zip(got, ns, strict=True))
         view = slots.view()
         assert all(t is view.get(n) for t, n in zip(view.tensors_at(names), names, strict=True))
+
+
+class _HeadedDraft(DraftBackbone):
+    """An optional head the checkpoint lacks (it stays on META until `freeze_structure` stops tracking it)."""
+
+    derived_buffers = (stack("_norms", sources=("norm.weight",), per_layer=lambda layer: layer.norm.weight),)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(4)}) for _ in range(2))
+        with torch.device("meta"):
+            self.head = nn.Linear(4, 1)
+        self.requires_grad_(False)
+        self.init_lifecycle("headed")
+
+
+def test_the_meta_scan_follows_a_frozen_structure() -> None:
+    """Found in review: after `freeze_structure` untracked the head, the scan in C still read the head's
+    tensors (on META), so it fell back to the per-tensor loop on every scan. It reads the tracked ones only, and
+    still finds a tracked tensor swapped for META."""
+    d = _HeadedDraft()
+    lc = d.lifecycle
+    tracked = [f"layers.{i}.norm.{p}" for i in range(2) for p in ("weight", "bias")]
+    lc.weights_loaded(tracked)
+    d.freeze_structure({"head": False}, ["head.weight", "head.bias"])
+    assert d._scan is not None
+    modules, _, leaves = d._scan
+    assert [(m, leaf) for m, leaf in zip(modules, leaves, strict=True)] == [(m, leaf) for _, m, leaf in
+                                                                           d._checkpoint_slots]
+    assert d.meta_or_absent() == set()
+    norm = d.layers[1].norm
+    norm.weight = nn.Parameter(torch.empty(4, device="meta"), requires_grad=False)
+    assert d.meta_or_absent() == {"layers.1.norm.weight"}

@@ -182,3 +182,26 @@ def test_a_computed_stack_of_parts_writes_each_part_in_place() -> None:
     assert report.temporaries == 4 and report.temporary_bytes == 2 * SLICE_BYTES
     want = torch.stack([torch.cat([la.k_proj.weight * 2.0, la.v_proj.weight * 3.0]) for la in m.layers])
     assert torch.equal(m._scaled, want)
+
+
+@pytest.mark.parametrize("kind", [stack, concat])
+def test_a_buffer_over_no_layers_is_refused_naming_it(kind) -> None:  # noqa: ANN001
+    """Found in review: a `stack` or `concat` over an empty layer list failed with a bare IndexError."""
+
+    class NoLayers(DraftBackbone):
+        derived_buffers = (kind("_n", sources=("w",), per_layer=lambda layer: layer.w),)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList()
+            self.norm = nn.LayerNorm(4)
+            self.init_lifecycle("no-layers")
+
+    m = NoLayers()
+    lc = m.lifecycle
+    lc.weights_loaded(list(lc.specs))
+    m.finalize_loading()
+    with pytest.raises(SourceLayoutError, match=r"_n: layers has no layers") as e:
+        m.refresh_derived_buffers()
+    assert "no-layers" in str(e.value)
+    assert m._n is None and lc.state.value == "FINALIZED"

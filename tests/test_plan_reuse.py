@@ -329,3 +329,56 @@ def test_the_memory_holds_no_tensor_so_a_replaced_source_is_freed(ckpt: Path) ->
     reload_layers(m, [1])
     m.refresh_derived_buffers()
     assert torch.equal(m._kv.narrow(0, 2 * KV, 2 * KV), torch.zeros(2 * KV, HIDDEN))
+
+
+class _BufferLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+        self.register_buffer("scale", torch.ones(4))
+
+
+class _BufferSources(DraftBackbone):
+    """A stack whose per-layer source is a registered buffer, not a Parameter: a reused plan must ask whether each
+    part is a computed temporary, which needs the backbone's storages."""
+
+    derived_buffers = (stack("_scales", sources=("scale",), per_layer=lambda layer: layer.scale),)
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_BufferLayer() for _ in range(layers))
+        self.requires_grad_(False)
+        self.init_lifecycle("buffer-sources")
+
+
+def test_a_reused_plan_walks_the_backbones_storages_once_per_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: the reused plan walked every parameter and buffer once per written part (64 walks and a
+    refresh 20x slower than a fresh plan on 64 layers); a fresh plan walks them once."""
+    from lifecycle.derived import buffer_plan, per_layer, reuse
+
+    walks = Counter[str]()
+    real = buffer_plan.owned_storages
+
+    def counted(backbone: nn.Module) -> set[int]:
+        walks["owned"] += 1
+        return real(backbone)
+
+    monkeypatch.setattr(reuse, "owned_storages", counted)
+    monkeypatch.setattr(per_layer, "owned_storages", counted)
+    m = _BufferSources(16)
+    lc = m.lifecycle
+
+    def reload_and_refresh() -> str:
+        m.begin_reload()
+        lc.weights_loaded(list(lc.specs))
+        m.finalize_loading()
+        return m.refresh_derived_buffers()["_scales"].mode
+
+    lc.weights_loaded(list(lc.specs))
+    m.finalize_loading()
+    m.refresh_derived_buffers()
+    reload_and_refresh()  # the plan is remembered
+    walks.clear()
+    assert reload_and_refresh() == "in_place"
+    assert walks["owned"] == 1
+    assert torch.equal(m._scales, torch.stack([layer.scale for layer in m.layers]))

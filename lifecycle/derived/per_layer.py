@@ -58,6 +58,8 @@ def plan_per_layer(r: Request) -> Planned:
     spec = r.spec
     layers = _layers(r.backbone, spec.layers_attr)
     parts = [parts_of(spec, i, r.context, layer) for i, layer in enumerate(layers)]
+    if not parts:
+        return Problem("layout", f"{spec.kind} {spec.name}: {spec.layers_attr} has no layers, nothing to {spec.kind}")
     shapes, bad = [], []
     for i, ps in enumerate(parts):
         shape, problem = _slice_layout(spec, ps)

@@ -26,6 +26,7 @@ computed buffers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ from torch import nn
 
 from ..storage import IdentityColumns
 from ..types import TensorSpec
-from .buffer_plan import BufferPlan, Layout, SliceCopy, of_a_parameter, owned_storages, parts_of, temporaries
+from .buffer_plan import BufferPlan, Layout, SliceCopy, owned_storages, parts_of, temporaries
 from .specs import DerivedSpec, _layers
 
 __all__ = ["Gather", "Look", "PlanMemory", "reusable"]
@@ -171,6 +172,7 @@ def _replan(m: _Remembered, backbone: nn.Module, specs: Sequence[DerivedSpec], n
     each per-layer buffer evaluated (their parts checked against the remembered layout), a backed buffer
     verified. None when a part is not what the remembered plan validated."""
     out: dict[int, BufferPlan] = {}
+    owned = functools.cache(functools.partial(owned_storages, backbone))  # walked once per refresh, and only if needed
     for k in m.kept:
         spec, existing = specs[k.index], now.buffers[k.observed]
         if k.places is None:
@@ -189,9 +191,10 @@ def _replan(m: _Remembered, backbone: nn.Module, specs: Sequence[DerivedSpec], n
             if len(parts) != len(places):
                 return None
             for p, (c, (shape, dtype, device)) in zip(parts, places, strict=True):
-                if p.shape != shape or p.dtype != dtype or p.device != device or (
-                        not of_a_parameter(p) and temporaries([p], lambda: owned_storages(backbone))):
+                if p.shape != shape or p.dtype != dtype or p.device != device:
                     return None  # not what the remembered plan validated: plan afresh
                 copies.append(SliceCopy(c.layer, c.start, c.length, p))
+            if temporaries(parts, owned):  # a computed part (not a view of a source): plan afresh
+                return None
         bp.mode = "in_place" if copies else "skipped"
     return out
