@@ -225,7 +225,8 @@ def enabled(level: str = "info") -> bool:
 
 #: Per-bucket events may be held back and written in batches (`hold_events`): at most this many ...
 HOLD_MAX = 64
-#: ... or this old (ns): a trainer's slow stream still shows its layers within a fraction of a second.
+#: ... or this old (ns), checked when the next one is held: a trainer's slow stream shows its layers within a
+#: fraction of a second of the next bucket (and every other event of the lifecycle writes the held ones first).
 HOLD_NS = 200_000_000
 _holders: weakref.WeakSet[Any] = weakref.WeakSet()
 

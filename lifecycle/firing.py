@@ -9,6 +9,7 @@ that raises leaves the state as it was, and the refusal is itself an audit event
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -130,6 +131,13 @@ class TableMachine:
     @property
     def epoch(self) -> int:
         return self.readiness.epoch
+
+    def __del__(self) -> None:
+        # held per-bucket events of a lifecycle dropped before its next event: written, not lost (the registry
+        # of holders is weak, so the exit flush would not find them)
+        if getattr(self, "_held", None):
+            with contextlib.suppress(Exception):
+                self.flush_events()
 
     def can(self, trigger: str) -> bool:
         """Whether the table allows `trigger` from the current state (its guards may still refuse it)."""
@@ -265,7 +273,8 @@ class TableMachine:
         if not held:
             return
         self._held = []
-        hold = events.hold_events()
+        # a locked lifecycle (writer threads) never keeps tuples: `recent_events` builds them without the lock
+        hold = events.hold_events() if self._may_hold else HOLD_NONE
         if hold == HOLD_KEEP or (hold == HOLD_WRITE and self._line_prefixes is not None
                                  and events.emit_held_lines(lambda *frame: self._held_lines(held, *frame))):
             if not events.sink_failures():

@@ -196,6 +196,12 @@ class BackboneLifecycle(TableMachine):
         thread: nothing can act between its buckets) reports this way after its writes, in one pass while the
         lifecycle's tables are in the caches, rather than between each bucket's reads and copies. Returns each
         bucket's completed layers."""
+        buckets = list(buckets)
+        for _, at_ns in buckets:  # every time checked before the first bucket is recorded
+            if type(at_ns) is not int or not 0 <= at_ns < 2**63:
+                raise TypeError(f"weights_loaded_buckets of backbone {self.name!r}: each bucket's time must be a "
+                                f"time.time_ns() value (an int in [0, 2**63)), got {type(at_ns).__name__} "
+                                f"{clipped(repr(at_ns), 60)}; nothing recorded")
         with self._lock:
             return [self.weights_loaded(names, materialized=materialized, at_ns=at_ns) for names, at_ns in buckets]
 
@@ -228,6 +234,9 @@ class BackboneLifecycle(TableMachine):
         machine fires only when the state changes (the first report after META, the last layer of an epoch):
         a report that leaves PARTIALLY_LOADED as it is is bookkeeping (`Transition.per_bucket`)."""
         names = names if type(names) is list else list(names)
+        if at_ns is not None and (type(at_ns) is not int or not 0 <= at_ns < 2**63):
+            raise TypeError(f"weights_loaded of backbone {self.name!r}: at_ns must be a time.time_ns() value (an int "
+                            f"in [0, 2**63)), got {type(at_ns).__name__} {clipped(repr(at_ns), 60)}; nothing recorded")
         with self._lock:
             if not materialized:
                 self._may_hold_meta = True

@@ -185,7 +185,7 @@ def test_a_computed_stack_of_parts_writes_each_part_in_place() -> None:
 
 
 @pytest.mark.parametrize("kind", [stack, concat])
-def test_a_buffer_over_no_layers_is_refused_naming_it(kind) -> None:  # noqa: ANN001
+def test_a_buffer_over_no_layers_is_refused_naming_it(kind: object) -> None:
     """Found in review: a `stack` or `concat` over an empty layer list failed with a bare IndexError."""
 
     class NoLayers(DraftBackbone):

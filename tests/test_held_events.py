@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import gc
 import io
 import itertools
 import json
@@ -17,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -73,7 +75,8 @@ def test_a_held_load_writes_the_same_events_in_order_in_fewer_writes(tmp_path: P
         log = tmp_path / f"{held}.jsonl"
         sink = configure_audit(json_path=log, console=False)
         assert sink is not None
-        monkeypatch.setattr(events, "hold_events", (lambda: True) if held else (lambda: False))
+        hold = events.HOLD_WRITE if held else events.HOLD_NONE
+        monkeypatch.setattr(events, "hold_events", lambda hold=hold: hold)
         m = _draft()
         writes.clear()
         monkeypatch.setattr(os, "write", counting_write)
@@ -412,3 +415,57 @@ def test_timestamps_of_a_batch_are_each_times_own(start: int) -> None:
                 .strftime("%Y-%m-%dT%H:%M:%S.") + f"{t % 10 ** 9 // 1000:06d}Z" for t in times]
     assert events.timestamps(times) == expected
     assert [events.timestamp(t) for t in reversed(times)] == expected[::-1]
+
+
+def _names_lifecycle(locked: bool = False, layers: int = 6) -> BackboneLifecycle:
+    names = [f"layers.{i}.w" for i in range(layers)]
+    return BackboneLifecycle("review", dict.fromkeys(names, TensorSpec((1,), torch.float32)), locked=locked)
+
+
+def test_a_locked_lifecycle_keeps_records_never_tuples(tmp_path: Path) -> None:
+    """Found in review: on the JSON-file route a locked lifecycle (writer threads) kept its layer_ready events as
+    tuples, built later by `recent_events` without the lock (a writer appending meanwhile was put out of order,
+    or left a tuple that the worker RPC's `{**e}` failed on). It keeps records."""
+    configure_audit(json_path=tmp_path / "locked.jsonl", console=False)
+    lc = _names_lifecycle(locked=True)
+    for name in lc.specs:
+        lc.weights_loaded([name])
+    kept = list(lc._recent)
+    assert kept and all(type(e) is dict for e in kept)
+    assert [e["seq"] for e in kept] == sorted(e["seq"] for e in kept)
+    assert [e["seq"] for e in read_events(tmp_path / "locked.jsonl")] == [e["seq"] for e in kept]
+
+
+@pytest.mark.parametrize("bad", [1.7e18, "now", None, -1, 2**63, True])
+def test_a_bucket_time_that_is_not_time_ns_is_refused_before_anything_is_recorded(tmp_path: Path, bad: Any) -> None:
+    """Found in review: a float or str `at_ns` raised out of the held-event bookkeeping after the bucket was
+    counted, or lost the whole batch of lines when it was formatted."""
+    log = tmp_path / "bad.jsonl"
+    configure_audit(json_path=log, console=False)
+    lc = _names_lifecycle()
+    names = list(lc.specs)
+    buckets = [([names[0]], time.time_ns()), ([names[1]], bad)]
+    with pytest.raises(TypeError, match=r"backbone 'review'.*time\.time_ns\(\).*nothing recorded"):
+        lc.weights_loaded_buckets(buckets)
+    if bad is not None:
+        with pytest.raises(TypeError, match=r"at_ns must be a time\.time_ns\(\) value"):
+            lc.weights_loaded([names[1]], at_ns=bad)
+    assert lc.readiness.layers_ready == 0 and lc.state.value == "META"
+    lc.flush_events()
+    assert read_events(log) == []
+
+
+def test_held_events_of_a_dropped_lifecycle_are_written(tmp_path: Path) -> None:
+    """Found in review: the registry of holders is weak, so a lifecycle collected with held layer_ready events
+    (before its next event) lost them, even at exit. They are written when it is collected."""
+    log = tmp_path / "dropped.jsonl"
+    configure_audit(json_path=log, console=False)
+    lc = _names_lifecycle()
+    for name in list(lc.specs)[:4]:
+        lc.weights_loaded([name])
+    assert lc._held  # held, not written yet
+    written_before = [e["seq"] for e in read_events(log)]
+    del lc
+    gc.collect()
+    seqs = [e["seq"] for e in read_events(log)]
+    assert len(seqs) > len(written_before) and seqs == sorted(seqs) and seqs[-1] == 5
