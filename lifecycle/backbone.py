@@ -21,10 +21,11 @@ Then: load (the loader reports `weights_loaded`), `finalize_loading()` (finish +
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -45,6 +46,23 @@ if TYPE_CHECKING:
 __all__ = ["DraftBackbone"]
 
 _IS_META = attrgetter("is_meta")
+R = TypeVar("R")
+
+
+def _weakly(method: Callable[..., R]) -> Callable[..., R]:
+    """`method` (bound to a backbone), called through a weak reference to the backbone: what the backbone owns
+    (its lifecycle, its slot table) must not refer back to it, or dropping the backbone would leave a cycle that
+    holds every weight until the cyclic collector happens to run (rarely, in a trainer's large heap)."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+    what = method.__qualname__  # the name, not the method: the closure must not hold the backbone either
+
+    def call(*args: Any) -> R:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError(f"{what}: the backbone this lifecycle belonged to was dropped")
+        return bound(*args)
+
+    return call
 
 
 class DraftBackbone(nn.Module):
@@ -68,13 +86,16 @@ class DraftBackbone(nn.Module):
         # name -> (owning module, attribute): modules stay put while their tensors are replaced, so a lookup is two
         # dict hits instead of a walk of the module tree. Shared tensors keep every name (an alias and its source
         # are pinned separately: either moving is drift).
+        # The backbone's own tensors are reached through a weak proxy: a table it owns that named it would be a
+        # cycle (see `_weakly`).
+        owner = weakref.proxy(self)
         self._tensor_slots: dict[str, tuple[nn.Module, str]] = {
-            f"{mod_name}.{leaf}" if mod_name else leaf: (mod, leaf)
+            f"{mod_name}.{leaf}" if mod_name else leaf: (owner if mod is self else mod, leaf)
             for mod_name, mod in self.named_modules(remove_duplicate=False)
             for leaf in (*mod._parameters, *mod._buffers)
         }
         self._tensor_slots.update(slots or {})
-        self._slots = Slots(self._tensor_slots, partial(resolve_tensor, self))  # read in bulk: pin checks, plans
+        self._slots = Slots(self._tensor_slots, partial(resolve_tensor, owner))  # read in bulk: pin checks, plans
         self._slot_names = list(self._tensor_slots)
         # the checkpoint tensors with their slots, in one list: the readiness check walks it once per scan
         self._checkpoint_slots: list[tuple[str, nn.Module | None, str]] = [
@@ -85,9 +106,9 @@ class DraftBackbone(nn.Module):
             name or type(self).__name__,
             tensor_specs,
             rank=rank,
-            resolve=self.live_tensor,
-            pinned_tensors=self._pinned_view,
-            meta_scan=self.meta_or_absent,
+            resolve=_weakly(self.live_tensor),
+            pinned_tensors=_weakly(self._pinned_view),
+            meta_scan=_weakly(self.meta_or_absent),
             locked=locked,
         )
         self._runtime_hooks: list[Hook] = []

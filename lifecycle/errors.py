@@ -25,6 +25,12 @@
     ├── UnsupportedVLLMError          the vLLM plugin met a vLLM version it does not know
     └── NodeSetupError                a worker node of a Ray engine does not run the plugin
 
+Raising: never from a local that still holds the error (`err = X(...); raise err`). The raising frame is in
+the error's traceback; its local keeps the error, the error keeps the frame, and every frame of the traceback
+(the callers' too, holding the backbone and all its weights) stays until the cyclic collector runs. Raise the
+expression (`raise lc.record_refusal(trigger, X(...))`: it returns the error it audited), or drop the local as
+the error leaves (`try: raise err` / `finally: del err`).
+
 Each class says what state it leaves. Every message names the backbone, the state, and what was expected vs
 found; the bar is PyTorch's cudagraph-trees message: "static input data pointer changed ... from X to Y".
 """

@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any, TypeVar
 
 from transitions import Machine, MachineError
@@ -38,6 +39,7 @@ from .types import capped
 __all__ = ["TableMachine"]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 
 
 class _Model:
@@ -163,6 +165,7 @@ class TableMachine:
                                              allowed_from=["(no row's condition held)"])
         except Exception as e:  # guards' refusals and effects' failures alike: audited, state unchanged
             self.record_refusal(trigger, e, duration_ms=_ms(t0))
+            _clear_machine_frames(e.__traceback__.tb_next if e.__traceback__ is not None else None)
             raise
         self._audit("transition", trigger=trigger, src=src.value, dst=self.state.value, duration_ms=_ms(t0),
                     **self._readiness_fields(), **log)
@@ -199,10 +202,9 @@ class TableMachine:
 
     def _refuse_untabled(self, trigger: str, hint: str) -> None:
         """Refuse (audited) a trigger the table does not allow now, with `hint` saying what to do instead."""
-        err = IllegalTransitionError(trigger, backbone=self.name, state=self.state.value,
-                                     allowed_from=[s.value for s in allowed_sources(trigger)], hint=hint)
-        self.record_refusal(trigger, err)
-        raise err
+        raise self.record_refusal(trigger, IllegalTransitionError(
+            trigger, backbone=self.name, state=self.state.value,
+            allowed_from=[s.value for s in allowed_sources(trigger)], hint=hint))
 
     # ---- the audit trail ------------------------------------------------------------------------------------------
     def _readiness_fields(self) -> dict[str, Any]:
@@ -343,12 +345,14 @@ class TableMachine:
         if self._unbuilt:
             self._unbuilt += 1
 
-    def record_refusal(self, trigger: str, error: Exception, **fields: Any) -> None:
+    def record_refusal(self, trigger: str, error: E, **fields: Any) -> E:
         """Audit a refusal: the machine's own, and those decided outside it (the loader's checks of names,
-        shapes, files). A refusal for unready layers names the missing tensors (capped)."""
+        shapes, files). A refusal for unready layers names the missing tensors (capped). Returns `error`, to be
+        raised as the expression (`raise lc.record_refusal(...)`, see `errors`: no local keeps it)."""
         self._audit("refused", trigger=trigger, src=self.state.value, error=type(error).__name__,
                     reason=getattr(error, "reason", str(error)), **fields, **self._readiness_fields(),
                     **_missing_fields(error))
+        return error
 
     def audit_event(self, event: str, *, level: str = "info", **fields: Any) -> None:
         """Emit an event in this backbone's context (used by the backbone, loader and hooks)."""
@@ -359,6 +363,19 @@ def _run_effect(event: Any) -> None:
     holder = event.kwargs.get("holder")
     if holder is not None and holder.get("effect") is not None:
         holder["result"] = holder["effect"]()
+
+
+def _clear_machine_frames(tb: TracebackType | None) -> None:
+    """Clear the locals of the machine's frames in a traceback below `_fire`: `transitions`' own and this module's
+    callbacks. `transitions` keeps the error in the event data they hold (`event_data.error`): a cycle that holds
+    every frame of the traceback, the callers' too (the backbone and its weights), until the cyclic collector runs
+    (see `errors`). Those frames are done; file and line stay in the traceback, and the guard's or effect's own
+    frames keep their locals."""
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module == __name__ or module.startswith("transitions."):
+            tb.tb_frame.clear()
+        tb = tb.tb_next
 
 
 def _ms(t0: float) -> float:

@@ -162,8 +162,10 @@ def validate_index(backbone: DraftBackbone, index: dict[str, IndexEntry], names:
     elif problems := [p for n in suspects if (p := specs[n].mismatch(n, index[n].shape, index[n].dtype))]:
         error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value, source=_files(index, names))
     if error is not None:
-        lc.record_refusal("weights_loaded", error)
-        raise error
+        try:
+            raise lc.record_refusal("weights_loaded", error)
+        finally:
+            del error  # see `errors`: a local holding the raised error keeps every frame of it alive
 
 
 _PATH = attrgetter("path")
@@ -298,10 +300,15 @@ def _write_and_report(backbone: DraftBackbone, names: list[str], bucket: list[tu
                 problems := [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]):
             error = WeightShapeError(problems, backbone=lc.name, state=lc.state.value)
         if error is not None:
-            lc.record_refusal("weights_loaded", error)
-            raise error
+            try:
+                raise lc.record_refusal("weights_loaded", error)
+            finally:
+                del error  # see `errors`: a local holding the raised error keeps every frame of it alive
         if finite_check and (refusal := _non_finite_refusal(lc, bucket)):
-            raise refusal
+            try:
+                raise refusal
+            finally:
+                del refusal  # as above
         if before_write is not None:
             before_write(names)
         _write_bucket(backbone, names, bucket, device, writer)
@@ -375,7 +382,10 @@ def _load_reported_later(backbone: DraftBackbone, buckets: list[list[str]],
                 report_written()
                 raise _refused(backbone, e) from e
             if finite_check and (refusal := _non_finite_refusal(lc, bucket, report_written)):
-                raise refusal  # the buckets before it were reported first
+                try:
+                    raise refusal  # the buckets before it were reported first
+                finally:
+                    del refusal  # see `errors`: a local holding the raised error keeps every frame of it alive
             _write_bucket(backbone, names, bucket, device, None, before_failure=report_written)
             written.append((names, time.time_ns()))
             report.tensors += len(bucket)
@@ -454,11 +464,9 @@ def load_safetensors(
         absent = [n for n in wanted if n not in index]
         if absent:
             shown, more = capped(absent, MESSAGE_ITEMS_CAP)
-            error = CheckpointError(f"subset names not in the checkpoint: {', '.join(shown)}"
-                                    + (f" ... and {more} more" if more else ""),
-                                    backbone=backbone.lifecycle.name, state=backbone.lifecycle.state.value)
-            backbone.lifecycle.record_refusal("weights_loaded", error)
-            raise error
+            raise backbone.lifecycle.record_refusal("weights_loaded", CheckpointError(
+                f"subset names not in the checkpoint: {', '.join(shown)}" + (f" ... and {more} more" if more else ""),
+                backbone=backbone.lifecycle.name, state=backbone.lifecycle.state.value))
         names = wanted
     validate_index(backbone, index, names)
     lc = backbone.lifecycle

@@ -180,9 +180,8 @@ class BackboneLifecycle(TableMachine):
             self._raise_unknown(unknown)
 
     def _raise_unknown(self, unknown: list[str]) -> None:
-        err = UnknownWeightError(unknown, backbone=self.name, state=self.state.value)
-        self.record_refusal("weights_loaded", err)
-        raise err
+        raise self.record_refusal("weights_loaded", UnknownWeightError(unknown, backbone=self.name,
+                                                                      state=self.state.value))
 
     @property
     def locked(self) -> bool:
@@ -267,9 +266,8 @@ class BackboneLifecycle(TableMachine):
                     layer = self.readiness.layer_of_name[name]
                     refusals[layer] = (*refusals.get(layer, ()), f"{name} (META: nothing to keep, load it)")
             if refusals:
-                err = LayersNotReadyError("weights_unchanged", refusals, backbone=self.name, state=self.state.value)
-                self.record_refusal("weights_loaded", err)
-                raise err
+                raise self.record_refusal("weights_loaded", LayersNotReadyError(
+                    "weights_unchanged", refusals, backbone=self.name, state=self.state.value))
             self._may_hold_meta = True  # declared, not written: the scan looks again at the end
             completed = self.readiness.mark_unchanged(names)
             if completed:
@@ -356,9 +354,8 @@ class BackboneLifecycle(TableMachine):
             if names:
                 blocking[layer] = names
         if blocking:
-            err = LayersNotReadyError(action, blocking, backbone=self.name, state=self.state.value)
-            self.record_refusal(action, err)
-            raise err
+            raise self.record_refusal(action, LayersNotReadyError(action, blocking, backbone=self.name,
+                                                                  state=self.state.value))
 
     def refresh_derived(self, effect: Callable[[], T], **log: Any) -> T:
         """Run `effect` (validate-then-write of every derived buffer) as the `refresh_derived` transition;

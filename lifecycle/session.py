@@ -257,7 +257,10 @@ class ReloadSession:
             if problems:
                 err = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value, source="verify")
                 self._audit("verify", ok=False, error=type(err).__name__, reason=err.reason)
-                raise err
+                try:
+                    raise err
+                finally:
+                    del err  # see `errors`: a local holding the raised error keeps every frame of it alive
         self._audit("verify", ok=True, checked=checked)
         return checked
 

@@ -5,6 +5,8 @@ custom buffer without dependencies is a constant.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 
 import torch
@@ -34,6 +36,26 @@ __all__ = ["DRY_RUN_STEP", "plan_custom"]
 Planned = BufferPlan | Problem
 #: The step a `DerivedBuildError` names when an `into=` writer fails its dry run.
 DRY_RUN_STEP = "into, dry run on fake tensors"
+
+_fake_mode_imported = threading.Event()
+
+
+def _import_fake_mode_once() -> None:
+    """Make the first `FakeTensorMode` in a thread of its own. The first one imports `torch._dynamo`, and
+    `torch.fx.wrap`, run by that import, keeps its own frame in a reference cycle, and with it every caller's
+    frame up the stack: made from a refresh, those frames hold the backbone, so the first draft refreshed with a
+    custom writer would keep all its weights until the cyclic collector ran. A thread's stack holds nothing of
+    ours."""
+    if not _fake_mode_imported.is_set():
+        thread = threading.Thread(target=_make_fake_mode, name="reload-lifecycle: import FakeTensorMode")
+        thread.start()
+        thread.join()
+        _fake_mode_imported.set()
+
+
+def _make_fake_mode() -> None:
+    with contextlib.suppress(Exception):  # a failure recurs in the dry run, where it is reported
+        FakeTensorMode()
 
 
 def plan_custom(r: Request) -> Planned:
@@ -88,6 +110,7 @@ def _dry_run_into(spec: DerivedSpec, r: Request, existing: torch.Tensor) -> str:
     writer that raises is a `DerivedBuildError` naming the buffer; one that needs values (`.item()`, a boolean
     mask) says so."""
     assert spec.into is not None
+    _import_fake_mode_once()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # an out= op resizing the fake output warns; the check below reports it
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:

@@ -132,8 +132,10 @@ class LifecycleDraftModel(DraftBackbone):
         refusal = self.__dict__.pop("_structure_refusal", None)
         lc = self.lifecycle
         if refusal is not None:
-            lc.record_refusal("weights_loaded", refusal)
-            raise refusal
+            try:
+                raise lc.record_refusal("weights_loaded", refusal)
+            finally:
+                del refusal  # see `lifecycle.errors`: a local holding the raised error keeps its frames alive
         if not (lc.usable or lc.quarantined):
             return
         lc.audit_event("implicit_reload", cause=IMPLICIT_CAUSE, from_state=lc.state.value)
