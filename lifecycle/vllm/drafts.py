@@ -162,12 +162,9 @@ class LifecycleDraftModel(DraftBackbone):
             self.refresh_derived_buffers()
 
     def _adopt_loader_values(self) -> None:
-        """The cold load processed the draft without ever calling its load_weights: vLLM's dummy loader
-        (`load_format="dummy"`, as veRL starts its rollout engine) wrote random values into every parameter, or
-        a loader that writes parameters itself did. They count as the cold load's (the build scans every tensor
-        for META), the structure is what vLLM built, and the first reload must write every layer in full
-        (`LOADER_VALUES`): a trainer's first sync that leaves a layer out is refused naming it, never completed
-        or kept with these values."""
+        """The cold load never called load_weights (vLLM's dummy loader, as veRL starts its rollout engine, or a
+        loader that writes parameters itself): its values count as the cold load's, the structure is what vLLM
+        built, and the first reload must write every layer in full (never completed or kept with them)."""
         lc, structure = self.lifecycle, self._structure
         structure.seen.update(structure.modules)  # present iff vLLM built it: no load decided otherwise
         self._record_metadata()  # what vLLM's builder would have set at the end of load_weights
