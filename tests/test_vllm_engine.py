@@ -68,6 +68,16 @@ def ok_layers(res: dict[str, Any], cold: str) -> list[str]:
     return res[cold]["memory"]["fused_layers"]
 
 
+def replayed_clean(log: Path) -> list[dict[str, Any]]:
+    """The events of an engine's audit log, once the auditor replayed it without a violation."""
+    from lifecycle.audit.logstream import iter_events
+    from lifecycle.audit.replay import audit_logs
+
+    result = audit_logs([log])
+    assert result.status == 0, [str(v) for v in result.violations]
+    return [e.fields for e in iter_events([log]) if hasattr(e, "fields")]
+
+
 def run_of(res: dict[str, Any], path: str) -> dict[str, Any]:
     (run,) = [r for r in res["runs"] if r["path"] == path]
     return run
@@ -191,13 +201,7 @@ def test_generation_with_an_unfinished_write_is_served_by_the_target_without_the
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_engine_audit_log_replays_clean_with_the_implicit_reloads_named(
         dflash: dict[str, Any], work: Path, layout: str) -> None:
-    from lifecycle.audit.logstream import iter_events
-    from lifecycle.audit.replay import audit_logs
-
-    log = work / f"audit-dflash-{layout}.jsonl"
-    result = audit_logs([log])
-    assert result.status == 0, [str(v) for v in result.violations]
-    events = [e.fields for e in iter_events([log]) if hasattr(e, "fields")]
+    events = replayed_clean(work / f"audit-dflash-{layout}.jsonl")
     implicit = [i for i, e in enumerate(events) if e["event"] == "implicit_reload"]
     assert len(implicit) == 2  # plain_load_weights, and the unfinished write
     for i in implicit:  # the begin_reload it caused follows at once, in the same epoch numbering
@@ -250,13 +254,7 @@ def test_a_dummy_start_serves_and_its_first_sync_must_write_every_layer(dflash: 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_dummy_starts_audit_log_replays_clean_and_counts_each_layer_when_its_bucket_arrived(
         dflash: dict[str, Any], work: Path, layout: str) -> None:
-    from lifecycle.audit.logstream import iter_events
-    from lifecycle.audit.replay import audit_logs
-
-    log = work / f"audit-dflash-dummy-{layout}.jsonl"
-    result = audit_logs([log])
-    assert result.status == 0, [str(v) for v in result.violations]
-    events = [e.fields for e in iter_events([log]) if hasattr(e, "fields")]
+    events = replayed_clean(work / f"audit-dflash-dummy-{layout}.jsonl")
     assert [e["event"] for e in events if e["epoch"] == 0].count("loaded_without_load_weights") == 1
     ready = [e["layers"] for e in events if e["epoch"] == 4 and e["event"] == "layer_ready"]
     assert ready[:2] == [["layers.1"], ["layers.0"]]  # bucket by bucket, later layers first: not all at bucket 1
