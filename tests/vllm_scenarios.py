@@ -236,7 +236,7 @@ def _dummy_start(work: Path, drafts: str, method: str) -> dict[str, Any]:
         return attempt(lambda: llm.collective_rpc(run_in_worker, args=("buckets_later_layers_first", weights),
                                                   kwargs={"exclude": exclude}))
 
-    out: dict[str, Any] = {"start": {"engine": {"ok": True}, **_observe(llm)}}
+    out: dict[str, Any] = {"start": {"engine": {"ok": True, "value": "started"}, **_observe(llm)}}
     out["partial"] = {"sync": sync((*shared, "layers.1.")), **_lifecycle(llm)}
     out["keep"] = {"sync": attempt(lambda: llm.collective_rpc("reload_draft_weights", args=(weights,), kwargs={
         "bucket_size": 4, "exclude_prefixes": [*shared, "layers.1."], "partial": "keep"})), **_lifecycle(llm)}
