@@ -349,8 +349,8 @@ class BackboneLifecycle(TableMachine):
             if layer in untouched:  # declared unchanged: only META placeholders still count as missing
                 names = tuple(f"{n} (META)" for n in self.readiness.tensors_of_layer[layer] if self._is_meta(n))
             elif layer in partly:
-                names = tuple(f"{n} (layer partly written by a reload that was aborted or abandoned: write every "
-                              "tensor of it)" if "(" not in n else n for n in names)
+                why = self.readiness.full_write_reason(layer)
+                names = tuple(f"{n} ({why}: write every tensor of it)" if "(" not in n else n for n in names)
             if names:
                 blocking[layer] = names
         if blocking:

@@ -77,8 +77,12 @@ class LayerReadiness:
         self._closed = False  # the epoch ended (close_epoch ran): nothing more is written in it
         # layers an earlier epoch left partly written (it ended with some of their tensors written and not all, or
         # a write failed part way): they mix two checkpoints, so only a complete write of them ends this; nothing
-        # may declare them unchanged (`unchanged_refusals`)
+        # may declare them unchanged (`unchanged_refusals`). Also layers holding values no checkpoint gave
+        # (`require_full_write`), for the same reason: what they hold is nothing to keep
         self.partly_written: set[str] = set()
+        #: layer -> why it must be written in full, for layers of `partly_written` put there by
+        #: `require_full_write` (the others: an aborted or abandoned reload wrote part of them)
+        self.full_write_reasons: dict[str, str] = {}
         self._layer_get = self.layer_of_name.get
         self._plain = True  # nothing declared unchanged, no failed write, no refresh in this epoch: the fast path
 
@@ -126,9 +130,25 @@ class LayerReadiness:
                     new.add(layer)
         new -= self.partly_written
         self.partly_written.update(new)
+        for layer in new:
+            self.full_write_reasons.pop(layer, None)
         self._failed = set()
         self._note_plain()
         return sorted(new)
+
+    def require_full_write(self, layers: Iterable[str], why: str) -> None:
+        """`layers` hold values no checkpoint gave (`why` says where they came from): until a load writes every
+        tensor of one, nothing of it may be declared unchanged (refused naming `why`), as for a partly written
+        layer."""
+        for layer in layers:
+            if layer not in self.tensors_of_layer:
+                raise UnknownNames([layer])
+            self.partly_written.add(layer)
+            self.full_write_reasons[layer] = why
+
+    def full_write_reason(self, layer: str) -> str:
+        """Why `layer` (one of `partly_written`) must be written in full before anything of it may be kept."""
+        return self.full_write_reasons.get(layer, "layer partly written by a reload that was aborted or abandoned")
 
     def forget(self, names: Iterable[str]) -> None:
         """Stop tracking `names` (optional tensors the first load did not have): the counts are rebuilt from
@@ -299,8 +319,8 @@ class LayerReadiness:
         for name in names:
             layer = self.layer_of_name[name]
             if layer in self.partly_written:
-                out.setdefault(layer, []).append(f"{name} (layer partly written by a reload that was aborted or "
-                                                  "abandoned: write every tensor of it)")
+                out.setdefault(layer, []).append(f"{name} ({self.full_write_reason(layer)}: write every tensor "
+                                                  "of it)")
             elif name in self._failed:
                 out.setdefault(layer, []).append(f"{name} (a write of it failed part way: send it again)")
         return {k: tuple(v) for k, v in out.items()}

@@ -33,7 +33,8 @@ def work(vllm_work: tuple[Path, dict[str, Any]]) -> Path:
 @pytest.fixture(scope="module")
 def dflash(work: Path) -> dict[str, Any]:
     # drafts with every optional submodule DFlash can have: own embeddings and lm_head, a reduced vocabulary + d2t
-    return run_scenario("family", work, "dflash", ",".join(LAYOUTS), "dflashS")
+    # between the two engines of each layout: one started with load_format="dummy", as veRL starts it
+    return run_scenario("family", work, "dflash", ",".join(LAYOUTS), "dflashS", "dummy")
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,16 @@ def ok(result: dict[str, Any]) -> Any:
 def ok_layers(res: dict[str, Any], cold: str) -> list[str]:
     """sha256 of each layer's slice of the fused K/V buffer of a cold engine."""
     return res[cold]["memory"]["fused_layers"]
+
+
+def replayed_clean(log: Path) -> list[dict[str, Any]]:
+    """The events of an engine's audit log, once the auditor replayed it without a violation."""
+    from lifecycle.audit.logstream import iter_events
+    from lifecycle.audit.replay import audit_logs
+
+    result = audit_logs([log])
+    assert result.status == 0, [str(v) for v in result.violations]
+    return [e.fields for e in iter_events([log]) if hasattr(e, "fields")]
 
 
 def run_of(res: dict[str, Any], path: str) -> dict[str, Any]:
@@ -190,18 +201,64 @@ def test_generation_with_an_unfinished_write_is_served_by_the_target_without_the
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_engine_audit_log_replays_clean_with_the_implicit_reloads_named(
         dflash: dict[str, Any], work: Path, layout: str) -> None:
-    from lifecycle.audit.logstream import iter_events
-    from lifecycle.audit.replay import audit_logs
-
-    log = work / f"audit-dflash-{layout}.jsonl"
-    result = audit_logs([log])
-    assert result.status == 0, [str(v) for v in result.violations]
-    events = [e.fields for e in iter_events([log]) if hasattr(e, "fields")]
+    events = replayed_clean(work / f"audit-dflash-{layout}.jsonl")
     implicit = [i for i, e in enumerate(events) if e["event"] == "implicit_reload"]
     assert len(implicit) == 2  # plain_load_weights, and the unfinished write
     for i in implicit:  # the begin_reload it caused follows at once, in the same epoch numbering
         nxt = events[i + 1]
         assert (nxt["event"], nxt["trigger"]) == ("transition", "begin_reload")
+
+
+# ---- veRL's rollout engine: started with load_format="dummy", then the trainer's first syncs ---------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_dummy_start_serves_and_its_first_sync_must_write_every_layer(dflash: dict[str, Any], layout: str) -> None:
+    """vLLM writes random values and never calls the draft's load_weights (the plugin used to refuse the engine's
+    start: LayersNotReadyError at cold processing). The draft builds its buffers from them and drafts, as vLLM
+    does; the trainer's first sync (path ii, draft B) must write every layer: one that leaves layer 1 out is
+    refused naming it, with partial='keep' too (the dummy values are nothing to keep); one carrying the
+    embeddings and lm_head the proposer gave the draft from the target is refused before writing the target's;
+    a complete one equals a cold engine on draft B, in the buffers' storage of the start."""
+    d, cold = dflash[f"dummy_{layout}"], dflash[layout]["cold_B"]
+    ok(d["start"]["engine"])
+    start = draft_of(d["start"]["states"])
+    assert (start["state"], start["epoch"]) == (LifecycleState.DERIVED_REFRESHED.value, 0)
+    assert ok(d["start"]["generate"])["proposals"]  # it drafts (from random weights, as stock vLLM would)
+    assert d["start"]["digests"] != cold["digests"]
+    partial = d["partial"]
+    assert partial["sync"]["error"] == "LayersNotReadyError"
+    assert "layers.1: layers.1.self_attn.qkv_proj.weight" in partial["sync"]["message"]
+    assert draft_of(partial["states"])["state"] == LifecycleState.QUARANTINED.value
+    keep = d["keep"]
+    assert keep["sync"]["error"] == "LayersNotReadyError" and "load_format='dummy'" in keep["sync"]["message"]
+    assert "layers.1.self_attn.qkv_proj.weight" in keep["sync"]["message"]
+    assert draft_of(keep["states"])["state"] == LifecycleState.QUARANTINED.value
+    shared = d["shared"]
+    assert shared["sync"]["error"] == "FrozenStructureError"
+    assert "embed_tokens (shared with the target" in shared["sync"]["message"]
+    ok(d["target"])
+    full = d["full"]
+    ok(full["sync"])
+    draft = draft_of(full["states"])
+    assert draft["state"] == LifecycleState.DERIVED_REFRESHED.value and draft["epoch"] == 4
+    assert full["digests"] == cold["digests"]  # every derived buffer, bit for bit
+    assert full["memory"]["fused_layers"] == cold["memory"]["fused_layers"]
+    d2t = "draft_id_to_target_id"
+    assert full["structure"]["digests"][d2t] == cold["structure"]["digests"][d2t]
+    assert draft["derived"] == start["derived"]  # refreshed in the storage the engine started with
+    assert ok(full["generate"])["tokens"] == ok(cold["generate"])["tokens"]
+    # the draft tokens cannot equal the cold engine's: vLLM gave the dummy draft the target's embeddings and lm_head
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_dummy_starts_audit_log_replays_clean_and_counts_each_layer_when_its_bucket_arrived(
+        dflash: dict[str, Any], work: Path, layout: str) -> None:
+    events = replayed_clean(work / f"audit-dflash-dummy-{layout}.jsonl")
+    assert [e["event"] for e in events if e["epoch"] == 0].count("loaded_without_load_weights") == 1
+    ready = [e["layers"] for e in events if e["epoch"] == 4 and e["event"] == "layer_ready"]
+    assert ready[:2] == [["layers.1"], ["layers.0"]]  # bucket by bucket, later layers first: not all at bucket 1
+    assert sorted(la for layers in ready[2:] for la in layers) == ["<root>", "fc", "hidden_norm", "norm"]
 
 
 # ---- Laguna DFlash: the other family the CPU build runs --------------------------------------------------------

@@ -96,6 +96,23 @@ def test_trainer_path_in_process_equals_a_cold_load(inprocess: dict[str, Any], f
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fam", FAMILIES)
+def test_a_dummy_start_serves_and_its_first_sync_must_write_every_layer(inprocess: dict[str, Any], fam: str,
+                                                                        layout: str) -> None:
+    """As veRL starts its rollout engine (`load_format="dummy"`): the buffers are built from vLLM's random values;
+    a first sync without layer 1 is refused (K3: the context projection vLLM builds from every layer names it),
+    a complete one equals a cold load of that draft."""
+    d = ok(run_for(inprocess, fam, layout)["dummy"])
+    assert d["start"] == LifecycleState.DERIVED_REFRESHED.value and d["start_differs"]
+    assert d["partial"]["error"] == "LayersNotReadyError" and d["partial_state"] == LifecycleState.QUARANTINED.value
+    assert ("context_kv_proj.weight" if fam == "kimi_k3_dspark" else "layers.1.") in d["partial"]["message"]
+    ok(d["full"])
+    assert d["state"] == LifecycleState.DERIVED_REFRESHED.value and d["epoch"] == 2
+    assert d["derived_differ"] == [] and d["weights_differ"] == [] and d["moved"] == []
+    ok(d["fused_path"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fam", FAMILIES)
 def test_a_plain_write_left_unfinished_refuses_until_process_weights_after_loading(
         inprocess: dict[str, Any], fam: str, layout: str) -> None:
     u = run_for(inprocess, fam, layout)["unfinished"]

@@ -185,9 +185,10 @@ def _config(case: DraftCase | None, draft_dir: Path | None, target_dir: Path | N
 
 # ---- building ----------------------------------------------------------------------------------------------------
 def build(case: DraftCase, draft_dir: Path, target_dir: Path | None = None, *, stock: bool = False,
-          load: bool = True) -> Any:
-    """The family's draft, cold-loaded from `draft_dir` by vLLM's loader (`load=False`: constructed only).
-    `stock=True`: vLLM's own class, not the lifecycle-enabled one. The returned model has `.vllm_config`."""
+          load: bool = True, load_format: str = "auto") -> Any:
+    """The family's draft, cold-loaded from `draft_dir` by vLLM's loader (`load=False`: constructed only;
+    `load_format="dummy"`: vLLM's random values, `draft_dir` gives the config only). `stock=True`: vLLM's own
+    class, not the lifecycle-enabled one. The returned model has `.vllm_config`."""
     import importlib
 
     from vllm.config import set_current_vllm_config
@@ -197,6 +198,7 @@ def build(case: DraftCase, draft_dir: Path, target_dir: Path | None = None, *, s
     from lifecycle.vllm.families import family
 
     cfg = _config(case, draft_dir, target_dir)
+    cfg.load_config.load_format = load_format
     draft_config = cfg.speculative_config.draft_model_config
     fam = family(case.family)
     model_class = getattr(importlib.import_module(fam.module), fam.causal_lm) if stock else None

@@ -136,7 +136,24 @@ def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
     res["memory"]["reloaded"] = memory(warm, case.family)
     res["unfinished"] = _unfinished(warm, work, case, ref, pinned)
     res["optional"] = optional_runs(warm, work, case.family, ref, pinned, res["unfinished"]["draft"], _observe)
+    res["dummy"] = attempt(lambda: _dummy_start(case, work, ref["B"]))
     return res
+
+
+def _dummy_start(case: DraftCase, work: Path, ref: dict[str, Any]) -> dict[str, Any]:
+    """Loaded as veRL starts its rollout engine (`load_format="dummy"`: vLLM's random values, no load_weights),
+    then the trainer's first sync of draft B, in buckets, later layers first: without layer 1 (refused), then
+    complete (equals a cold load of B, in the buffers' storage of the start)."""
+    model = build(case, _draft_dir(work, case, "B"), work / "target", load_format="dummy")
+    lc, pinned = backbone(model).lifecycle, identities(model)
+    out: dict[str, Any] = {"start": lc.state.value, "start_differs": derived_digests(model) != ref["derived"]}
+    draft_config = model.vllm_config.speculative_config.draft_model_config
+    tensors = read(_draft_dir(work, case, "B"))
+    out["partial"] = attempt(lambda: write_draft(model, draft_config, [
+        (n, t) for n, t in tensors if not n.startswith("layers.1.")], "buckets_later_layers_first"))
+    out["partial_state"] = lc.state.value
+    out["full"] = attempt(lambda: write_draft(model, draft_config, tensors, "buckets_later_layers_first"))
+    return {**out, **_observe(model, ref, pinned)}
 
 
 def _observe(model: Any, ref: dict[str, Any], pinned: dict[str, Any]) -> dict[str, Any]:

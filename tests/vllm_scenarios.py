@@ -46,10 +46,15 @@ def _engine(work: Path, draft: str, *, plugin: bool = True, method: str = "dflas
 
 
 def _shutdown(llm: Any) -> None:
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
     llm.llm_engine.engine_core.shutdown()
     del llm
+    _release_distributed()
+
+
+def _release_distributed() -> None:
+    """The process's distributed state, after an engine shut down or failed to start: the next engine starts."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
     gc.collect()
     destroy_model_parallel()
     destroy_distributed_environment()
@@ -171,11 +176,13 @@ def _paths(llm: Any, work: Path, drafts: str, start: str = "A") -> list[dict[str
     return runs
 
 
-def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu", drafts: str = "") -> dict[str, Any]:
+def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu", drafts: str = "",
+                    dummy: str = "") -> dict[str, Any]:
     """For each weight layout: a cold engine on draft B (the reference), then a cold engine on draft A, pinned,
     that runs every trainer path (alternating A <-> B), an incomplete payload, one without the optional
     submodules, and a plain load_weights that is never finished. `drafts`: the checkpoints' folder prefix
-    (`{drafts}A`, `{drafts}B`; the family's name by default)."""
+    (`{drafts}A`, `{drafts}B`; the family's name by default). With `dummy`, between the two: an engine started
+    as veRL starts it, then the trainer's first syncs (`_dummy_start`)."""
     from vllm_inprocess import CASES
 
     from lifecycle.events import configure_audit
@@ -190,6 +197,9 @@ def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu", drafts: s
             llm = _engine(work, f"{drafts}B", method=method)
             cold_b = _observe(llm)
             _shutdown(llm)
+            if dummy:
+                configure_audit(json_path=work / f"audit-{family}-dummy-{name}.jsonl", console=False)
+                out[f"dummy_{name}"] = _dummy_start(work, drafts, method)
             # one audit log per pinned engine: the auditor replays one lifecycle per (rank, backbone)
             configure_audit(json_path=work / f"audit-{family}-{name}.jsonl", console=False)
             llm = _engine(work, f"{drafts}A", method=method)
@@ -204,6 +214,36 @@ def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu", drafts: s
             if name != names[-1]:
                 _shutdown(llm)
         out[name] = res
+    return out
+
+
+def _dummy_start(work: Path, drafts: str, method: str) -> dict[str, Any]:
+    """veRL's rollout engine: started with load_format="dummy" (random values, the draft's load_weights never
+    called), then the trainer's first syncs of draft B, in buckets, later layers first (path ii): without layer 1;
+    the same with partial='keep' (the plugin's RPC); every tensor, the embeddings and lm_head included (the
+    proposer gave the draft the target's: vLLM decides that from the dummy state); then the target's sync; then
+    every tensor the draft may take."""
+    from vllm_trainer_paths import run_in_worker, sync_target_in_worker
+
+    started = attempt(lambda: _engine(work, f"{drafts}B", method=method, load_format="dummy"))
+    if not started["ok"]:  # what the plugin did before: LayersNotReadyError at the draft's cold processing
+        _release_distributed()
+        return {"start": {"engine": {k: v for k, v in started.items() if k != "value"}}}
+    llm = started["value"]
+    weights, shared = str(work / f"{drafts}B"), ("embed_tokens.", "lm_head.")
+
+    def sync(exclude: tuple[str, ...]) -> dict[str, Any]:
+        return attempt(lambda: llm.collective_rpc(run_in_worker, args=("buckets_later_layers_first", weights),
+                                                  kwargs={"exclude": exclude}))
+
+    out: dict[str, Any] = {"start": {"engine": {"ok": True, "value": "started"}, **_observe(llm)}}
+    out["partial"] = {"sync": sync((*shared, "layers.1.")), **_lifecycle(llm)}
+    out["keep"] = {"sync": attempt(lambda: llm.collective_rpc("reload_draft_weights", args=(weights,), kwargs={
+        "bucket_size": 4, "exclude_prefixes": [*shared, "layers.1."], "partial": "keep"})), **_lifecycle(llm)}
+    out["shared"] = {"sync": sync(()), **_lifecycle(llm)}
+    out["target"] = attempt(lambda: llm.collective_rpc(sync_target_in_worker, args=(str(work / "target"),)))
+    out["full"] = {"sync": sync(shared), **_observe(llm)}
+    _shutdown(llm)
     return out
 
 

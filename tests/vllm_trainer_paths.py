@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DRAFT_PATHS", "PATHS", "attempt", "buckets", "run_in_worker", "write_draft"]
+__all__ = ["DRAFT_PATHS", "PATHS", "attempt", "buckets", "run_in_worker", "sync_target_in_worker", "write_draft"]
 
 PATHS = ("one_call", "buckets_later_layers_first", "one_tensor_per_call", "plain_load_weights", "transfer_session",
          "target_reload")
@@ -108,8 +108,10 @@ def _device(model: Any) -> Any:
 
 
 # ---- on a live engine: run inside the worker through collective_rpc ------------------------------------------
-def run_in_worker(worker: Any, path: str, weights: str, target: str = "", finalize: bool = True) -> int:
-    """`llm.collective_rpc(run_in_worker, args=(path, weights_dir, target_dir))`: the trainer's calls, in the worker."""
+def run_in_worker(worker: Any, path: str, weights: str, target: str = "", finalize: bool = True,
+                  exclude: tuple[str, ...] = ()) -> int:
+    """`llm.collective_rpc(run_in_worker, args=(path, weights_dir, target_dir))`: the trainer's calls, in the worker
+    (`exclude`: checkpoint name prefixes the trainer does not send)."""
     from lifecycle.vllm.worker import draft_model_of
 
     draft = draft_model_of(worker.model_runner)
@@ -124,5 +126,19 @@ def run_in_worker(worker: Any, path: str, weights: str, target: str = "", finali
         worker.reload_weights(weights_path=target, is_checkpoint_format=True)
 
     tensors = read(weights) if path in DRAFT_PATHS and path != "transfer_session" else []
+    tensors = [(n, t) for n, t in tensors if not n.startswith(exclude)] if exclude else tensors
     return write_draft(draft, model_config, tensors, path, session=session, target_reload=target_reload,
                        finalize=finalize)
+
+
+def sync_target_in_worker(worker: Any, target: str) -> int:
+    """veRL's sync of the TARGET into an engine started with `load_format="dummy"` (whose `reload_weights` vLLM
+    refuses: "Model reloading with `dummy` format"): its own load_weights inside vLLM's layerwise reload."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    model = worker.model_runner.model
+    initialize_layerwise_reload(model)
+    tensors = read(target)
+    model.load_weights(tensors)
+    finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    return len(tensors)

@@ -56,6 +56,9 @@ MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[LifecycleDraftModel, l
 IN_VLLM_RELOAD: contextvars.ContextVar[bool] = contextvars.ContextVar("reload_lifecycle_in_vllm_reload",
                                                                       default=False)
 IMPLICIT_CAUSE = "load_weights after a completed load, outside initialize_layerwise_reload"
+#: why a cold load the draft's load_weights never saw leaves every layer to be written in full
+LOADER_VALUES = ("holds what vLLM's loader put there without load_weights (load_format='dummy': random values), "
+                 "not a checkpoint's")
 
 
 # ---- the backbone mixin ------------------------------------------------------------------------------------
@@ -149,13 +152,27 @@ class LifecycleDraftModel(DraftBackbone):
         # only if the call carried it)
         lc = self.lifecycle
         if lc.epoch == 0 and lc.awaiting_weights:
+            self.__dict__["_cold_load_called"] = True
             lc.weights_loaded(self._structure.loaded_at_cold(n for n in lc.specs if not n.endswith(SHADOW)))
 
     def on_cold_load_processed(self) -> None:
         lc = self.lifecycle
+        if lc.epoch == 0 and lc.awaiting_weights and not self.__dict__.get("_cold_load_called"):
+            self._adopt_loader_values()
         if lc.epoch == 0 and lc.can("finish_loading"):
             self.finalize_loading()
             self.refresh_derived_buffers()
+
+    def _adopt_loader_values(self) -> None:
+        """The cold load never called load_weights (vLLM's dummy loader, as veRL starts its rollout engine, or a
+        loader that writes parameters itself): its values count as the cold load's, the structure is what vLLM
+        built, and the first reload must write every layer in full (never completed or kept with them)."""
+        lc, structure = self.lifecycle, self._structure
+        structure.seen.update(structure.modules)  # present iff vLLM built it: no load decided otherwise
+        self._record_metadata()  # what vLLM's builder would have set at the end of load_weights
+        lc.audit_event("loaded_without_load_weights", cause=LOADER_VALUES)
+        lc.weights_loaded(structure.loaded_at_cold(n for n in lc.specs if not n.endswith(SHADOW)))
+        self.__dict__["_loader_values"] = True
 
     def on_reload_begin(self) -> None:
         if not self.lifecycle.unloaded:
@@ -226,6 +243,9 @@ class LifecycleDraftModel(DraftBackbone):
         shared = self._structure.shared_now()
         if shared:
             self.weights_unchanged(n for m in sorted(shared) for n in self._structure.names_of(m))
+        if self.__dict__.pop("_loader_values", False):  # the cold load's values are nothing to keep
+            readiness = self.lifecycle.readiness
+            readiness.require_full_write(readiness.untouched_layers(), LOADER_VALUES)
         return epoch
 
     def finalize_loading(self, *, keep_untouched: bool = False) -> list[str]:

@@ -17,7 +17,8 @@ is refused: only a restart recovered.
   with the reason. Either way a correct retry of the same call starts a new epoch.
 - `settle_partial(model, policy)` runs at finalize, before vLLM's own, on modules that received only part of
   their elements: with `keep`, when the module's kept tensors are in the checkpoint layout (unquantized and not
-  repacked: the GPU layout), it is completed with its last values and processed; otherwise (and always with
+  repacked: the GPU layout) and its layer may keep its values (not partly written by an aborted reload, not a
+  dummy start's), it is completed with its last values and processed; otherwise (and always with
   `refuse`) it gets its kernel tensors back unchanged and is reported as not loaded, with why. It also records
   which tensors received nothing (vLLM puts their kernel tensors back: last values, bit for bit), which the
   draft declares unchanged under `keep`.
@@ -169,7 +170,8 @@ def settle_partial(model: nn.Module, policy_of: Callable[[LifecycleDraftModel], 
                 out.untouched.append(shadow)
             continue
         sent = f"{info.load_numel} of {info.load_numel_total} elements were sent"
-        why = _not_fillable(module, info) if policy_of(backbone) == "keep" else "partial='refuse'"
+        why = (_must_be_written(backbone, names) or _not_fillable(module, info)) if policy_of(backbone) == "keep" \
+            else "partial='refuse'"
         if why is None:
             _complete_with_last_values(module, info)
             out.filled.extend(names)
@@ -181,6 +183,16 @@ def settle_partial(model: nn.Module, policy_of: Callable[[LifecycleDraftModel], 
     for backbone in backbones_in(model):
         outcomes.setdefault(backbone, PartialOutcome())
     return outcomes
+
+
+def _must_be_written(backbone: LifecycleDraftModel, names: list[str]) -> str | None:
+    """Why the layer of `names` may keep nothing of its last values, or None: it holds values no checkpoint gave
+    (a dummy start), or an aborted reload wrote part of it (`LayerReadiness.partly_written`)."""
+    readiness = backbone.lifecycle.readiness
+    layer = readiness.layer_of_name.get(names[0]) if names else None
+    if layer is None or layer not in readiness.partly_written:
+        return None
+    return f"its layer {readiness.full_write_reason(layer)}: send all of it"
 
 
 def _not_fillable(module: nn.Module, info: Any) -> str | None:
