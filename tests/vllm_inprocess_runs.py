@@ -5,6 +5,8 @@ family the CPU build cannot start an engine with, vLLM's own classes, loader and
 
 from __future__ import annotations
 
+import gc
+import weakref
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -103,9 +105,10 @@ def _draft_dir(work: Path, case: DraftCase, which: str) -> Path:
 
 def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
     target = build_target(work / "target")
-    ref = {}
+    ref, cold_drafts = {}, []
     for which in "AB":
         cold = build(case, _draft_dir(work, case, which), work / "target")
+        cold_drafts.append(weakref.ref(cold))
         ref[which] = {"derived": derived_digests(cold), "weights": weight_digests(cold)}
     warm = build(case, _draft_dir(work, case, "A"), work / "target")
     share_target(warm, target)
@@ -128,8 +131,8 @@ def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
         dest = {"A": "B", "B": "A"}[cur] if path in DRAFT_PATHS else cur
         folder = _draft_dir(work, case, dest)
         tensors = read(folder) if path in DRAFT_PATHS else []
-        result = attempt(lambda p=path, t=tensors, f=folder: write_draft(
-            warm, draft_config, t, p, session=transfer_session(warm, f), target_reload=target_reload(target)))
+        result = attempt(lambda p=path, t=tensors, f=folder, w=warm: write_draft(
+            w, draft_config, t, p, session=transfer_session(w, f), target_reload=target_reload(target)))
         runs.append({"path": path, "draft": dest, "result": result, **_observe(warm, ref[dest], pinned)})
         cur = dest
     res["runs"] = runs
@@ -137,6 +140,13 @@ def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
     res["unfinished"] = _unfinished(warm, work, case, ref, pinned)
     res["optional"] = optional_runs(warm, work, case.family, ref, pinned, res["unfinished"]["draft"], _observe)
     res["dummy"] = attempt(lambda: _dummy_start(case, work, ref["B"]))
+    # the cold drafts, cold-loaded by vLLM's loader and dropped: freed once the cyclic collector ran (vLLM's
+    # modules have cycles of their own); the plugin's per-module table kept every draft before. (A draft that went
+    # through vLLM's layerwise reload is kept by vLLM itself: its module-level table of reload infos holds
+    # parameters whose weight loaders hold the model.)
+    del cold
+    gc.collect()
+    res["cold_dropped_alive"] = sum(r() is not None for r in cold_drafts)
     return res
 
 

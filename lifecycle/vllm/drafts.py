@@ -46,10 +46,13 @@ if TYPE_CHECKING:
     from .epochs import PartialOutcome
     from .settings import PartialPolicy
 
-__all__ = ["IN_VLLM_RELOAD", "MODULE_OWNERS", "SHADOW_OF", "LifecycleDraftModel", "backbones_in", "lifecycle_class"]
+__all__ = ["IN_VLLM_RELOAD", "MODULE_OWNERS", "SHADOW_OF", "LifecycleDraftModel", "backbones_in", "lifecycle_class",
+           "owner_of"]
 
-#: module -> (backbone, tracked tensor names of that module): how vLLM's per-module events find the lifecycle.
-MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[LifecycleDraftModel, list[str]]] = (
+#: module -> (weak reference to its backbone, tracked tensor names of that module): how vLLM's per-module events
+#: find the lifecycle (`owner_of`). The backbone is held weakly: it holds the module, and a value that held it
+#: would keep its key alive, so no draft would ever be freed, not even by the cyclic collector.
+MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[LifecycleDraftModel], list[str]]] = (
     weakref.WeakKeyDictionary()
 )
 #: True while vLLM's own reload machinery (`_layerwise_process`, `finalize_layerwise_reload`) processes layers.
@@ -88,7 +91,7 @@ class LifecycleDraftModel(DraftBackbone):
             own = [f"{mod_name}.{leaf}" if mod_name else leaf for leaf in module._parameters]
             own = [n for n in own if n in tracked]
             if own:
-                MODULE_OWNERS[module] = (self, own)
+                MODULE_OWNERS[module] = (weakref.ref(self), own)
                 owned.append(module)
                 _guard_processing(self, module, plan.captures.get(module))
         # the outermost modules holding the draft's own checkpoint tensors: what an implicit reload hands to vLLM's
@@ -225,7 +228,7 @@ class LifecycleDraftModel(DraftBackbone):
                 entry = MODULE_OWNERS.get(owner)
                 names = [n for n in (entry[1] if entry else []) if n != name] + ([name] if name in specs else [])
                 if names:
-                    MODULE_OWNERS[owner] = (self, names)
+                    MODULE_OWNERS[owner] = (weakref.ref(self), names)
                     if entry is None:  # not claimed with the layers: process it as they are
                         _guard_processing(self, owner, None)
                 elif entry is not None:
@@ -311,7 +314,13 @@ def _guard_processing(backbone: LifecycleDraftModel, module: nn.Module,
     def original(layer: nn.Module) -> Any:
         return own(layer) if own is not None else type(quant_method).process_weights_after_loading(quant_method, layer)
 
+    backbone_ref = weakref.ref(backbone)  # the module's quant method must not hold its backbone (a cycle)
+    del backbone
+
     def process_weights_after_loading(layer: nn.Module) -> Any:
+        backbone = backbone_ref()
+        if backbone is None:  # the draft was dropped: vLLM's processing as it is
+            return original(layer)
         lc = backbone.lifecycle
         if backbone.reload_open and not IN_VLLM_RELOAD.get():
             return None
@@ -336,6 +345,15 @@ def _partly_sent(lc: Any, outcome: PartialOutcome, policy: PartialPolicy) -> Lay
                               state=lc.state.value)
     lc.record_refusal("finish_loading", err)
     return err
+
+
+def owner_of(module: nn.Module) -> tuple[LifecycleDraftModel, list[str]] | None:
+    """The backbone whose tracked tensors `module` holds, with their names (`MODULE_OWNERS`), or None."""
+    entry = MODULE_OWNERS.get(module)
+    if entry is None:
+        return None
+    backbone = entry[0]()
+    return None if backbone is None else (backbone, entry[1])
 
 
 def backbones_in(model: nn.Module) -> list[LifecycleDraftModel]:

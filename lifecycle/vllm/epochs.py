@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..types import describe_error as describe
-from .drafts import MODULE_OWNERS, SHADOW_OF, backbones_in
+from .drafts import SHADOW_OF, backbones_in, owner_of
 
 if TYPE_CHECKING:
     from .drafts import LifecycleDraftModel
@@ -158,7 +158,7 @@ def settle_partial(model: nn.Module, policy_of: Callable[[LifecycleDraftModel], 
     outcomes: dict[LifecycleDraftModel, PartialOutcome] = {}
     waiting = _infos(model)
     for module, info in waiting:
-        owner = MODULE_OWNERS.get(module)
+        owner = owner_of(module)
         if owner is None or is_deferred_attention_layer(module):
             continue
         backbone, names = owner

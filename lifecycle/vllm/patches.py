@@ -31,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from . import settings
-from .drafts import IN_VLLM_RELOAD, MODULE_OWNERS, backbones_in
+from .drafts import IN_VLLM_RELOAD, backbones_in, owner_of
 from .epochs import (
     describe,
     end_failed_epoch,
@@ -139,7 +139,7 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         # uninitialised); only a layer that received everything counts as loaded
         complete = info.load_numel_total is not None and info.load_numel >= info.load_numel_total > 0
         result = _in_vllm_reload(original, layer, info, *args, **kwargs)
-        owner = MODULE_OWNERS.get(layer)
+        owner = owner_of(layer)
         if complete and owner is not None:
             backbone, names = owner
             if backbone.lifecycle.can("weights_loaded"):
