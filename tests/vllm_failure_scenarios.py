@@ -111,7 +111,7 @@ def _case(llm: Any, call: Any, retry: Any, *, fingerprinted: bool = False, probe
 
 
 def _backbone(worker: Any) -> Any:
-    from lifecycle.vllm.drafts import backbones_in
+    from lifecycle.vllm.owners import backbones_in
 
     (b,) = backbones_in(worker.model_runner.get_draft_model())
     return b

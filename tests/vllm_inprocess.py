@@ -305,7 +305,7 @@ def gpu_weight_layout() -> Iterator[None]:
 
 # ---- what the tests compare -------------------------------------------------------------------------------------
 def backbone(model: Any) -> Any:
-    from lifecycle.vllm.drafts import backbones_in
+    from lifecycle.vllm.owners import backbones_in
 
     (b,) = backbones_in(model)
     return b

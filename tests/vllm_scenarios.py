@@ -130,7 +130,7 @@ def _fused_layers(draft: Any) -> list[str]:
     """sha256 of each layer's slice of the fused K/V buffer (an empty list for a family without one)."""
     from vllm_inprocess import digest
 
-    from lifecycle.vllm.drafts import backbones_in
+    from lifecycle.vllm.owners import backbones_in
 
     (b,) = backbones_in(draft)
     fused = next((t for n in b.derived_buffer_names() if "kv" in n and (t := b._buffers.get(n)) is not None
@@ -143,7 +143,7 @@ def _structure_probe(worker: Any) -> dict[str, Any]:
     their tensors (each one the lifecycle tracks)."""
     from vllm_inprocess import digest
 
-    from lifecycle.vllm.drafts import backbones_in
+    from lifecycle.vllm.owners import backbones_in
     from lifecycle.vllm.structure import observe
     from lifecycle.vllm.worker import draft_model_of
 
@@ -297,7 +297,7 @@ def _unfinished(llm: Any, work: Path, family: str, cur: str, last: bool) -> dict
 
 
 def _require_usable(worker: Any) -> str:
-    from lifecycle.vllm.drafts import backbones_in
+    from lifecycle.vllm.owners import backbones_in
     from lifecycle.vllm.worker import draft_model_of
 
     for b in backbones_in(draft_model_of(worker.model_runner)):

@@ -22,6 +22,9 @@ is refused: only a restart recovered.
   `refuse`) it gets its kernel tensors back unchanged and is reported as not loaded, with why. It also records
   which tensors received nothing (vLLM puts their kernel tensors back: last values, bit for bit), which the
   draft declares unchanged under `keep`.
+- `finish_epoch(backbone, outcome, policy)` runs after vLLM's finalize, per draft: a tensor left unloaded by
+  `settle_partial` refuses the finish (quarantine, each one named); otherwise the epoch finishes (under `keep` the
+  untouched tensors count as unchanged), the reload hooks run and the derived buffers are refreshed in place.
 """
 
 from __future__ import annotations
@@ -34,15 +37,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..errors import LayersNotReadyError
+from ..events import LIST_CAP
+from ..types import capped
 from ..types import describe_error as describe
-from .drafts import SHADOW_OF, backbones_in, owner_of
+from .owners import VLLMDraftBackbone, backbones_in, owner_of
+from .shadows import SHADOW_OF
 
 if TYPE_CHECKING:
-    from .drafts import LifecycleDraftModel
     from .settings import PartialPolicy
 
-__all__ = ["ENGINE_MODULES", "PartialOutcome", "describe", "end_failed_epoch", "keep_shared_modules_live",
-           "note_engine_model", "reload_in_progress", "settle_partial", "shared_modules", "unwind"]
+__all__ = ["ENGINE_MODULES", "PartialOutcome", "describe", "end_failed_epoch", "finish_epoch",
+           "keep_shared_modules_live", "note_engine_model", "reload_in_progress", "settle_partial",
+           "shared_modules", "unwind"]
 
 
 #: modules of the models the engine loaded that hold no lifecycle draft (the target; `note_engine_model`)
@@ -145,17 +152,57 @@ def end_failed_epoch(model: nn.Module, reason: str) -> None:
             lc.recover()
 
 
+def finish_epoch(backbone: VLLMDraftBackbone, outcome: PartialOutcome | None = None,
+                 policy: PartialPolicy = "refuse") -> None:
+    """After vLLM's finalize: finish the draft's open epoch (every layer ready; with `keep`, tensors that received
+    nothing count as unchanged), run the reload hooks and refresh in place. Any failure quarantines the draft (its
+    last good derived buffers kept) and is raised. Nothing to do when no load of the draft is in progress."""
+    lc = backbone.lifecycle
+    if not lc.can("finish_loading"):
+        return
+    try:
+        if outcome is not None and outcome.unfilled:
+            raise _partly_sent(backbone, outcome, policy)
+        if policy == "keep" and outcome is not None and outcome.untouched:
+            kept = [n for n in outcome.untouched if not lc.readiness.is_loaded(n)]
+            lc.weights_unchanged(kept)
+            shown, more = capped(sorted(kept), LIST_CAP)
+            lc.audit_event("partial_reload", policy=policy, kept=shown, kept_more=more,
+                           completed_with_last_values=sorted(outcome.filled))
+        backbone.finalize_loading()
+        backbone.refresh_derived_buffers()
+    except Exception as e:
+        # fail closed: the draft keeps its last good derived buffers and refuses to run until a good reload
+        if lc.can("abort_reload"):
+            lc.abort_reload(f"{type(e).__name__}: {getattr(e, 'reason', e)}")
+        raise
+
+
+def _partly_sent(backbone: VLLMDraftBackbone, outcome: PartialOutcome, policy: PartialPolicy
+                 ) -> LayersNotReadyError:
+    """The refusal for tensors that received only part of their elements and could not be completed, each named
+    with why (recorded on the draft's lifecycle)."""
+    lc = backbone.lifecycle
+    missing: dict[str, list[str]] = {}
+    for name, why in outcome.unfilled.items():
+        missing.setdefault(lc.readiness.layer_of_name[name], []).append(f"{name} ({why})")
+    err = LayersNotReadyError(f"finish_loading (partial={policy!r})", missing, backbone=lc.name,
+                              state=lc.state.value)
+    lc.record_refusal("finish_loading", err)
+    return err
+
+
 # ---- a payload that did not send everything ------------------------------------------------------------------
 
 
-def settle_partial(model: nn.Module, policy_of: Callable[[LifecycleDraftModel], PartialPolicy]
-                   ) -> dict[LifecycleDraftModel, PartialOutcome]:
+def settle_partial(model: nn.Module, policy_of: Callable[[VLLMDraftBackbone], PartialPolicy]
+                   ) -> dict[VLLMDraftBackbone, PartialOutcome]:
     """Before vLLM's finalize: per lifecycle draft in `model`, what received nothing, and for each module that
     received part of its elements, complete it with its last values (`keep`, checkpoint layout) or put its
     kernel tensors back unchanged (see the module docstring)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    outcomes: dict[LifecycleDraftModel, PartialOutcome] = {}
+    outcomes: dict[VLLMDraftBackbone, PartialOutcome] = {}
     waiting = _infos(model)
     for module, info in waiting:
         owner = owner_of(module)
@@ -185,7 +232,7 @@ def settle_partial(model: nn.Module, policy_of: Callable[[LifecycleDraftModel], 
     return outcomes
 
 
-def _must_be_written(backbone: LifecycleDraftModel, names: list[str]) -> str | None:
+def _must_be_written(backbone: VLLMDraftBackbone, names: list[str]) -> str | None:
     """Why the layer of `names` may keep nothing of its last values, or None: it holds values no checkpoint gave
     (a dummy start), or an aborted reload wrote part of it (`LayerReadiness.partly_written`)."""
     readiness = backbone.lifecycle.readiness

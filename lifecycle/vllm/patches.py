@@ -18,7 +18,7 @@
 `reload_weights`, the native weight-transfer engines and RL trainers all call these names, so one set of
 wrappers covers cold load, target reload, draft reload and the transfer sessions. A reference taken before the
 plugin wrapped a name still reaches the lifecycle: the draft classes' own `load_weights` and
-`process_weights_after_loading` (`drafts.py`) do the same.
+`process_weights_after_loading` (`classes.py`) do the same.
 """
 
 from __future__ import annotations
@@ -31,15 +31,17 @@ from typing import Any
 from torch import nn
 
 from . import settings
-from .drafts import IN_VLLM_RELOAD, backbones_in, owner_of
 from .epochs import (
     describe,
     end_failed_epoch,
+    finish_epoch,
     keep_shared_modules_live,
     note_engine_model,
     reload_in_progress,
     settle_partial,
 )
+from .owners import backbones_in, owner_of
+from .processing import IN_VLLM_RELOAD
 from .quantized import reload_blocker
 from .serving import drafting_allowed
 
@@ -123,7 +125,7 @@ def _finalize(original: Callable[..., Any]) -> Callable[..., Any]:
         for backbone in backbones:
             backbone.reload_partial = None
             try:
-                backbone.on_reload_finalized(outcomes.get(backbone), policies[backbone])
+                finish_epoch(backbone, outcomes.get(backbone), policies[backbone])
             except Exception as e:
                 errors.append(e)
         if errors:
@@ -199,7 +201,7 @@ ENGINE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.load_numel_total",
      "patches._layerwise_process"),
     ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase.process_weights_after_loading",
-     "drafts (shadows, deferred processing)"),
+     "processing (shadow capture, deferred processing)"),
     ("vllm.model_executor.models.registry", "ModelRegistry", "plugin (draft class registration)"),
     ("vllm.model_executor.models.registry", "_ModelRegistry.register_model", "plugin (draft class registration)"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_draft_model", "worker RPCs (Model Runner V1)"),

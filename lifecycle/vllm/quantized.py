@@ -25,7 +25,7 @@ from ..derived import DerivedSpec
 from .families import SHADOW, VLLMDraftFamily
 
 if TYPE_CHECKING:
-    from .drafts import LifecycleDraftModel
+    from .owners import VLLMDraftBackbone
 
 __all__ = ["NOT_RELOADABLE", "attention_prefixes", "checkpoint_layout_readable", "quantized_fallback",
            "reload_blocker"]
@@ -56,7 +56,7 @@ def checkpoint_layout_readable(linear: nn.Module) -> bool:
     return isinstance(getattr(linear, "quant_method", None), UnquantizedLinearMethod)
 
 
-def quantized_fallback(backbone: LifecycleDraftModel, family: VLLMDraftFamily, methods: set[str]
+def quantized_fallback(backbone: VLLMDraftBackbone, family: VLLMDraftFamily, methods: set[str]
                        ) -> tuple[DerivedSpec, ...]:
     """A quantized attention projection: the fused buffer read from the shadows is not declared; vLLM's own
     non-fused path (each projection through its quant method, taken when the fused weight is None) serves,

@@ -10,7 +10,7 @@ __all__: list[str] = []
 
 
 def __getattr__(name: str) -> Any:
-    from .drafts import lifecycle_class
+    from .classes import lifecycle_class
     from .families import FAMILIES
 
     for family in FAMILIES:

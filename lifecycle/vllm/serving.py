@@ -20,11 +20,11 @@ from typing import Any
 
 from torch import nn
 
-from .drafts import LifecycleDraftModel, backbones_in
+from .owners import VLLMDraftBackbone, backbones_in
 
 __all__ = ["drafting_allowed"]
 
-_BACKBONES: weakref.WeakKeyDictionary[nn.Module, list[LifecycleDraftModel]] = weakref.WeakKeyDictionary()
+_BACKBONES: weakref.WeakKeyDictionary[nn.Module, list[VLLMDraftBackbone]] = weakref.WeakKeyDictionary()
 
 
 def _draft_model(runner: Any) -> nn.Module | None:

@@ -29,7 +29,7 @@ from .families import SHADOW
 from .quantized import checkpoint_layout_readable, quantized_fallback
 
 if TYPE_CHECKING:
-    from .drafts import LifecycleDraftModel
+    from .owners import VLLMDraftBackbone
 
 __all__ = ["SHADOW_OF", "ShadowPlan", "plan_shadows", "processing_keeps_weight", "shadow_bytes_apart"]
 
@@ -70,7 +70,7 @@ def processing_keeps_weight(linear: nn.Module) -> bool:
         and after.dtype == weight.dtype
 
 
-def plan_shadows(backbone: LifecycleDraftModel) -> ShadowPlan:
+def plan_shadows(backbone: VLLMDraftBackbone) -> ShadowPlan:
     """Per the family's `shadow` and what processing does to its projections: register the shadows (CPU
     repack), read the live weight (kept), or leave the fused buffer to vLLM's non-fused path (quantized)."""
     family = backbone._family

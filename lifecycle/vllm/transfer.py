@@ -34,8 +34,8 @@ def engine_class() -> type:
     """Built on demand so that importing this module imports no vLLM."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    from .drafts import backbones_in
     from .epochs import describe, end_failed_epoch
+    from .owners import backbones_in
     from .payload import feed, plan_payload
     from .settings import check_partial
 

@@ -16,8 +16,8 @@ from ..errors import MESSAGE_ITEMS_CAP
 from ..events import host_name
 from ..storage import StorageIdentity
 from ..types import capped
-from .drafts import LifecycleDraftModel, backbones_in
 from .epochs import describe, end_failed_epoch
+from .owners import VLLMDraftBackbone, backbones_in
 from .payload import feed, plan_payload
 from .settings import PartialPolicy, check_partial
 
@@ -45,7 +45,7 @@ class LifecycleWorkerExtension:
             models["draft"] = draft
         return models
 
-    def _lifecycle_backbones(self) -> list[tuple[str, LifecycleDraftModel]]:
+    def _lifecycle_backbones(self) -> list[tuple[str, VLLMDraftBackbone]]:
         return [(role, b) for role, model in self._lifecycle_models().items() for b in backbones_in(model)]
 
     def _lifecycle_worker(self) -> dict[str, Any]:

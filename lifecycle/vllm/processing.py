@@ -1,0 +1,70 @@
+"""When a draft layer's post-load processing may run, and the K/V rows captured right before it.
+
+vLLM processes a layer (`quant_method.process_weights_after_loading(layer)`: on CPU an unquantized linear layer is
+repacked and its `weight` emptied; a quantized one packs its weights) at the end of a cold load, and, during a
+layerwise reload, as each layer completes or at finalize. Each module a draft owns gets its quant method's
+processing wrapped (`guard_processing`):
+- right before a load's processing repacks or empties the weight, the shadowed rows (`shadows.py`) are copied in
+  checkpoint layout;
+- in the middle of a reload, processing that does not come from vLLM's reload machinery (`IN_VLLM_RELOAD`, set by
+  the patched `_layerwise_process` and `finalize_layerwise_reload`) is skipped: a cold-load pass through a
+  reference to `process_weights_after_loading` taken before the plugin wrapped it would otherwise process a META
+  placeholder. The reload processes each layer once, when it completes or at finalize.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .owners import VLLMDraftBackbone
+    from .shadows import Capture
+
+__all__ = ["IN_VLLM_RELOAD", "guard_processing"]
+
+#: True while vLLM's own reload machinery (`_layerwise_process`, `finalize_layerwise_reload`) processes layers.
+IN_VLLM_RELOAD: contextvars.ContextVar[bool] = contextvars.ContextVar("reload_lifecycle_in_vllm_reload",
+                                                                      default=False)
+
+
+def guard_processing(backbone: VLLMDraftBackbone, module: nn.Module, capture: Capture | None) -> None:
+    """Wrap `module`'s quant method's `process_weights_after_loading` (the very object, wherever vLLM moves the
+    parameters meanwhile): capture the shadowed rows before processing, skip processing that comes from outside
+    vLLM's reload machinery while a reload is open. A module without such a method is left as it is."""
+    quant_method = getattr(module, "quant_method", None)
+    if getattr(quant_method, "process_weights_after_loading", None) is None:
+        return
+    # an earlier per-instance wrapper, else the class's method as it is when called (a process-wide replacement,
+    # such as a test's simulated GPU layout, then applies to this layer too)
+    instance_method = quant_method.__dict__.get("process_weights_after_loading")
+
+    def vllm_processing(layer: nn.Module) -> Any:
+        if instance_method is not None:
+            return instance_method(layer)
+        return type(quant_method).process_weights_after_loading(quant_method, layer)
+
+    backbone_ref = weakref.ref(backbone)  # the module's quant method must not hold its backbone (a cycle)
+    del backbone
+
+    def process_weights_after_loading(layer: nn.Module) -> Any:
+        backbone = backbone_ref()
+        if backbone is None:  # the draft was dropped: vLLM's processing as it is
+            return vllm_processing(layer)
+        lc = backbone.lifecycle
+        if backbone.reload_open and not IN_VLLM_RELOAD.get():
+            return None
+        if capture is not None and lc.can("weights_loaded"):
+            rows, shadow, name = capture
+            weight = layer.weight
+            if not weight.is_meta and weight.dim() == 2 and weight[rows].shape == shadow.shape:
+                with torch.no_grad():
+                    shadow.copy_(weight[rows])
+                lc.weights_loaded([name])
+        return vllm_processing(layer)
+
+    quant_method.process_weights_after_loading = process_weights_after_loading
