@@ -10,21 +10,19 @@ holding a reference taken before the plugin wrapped vLLM's functions (`patches.p
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from .drafts import LifecycleDraftModel, layerwise_function
 from .epochs import describe, end_failed_epoch, reload_in_progress
 from .families import VLLMDraftFamily
 from .owners import backbones_in
-from .structure import DraftStructure
+from .structure import DraftStructure, Weights
 
 __all__ = ["lifecycle_class"]
 
-Weights = Iterable[tuple[str, torch.Tensor]]
 LoadWeights = Callable[[nn.Module, Weights], Any]
 
 #: family name -> its lifecycle-enabled ForCausalLM (one class per family and process)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +51,7 @@ LOADER_VALUES = ("holds what vLLM's loader put there without load_weights (load_
                  "not a checkpoint's")
 
 
-def layerwise_function(name: str) -> Any:
+def layerwise_function(name: str) -> Callable[..., Any]:
     """vLLM's layerwise reload function `name`, looked up now (so the plugin's wrapper, once installed)."""
     return getattr(importlib.import_module("vllm.model_executor.model_loader.reload.layerwise"), name)
 

@@ -36,7 +36,7 @@ def guard_processing(backbone: VLLMDraftBackbone, module: nn.Module, capture: Ca
     """Wrap `module`'s quant method's `process_weights_after_loading` (the very object, wherever vLLM moves the
     parameters meanwhile): capture the shadowed rows before processing, skip processing that comes from outside
     vLLM's reload machinery while a reload is open. A module without such a method is left as it is."""
-    quant_method = getattr(module, "quant_method", None)
+    quant_method: Any = getattr(module, "quant_method", None)  # vLLM's QuantizeMethodBase, typed only there
     if getattr(quant_method, "process_weights_after_loading", None) is None:
         return
     # an earlier per-instance wrapper, else the class's method as it is when called (a process-wide replacement,
