@@ -19,7 +19,7 @@ confidence head that takes the Markov embedding (vLLM's `confidence_head_with_ma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +123,10 @@ class DSparkHeads:
     markov_head: DSparkMarkovHead
     confidence_head: DSparkConfidenceHead | None
     config: Any
+    _markov_confidence_logits: torch.Tensor  # the derived buffer (MARKOV_CONFIDENCE), registered by the lifecycle
+
+    if TYPE_CHECKING:  # the backbone this is mixed into has it (DraftBackbone)
+        def require_usable(self, what: str = "forward") -> None: ...
 
     def build_dspark_heads(self, c: Any) -> None:
         """Add the heads, in the dtypes vLLM keeps them in (the confidence head is always float32)."""
@@ -141,13 +145,13 @@ class DSparkHeads:
     # ---- confidence: fused path (reads _markov_confidence_logits) ------------------------------------------
     def compute_confidence(self, head_hidden: torch.Tensor, prev_token_ids: torch.Tensor) -> torch.Tensor:
         """Acceptance probability per drafted position; `prev_token_ids` are the tokens sampled before them."""
-        self.require_usable("compute_confidence")  # type: ignore[attr-defined]
+        self.require_usable("compute_confidence")
         head = self._confidence_head()
         if not self.config.has_markov_confidence_table:
             return torch.sigmoid(head.proj(head_hidden.float()).squeeze(-1))
         w_hidden = head.proj.weight[:, :self.config.hidden_size]
         logit = F.linear(head_hidden.float(), w_hidden).squeeze(-1)
-        return torch.sigmoid(logit + self._markov_confidence_logits[prev_token_ids])  # type: ignore[attr-defined]
+        return torch.sigmoid(logit + self._markov_confidence_logits[prev_token_ids])
 
     # ---- confidence: reference path (vLLM's formula, no derived buffer) --------------------------------------
     def compute_confidence_reference(self, head_hidden: torch.Tensor, prev_token_ids: torch.Tensor

@@ -181,9 +181,9 @@ def state_diagram_svg(taken: Mapping[Edge, int], *, illegal: Mapping[Edge, int] 
                                      ly=max(y1, y2) + depth + 16, k=k))
     for state in LifecycleState:
         x, y = _centre(state.value)
-        cls = ["state"] + (["visited"] if state.value in visited else []) + (
+        classes = ["state"] + (["visited"] if state.value in visited else []) + (
             ["current"] if state.value in current else [])
-        parts.append(_STATE.format(cls=" ".join(cls), state=state.value, x=x - NODE_W / 2, y=y - NODE_H / 2,
+        parts.append(_STATE.format(cls=" ".join(classes), state=state.value, x=x - NODE_W / 2, y=y - NODE_H / 2,
                                    w=NODE_W, h=NODE_H, cx=x, ty=y + 4.5))
     parts.append(Markup("</svg>"))
     return Markup().join(parts)
