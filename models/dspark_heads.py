@@ -87,11 +87,14 @@ class DSparkConfidenceHead(nn.Module):
 # ---- the confidence table: the one derived buffer of the heads ---------------------------------------------------
 
 
-def _write_markov_confidence(m: nn.Module, out: torch.Tensor) -> torch.Tensor:
-    """out[t] = markov_w1[t] . proj.weight[0, hidden:] + proj.bias, in float32, written into `out`."""
+def _write_markov_confidence(m: DSparkHeads, out: torch.Tensor | None) -> torch.Tensor:
+    """out[t] = markov_w1[t] . proj.weight[0, hidden:] + proj.bias, in float32, written into `out` (None: into a
+    new tensor, the cold build)."""
     w1 = m.markov_head.markov_w1.weight
-    proj = m.confidence_head.proj
+    proj = m._confidence_head().proj
     w_markov = proj.weight[0, m.config.hidden_size:]
+    if out is None:
+        out = torch.empty(w1.shape[0], dtype=torch.float32, device=w1.device)
     # float32 weights: one GEMV straight into `out`. Lower precision: upcast row blocks a quarter of `out`'s size.
     rows = w1.shape[0] if w1.dtype == out.dtype else max(1, out.numel() // (4 * w1.shape[1]))
     for start in range(0, w1.shape[0], rows):
@@ -99,10 +102,9 @@ def _write_markov_confidence(m: nn.Module, out: torch.Tensor) -> torch.Tensor:
     return out.add_(proj.bias)
 
 
-def _build_markov_confidence(m: nn.Module) -> torch.Tensor:
-    w1 = m.markov_head.markov_w1.weight
+def _build_markov_confidence(m: DSparkHeads) -> torch.Tensor:
     # the cold build runs the same writer as the in-place refresh: a warm reload equals a cold load bit for bit
-    return _write_markov_confidence(m, torch.empty(w1.shape[0], dtype=torch.float32, device=w1.device))
+    return _write_markov_confidence(m, None)
 
 
 MARKOV_CONFIDENCE = custom(
