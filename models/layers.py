@@ -263,7 +263,7 @@ class Layers(nn.ModuleList, Generic[Layer]):
 
         # [override]: narrower than ModuleList's `Module`, which the checker cannot see `Layer` is when `Layer` is a
         # protocol of what the backbone reads from its layers (a protocol cannot subclass `Module`)
-        @overload  # type: ignore[override]
+        @overload  # type: ignore[override]  # items narrower than Module: see the comment above
         def __getitem__(self, idx: int) -> Layer: ...
 
         @overload
