@@ -1,12 +1,12 @@
-"""How the report writes HTML (and inline SVG): MarkupSafe's `Markup`, a constant template and every value escaped.
+"""HTML (and inline SVG) written one way: a constant template, and every value escaped on its way in.
 
 The report shows values read from logs that come from many machines; one unescaped field is stored XSS. So no
-HTML is built with f-strings (a test checks the modules that write it): a template is a constant of its module,
-`Markup("<td>{text}</td>").format(text=value)` fills it and escapes every value (quotes included) unless it is
-`Markup` already, and `Markup(separator).join(parts)` escapes every part that is not. Only the package's own
-constants and assets become `Markup` directly. What this module adds is the one rule MarkupSafe has no word for:
-numbers are formatted only after a type check (`number`), so a value that is not a finite int or float (a
-string in a number's field, say) is shown as "?" whatever the format spec, and never formatted.
+HTML is built with f-strings (a test checks the modules that write it), and MarkupSafe does the escaping: a
+template is a `Markup` constant of its module, `TEMPLATE.format(text=value)` fills it and escapes every value
+(quotes included) unless it is `Markup` already, and `Markup(separator).join(parts)` escapes every part that is
+not. Only the package's own constants and assets become `Markup` directly. What this module adds is the one
+rule MarkupSafe has no word for: numbers are formatted only after a type check (`number`), so a value that is
+not a finite int or float (a string in a number's field, say) is shown as "?" whatever the format spec.
 
 >>> from markupsafe import Markup
 >>> Markup('<td class="{cls}">{text}</td>').format(cls='x" onmouseover="alert(1)', text="<script>")
