@@ -62,8 +62,11 @@ compat: $(STAMP)
 test-ray: $(RAY_STAMP)
 	$(BIN)/python -m pytest -m ray tests/test_vllm_ray.py
 
+# Style and types, each failing on any finding: ruff over the repository, mypy over what pyproject.toml's
+# [tool.mypy] names (lifecycle/ and models/; it reads vLLM as Any, so the core venv is enough).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (a few minutes on 2 cores).
 # BENCH_ARGS="--quick" for a smoke run of seconds; the GPU check skips (exit 0) without CUDA.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -64,7 +63,9 @@ def run_demo(
 
     family = get_family(model_name)
 
-    say: Callable[[str], None] = lambda s="": print(s, file=stream or sys.stdout, flush=True)  # noqa: E731
+    def say(text: str = "") -> None:
+        print(text, file=stream or sys.stdout, flush=True)
+
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="reload-lifecycle-demo-"))
     out.mkdir(parents=True, exist_ok=True)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -19,7 +19,7 @@ confidence head that takes the Markov embedding (vLLM's `confidence_head_with_ma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -87,11 +87,14 @@ class DSparkConfidenceHead(nn.Module):
 # ---- the confidence table: the one derived buffer of the heads ---------------------------------------------------
 
 
-def _write_markov_confidence(m: nn.Module, out: torch.Tensor) -> torch.Tensor:
-    """out[t] = markov_w1[t] . proj.weight[0, hidden:] + proj.bias, in float32, written into `out`."""
+def _write_markov_confidence(m: DSparkHeads, out: torch.Tensor | None) -> torch.Tensor:
+    """out[t] = markov_w1[t] . proj.weight[0, hidden:] + proj.bias, in float32, written into `out` (None: into a
+    new tensor, the cold build)."""
     w1 = m.markov_head.markov_w1.weight
-    proj = m.confidence_head.proj
+    proj = m._confidence_head().proj
     w_markov = proj.weight[0, m.config.hidden_size:]
+    if out is None:
+        out = torch.empty(w1.shape[0], dtype=torch.float32, device=w1.device)
     # float32 weights: one GEMV straight into `out`. Lower precision: upcast row blocks a quarter of `out`'s size.
     rows = w1.shape[0] if w1.dtype == out.dtype else max(1, out.numel() // (4 * w1.shape[1]))
     for start in range(0, w1.shape[0], rows):
@@ -99,10 +102,9 @@ def _write_markov_confidence(m: nn.Module, out: torch.Tensor) -> torch.Tensor:
     return out.add_(proj.bias)
 
 
-def _build_markov_confidence(m: nn.Module) -> torch.Tensor:
-    w1 = m.markov_head.markov_w1.weight
+def _build_markov_confidence(m: DSparkHeads) -> torch.Tensor:
     # the cold build runs the same writer as the in-place refresh: a warm reload equals a cold load bit for bit
-    return _write_markov_confidence(m, torch.empty(w1.shape[0], dtype=torch.float32, device=w1.device))
+    return _write_markov_confidence(m, None)
 
 
 MARKOV_CONFIDENCE = custom(
@@ -123,6 +125,10 @@ class DSparkHeads:
     markov_head: DSparkMarkovHead
     confidence_head: DSparkConfidenceHead | None
     config: Any
+    _markov_confidence_logits: torch.Tensor  # the derived buffer (MARKOV_CONFIDENCE), registered by the lifecycle
+
+    if TYPE_CHECKING:  # the backbone this is mixed into has it (DraftBackbone)
+        def require_usable(self, what: str = "forward") -> None: ...
 
     def build_dspark_heads(self, c: Any) -> None:
         """Add the heads, in the dtypes vLLM keeps them in (the confidence head is always float32)."""
@@ -141,13 +147,13 @@ class DSparkHeads:
     # ---- confidence: fused path (reads _markov_confidence_logits) ------------------------------------------
     def compute_confidence(self, head_hidden: torch.Tensor, prev_token_ids: torch.Tensor) -> torch.Tensor:
         """Acceptance probability per drafted position; `prev_token_ids` are the tokens sampled before them."""
-        self.require_usable("compute_confidence")  # type: ignore[attr-defined]
+        self.require_usable("compute_confidence")
         head = self._confidence_head()
         if not self.config.has_markov_confidence_table:
             return torch.sigmoid(head.proj(head_hidden.float()).squeeze(-1))
         w_hidden = head.proj.weight[:, :self.config.hidden_size]
         logit = F.linear(head_hidden.float(), w_hidden).squeeze(-1)
-        return torch.sigmoid(logit + self._markov_confidence_logits[prev_token_ids])  # type: ignore[attr-defined]
+        return torch.sigmoid(logit + self._markov_confidence_logits[prev_token_ids])
 
     # ---- confidence: reference path (vLLM's formula, no derived buffer) --------------------------------------
     def compute_confidence_reference(self, head_hidden: torch.Tensor, prev_token_ids: torch.Tensor

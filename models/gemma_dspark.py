@@ -42,7 +42,7 @@ from lifecycle import Phase, alias, concat, custom, post_load_hook, stack
 from lifecycle.testing import random_checkpoint
 
 from .dspark_heads import MARKOV_CONFIDENCE, DSparkHeads, DSparkHeadsConfig
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding, attend_to_context, rms_norm
+from .layers import GatedMLP, Layers, RMSNorm, RotaryEmbedding, attend_to_context, rms_norm
 from .qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 __all__ = ["Gemma4DSparkAttention", "Gemma4DSparkDecoderLayer", "GemmaDSparkConfig", "GemmaDSparkDraft", "gelu_tanh",
@@ -112,6 +112,8 @@ class Gemma4DSparkDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("layer_scalar", torch.ones(1))  # persistent: in the checkpoint
 
+    layer_scalar: torch.Tensor  # the buffer registered above
+
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor
                 ) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v))
@@ -119,8 +121,9 @@ class Gemma4DSparkDecoderLayer(nn.Module):
         return h * self.layer_scalar
 
 
-def _v_norm_weights(m: nn.Module) -> torch.Tensor:
+def _v_norm_weights(m: GemmaDSparkDraft) -> torch.Tensor:
     k_norm = m.layers[0].self_attn.k_norm.weight
+    assert k_norm is not None  # k_norm has its weight (v_norm is the weightless one)
     return torch.ones(len(m.layers), m.layers[0].self_attn.head_dim, dtype=k_norm.dtype, device=k_norm.device)
 
 
@@ -139,6 +142,11 @@ class GemmaDSparkDraft(DSparkHeads, DFlashQwen3Draft):
         alias("_hidden_norm_weight", source="hidden_norm.weight"),
         MARKOV_CONFIDENCE,
     )
+    layers: Layers[Gemma4DSparkDecoderLayer]
+    normalizer: torch.Tensor  # a buffer (registered in __init__, computed by init_normalizer)
+    # the derived buffers of its own, registered by the lifecycle
+    _fused_k_weight: torch.Tensor
+    _v_norm_weights: torch.Tensor
 
     def __init__(self, config: GemmaDSparkConfig | None = None, *, device: str | torch.device = "meta",
                  name: str = "gemma-dspark", rank: int = 0) -> None:
@@ -150,7 +158,7 @@ class GemmaDSparkDraft(DSparkHeads, DFlashQwen3Draft):
             self.register_buffer("normalizer", torch.empty((), dtype=c.dtype), persistent=False)
             self.fc = nn.Linear(c.hidden_size * c.num_target_features, c.hidden_size, bias=False)
             self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-            self.layers = nn.ModuleList(Gemma4DSparkDecoderLayer(c) for _ in range(c.num_hidden_layers))
+            self.layers = Layers(Gemma4DSparkDecoderLayer(c) for _ in range(c.num_hidden_layers))
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.to(c.dtype)
             self.build_dspark_heads(c)
@@ -162,7 +170,7 @@ class GemmaDSparkDraft(DSparkHeads, DFlashQwen3Draft):
     def init_normalizer(self) -> None:
         c = self.config
         self.register_buffer("normalizer", torch.tensor(c.hidden_size**0.5, dtype=c.dtype,
-                                                        device=self.hidden_norm.weight.device), persistent=False)
+                                                        device=self.fc.weight.device), persistent=False)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.normalizer

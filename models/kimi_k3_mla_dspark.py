@@ -47,7 +47,16 @@ from lifecycle import DraftBackbone, alias, concat, stack
 from lifecycle.testing import random_checkpoint
 
 from .dspark_heads import DSparkMarkovHead
-from .layers import DecoderLayer, DraftConfig, RMSNorm, RotaryEmbedding, apply_rope_gptj, init_rope_caches, rms_norm
+from .layers import (
+    DecoderLayer,
+    DraftConfig,
+    Layers,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope_gptj,
+    init_rope_caches,
+    rms_norm,
+)
 
 __all__ = ["K3DSparkConfig", "K3DSparkDecoderLayer", "K3DSparkDraft", "MultiHeadLatentAttention", "random_weights",
            "split_kv_b_proj"]
@@ -180,7 +189,7 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim))
 
 
-class K3DSparkDecoderLayer(DecoderLayer):
+class K3DSparkDecoderLayer(DecoderLayer[MultiHeadLatentAttention]):
     """Forward: `layer(h, positions, ctx_kv_c, ctx_k_pe, absorbed)`, `absorbed` = (W_UK_T, W_UV) or None."""
 
     def __init__(self, c: K3DSparkConfig) -> None:
@@ -202,6 +211,13 @@ class K3DSparkDraft(DraftBackbone):
         stack("_W_UV", sources=("self_attn.kv_b_proj.weight",),
               per_layer=lambda layer: layer.self_attn.absorbed_W_UV(), computed=True),
     )
+    layers: Layers[K3DSparkDecoderLayer]
+    # the derived buffers, registered by the lifecycle
+    _context_kv_weight: torch.Tensor
+    _context_kv_norm_weights: torch.Tensor
+    _rope_cos_sin_cache: torch.Tensor
+    _W_UK_T: torch.Tensor
+    _W_UV: torch.Tensor
 
     def __init__(self, config: K3DSparkConfig | None = None, *, device: str | torch.device = "meta",
                  name: str = "k3-mla-dspark", rank: int = 0) -> None:
@@ -210,7 +226,7 @@ class K3DSparkDraft(DraftBackbone):
         with torch.device(device):
             self.context_proj = nn.Linear(c.target_hidden_size * c.num_target_layers, c.hidden_size, bias=False)
             self.context_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-            self.layers = nn.ModuleList(K3DSparkDecoderLayer(c) for _ in range(c.num_hidden_layers))
+            self.layers = Layers(K3DSparkDecoderLayer(c) for _ in range(c.num_hidden_layers))
             self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.markov_head = DSparkMarkovHead(c.vocab_size, c.draft_vocab_size, c.markov_rank)
         self.to(c.dtype)

@@ -36,7 +36,7 @@ from torch import nn
 from lifecycle import Phase, alias, post_load_hook, stack
 from lifecycle.testing import random_checkpoint
 
-from .layers import DecoderLayer, DFlashAttention, RMSNorm, rms_norm
+from .layers import DecoderLayer, DFlashAttention, Layers, RMSNorm, rms_norm
 from .qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 __all__ = ["DFlashLagunaDraft", "LagunaAttention", "LagunaDFlashConfig", "LagunaDecoderLayer", "LagunaMLP",
@@ -91,7 +91,7 @@ class LagunaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LagunaDecoderLayer(DecoderLayer):
+class LagunaDecoderLayer(DecoderLayer[LagunaAttention]):
     def __init__(self, c: LagunaDFlashConfig) -> None:
         super().__init__(c, LagunaAttention(c), LagunaMLP(c))
 
@@ -111,6 +111,11 @@ class DFlashLagunaDraft(DFlashQwen3Draft):
               per_layer=lambda layer: layer.self_attn.k_norm.weight),
         alias("_rope_cos_sin_cache", source="layers.0.self_attn.rotary_emb.cos_sin_cache"),
     )
+    layers: Layers[LagunaDecoderLayer]
+    mask_embedding: torch.Tensor  # a buffer (registered in __init__, computed by init_mask_embedding)
+    # the derived buffers of its own, registered by the lifecycle
+    _kv_weights: torch.Tensor
+    _input_layernorm_weights: torch.Tensor
 
     def __init__(self, config: LagunaDFlashConfig | None = None, *, device: str | torch.device = "meta",
                  name: str = "laguna-dflash", rank: int = 0) -> None:
@@ -120,7 +125,7 @@ class DFlashLagunaDraft(DFlashQwen3Draft):
         self.has_separate_mask_embedding = False  # vLLM's Laguna loader never sets it
         with torch.device(device):
             self.register_buffer("mask_embedding", torch.zeros(c.hidden_size), persistent=False)
-            self.layers = nn.ModuleList(LagunaDecoderLayer(c) for _ in range(c.num_hidden_layers))
+            self.layers = Layers(LagunaDecoderLayer(c) for _ in range(c.num_hidden_layers))
             self.aux_hidden_norms = nn.ModuleList(
                 RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(c.num_target_features))
             self.fc = nn.Linear(c.target_hidden_size * c.num_target_features, c.hidden_size, bias=False)
@@ -135,7 +140,7 @@ class DFlashLagunaDraft(DFlashQwen3Draft):
     def init_mask_embedding(self) -> None:
         if self.mask_embedding.is_meta:
             self.register_buffer("mask_embedding", torch.zeros(self.config.hidden_size, dtype=self.config.dtype,
-                                                               device=self.norm.weight.device), persistent=False)
+                                                               device=self.fc.weight.device), persistent=False)
 
     # ---- verifier hidden states -> draft context (vLLM: DFlashLagunaForCausalLM.combine_hidden_states) ---------
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,14 @@
   attend_to_context      DFlash's attention: a query block attends, non-causally, to the context K/V plus its own
   DFlashAttention        the DFlash draft attention on Qwen3's layout (Qwen3 DFlash, Laguna DFlash)
   DecoderLayer           pre-norm: h + attn(norm(h)), then h + mlp(norm(h)) (Qwen3 DFlash, Laguna DFlash, Kimi-K3)
+  Layers                 an `nn.ModuleList` of one layer class, typed as such (torch types its items as Module)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ __all__ = [
     "DecoderLayer",
     "DraftConfig",
     "GatedMLP",
+    "Layers",
     "RMSNorm",
     "RotaryEmbedding",
     "apply_rope",
@@ -128,6 +130,8 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
         self.register_buffer("cos_sin_cache", torch.empty(max_position, rotary_dim), persistent=False)
 
+    cos_sin_cache: torch.Tensor  # the buffer registered above (torch types a buffer as `Tensor | Module`)
+
     def compute_cos_sin_cache(self, device: torch.device) -> torch.Tensor:
         return rope_cos_sin_cache(self.rotary_dim, self.max_position, self.base, device)
 
@@ -225,20 +229,46 @@ class DFlashAttention(nn.Module):
 
 # ---- decoder layer ---------------------------------------------------------------------------------------------
 
+Attention = TypeVar("Attention", bound=nn.Module, covariant=True)
+Layer = TypeVar("Layer", covariant=True)
 
-class DecoderLayer(nn.Module):
+
+class DecoderLayer(nn.Module, Generic[Attention]):
     """The pre-norm residual layer of Qwen3, Laguna and Kimi: `h + self_attn(input_layernorm(h), ...)`, then
     `h + mlp(post_attention_layernorm(h))`. `mlp` defaults to `GatedMLP(hidden_size, intermediate_size)` (SiLU).
-    The arguments after `positions` (the layer's context K/V, or MLA latents) go to the attention as they are."""
+    The arguments after `positions` (the layer's context K/V, or MLA latents) go to the attention as they are.
+    Generic in its attention's class (`DecoderLayer[DFlashAttention]`), for the type checker."""
 
-    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module | None = None) -> None:
+    def __init__(self, config: Any, self_attn: Attention, mlp: nn.Module | None = None) -> None:
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = self_attn
+        self.self_attn: Attention = self_attn
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = mlp if mlp is not None else GatedMLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, *context: Any) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, *context)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Layers(nn.ModuleList, Generic[Layer]):
+    """An `nn.ModuleList` of a backbone's decoder layers, typed by what they are (a layer class, or a protocol of
+    what the backbone reads from them): torch types `layers[i]` as a bare `Module`, every attribute of which a
+    type checker then reads as `Tensor | Module`. At run time it is the `nn.ModuleList` it subclasses: the
+    declarations below are for the type checker only."""
+
+    if TYPE_CHECKING:
+        def __init__(self, modules: Iterable[Layer]) -> None: ...
+
+        # [override]: narrower than ModuleList's `Module`, which the checker cannot see `Layer` is when `Layer` is a
+        # protocol of what the backbone reads from its layers (a protocol cannot subclass `Module`)
+        @overload  # type: ignore[override]  # items narrower than Module: see the comment above
+        def __getitem__(self, idx: int) -> Layer: ...
+
+        @overload
+        def __getitem__(self, idx: slice) -> Layers[Layer]: ...
+
+        def __getitem__(self, idx: int | slice) -> Layer | Layers[Layer]: ...
+
+        def __iter__(self) -> Iterator[Layer]: ...  # type: ignore[override]  # as for __getitem__

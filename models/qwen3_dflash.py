@@ -15,20 +15,29 @@ rebuilt with `torch.cat` after every `load_weights` call:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lifecycle import DraftBackbone, alias, concat, stack
+from lifecycle import DerivedSpec, DraftBackbone, alias, concat, stack
 from lifecycle.testing import random_checkpoint
 
-from .layers import DecoderLayer, DFlashAttention, DraftConfig, RMSNorm, apply_rope, init_rope_caches, rms_norm
+from .layers import (
+    DecoderLayer,
+    DFlashAttention,
+    DraftConfig,
+    Layers,
+    RMSNorm,
+    apply_rope,
+    init_rope_caches,
+    rms_norm,
+)
 
-__all__ = ["DFlashConfig", "DFlashQwen3DecoderLayer", "DFlashQwen3Draft", "random_weights"]
+__all__ = ["ContextAttention", "ContextLayer", "DFlashConfig", "DFlashQwen3DecoderLayer", "DFlashQwen3Draft",
+           "random_weights"]
 
 
 @dataclass(frozen=True)
@@ -38,18 +47,45 @@ class DFlashConfig(DraftConfig):
     num_target_features: int = 2  # len(dflash_config.target_layer_ids): fc input is hidden * this
 
 
-class DFlashQwen3DecoderLayer(DecoderLayer):
+class DFlashQwen3DecoderLayer(DecoderLayer[DFlashAttention]):
     """vLLM's `DFlashQwen3DecoderLayer`: Qwen3's pre-norm layer whose attention also reads the context K/V."""
 
     def __init__(self, c: DFlashConfig) -> None:
         super().__init__(c, DFlashAttention(c))
 
 
+class ContextAttention(Protocol):
+    """What the DFlash backbone's own methods read from a layer's attention (the families built on it, Laguna's
+    and Gemma's, bring attentions of their own)."""
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def k_norm(self) -> RMSNorm: ...
+
+    def context_kv(self, normed_context: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class ContextLayer(Protocol):
+    """What the DFlash backbone's own methods use of a decoder layer: its attention, and the layer itself."""
+
+    @property
+    def self_attn(self) -> ContextAttention: ...
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor
+                 ) -> torch.Tensor: ...
+
+
 class DFlashQwen3Draft(DraftBackbone):
     """The draft backbone (vLLM's `DFlashQwen3Model`): decoder layers, `fc` + `hidden_norm` for the target's
     hidden states, final `norm`. Embeddings and lm_head are shared from the target and not part of it."""
 
-    derived_buffers = (
+    derived_buffers: ClassVar[tuple[DerivedSpec, ...]] = (
         concat("_fused_kv_weight", sources=("self_attn.qkv_proj.weight",),
                per_layer=lambda layer: layer.self_attn.qkv_proj.weight[layer.self_attn.q_size:]),
         stack("_k_norm_weights", sources=("self_attn.k_norm.weight",),
@@ -58,14 +94,21 @@ class DFlashQwen3Draft(DraftBackbone):
         alias("_hidden_norm_weight", source="hidden_norm.weight"),
     )
 
-    decoder_layer_cls: ClassVar[Callable[[Any], nn.Module]] = DFlashQwen3DecoderLayer  # as in vLLM: subclasses swap it
+    # as in vLLM: subclasses swap it
+    decoder_layer_cls: ClassVar[type[DFlashQwen3DecoderLayer]] = DFlashQwen3DecoderLayer
+    layers: Layers[ContextLayer]
+    # the derived buffers, registered by the lifecycle
+    _fused_kv_weight: torch.Tensor
+    _k_norm_weights: torch.Tensor
+    _rope_cos_sin_cache: torch.Tensor
+    _hidden_norm_weight: torch.Tensor
 
     def __init__(self, config: DFlashConfig | None = None, *, device: str | torch.device = "meta",
                  name: str = "dflash", rank: int = 0, locked: bool = False) -> None:
         super().__init__()
         c = self.config = config or DFlashConfig()
         with torch.device(device):
-            self.layers = nn.ModuleList(self.decoder_layer_cls(c) for _ in range(c.num_hidden_layers))
+            self.layers = Layers(self.decoder_layer_cls(c) for _ in range(c.num_hidden_layers))
             self.fc = nn.Linear(c.hidden_size * c.num_target_features, c.hidden_size, bias=False)
             self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)

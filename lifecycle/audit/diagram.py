@@ -11,6 +11,8 @@ digraph reload_lifecycle {
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..states import INITIAL_STATE, TRANSITIONS, LifecycleState
 
 __all__ = ["FORMATS", "dot", "markdown", "mermaid", "render"]
@@ -18,8 +20,18 @@ __all__ = ["FORMATS", "dot", "markdown", "mermaid", "render"]
 FORMATS = ("mermaid", "dot", "markdown")
 
 
+if TYPE_CHECKING:
+    from transitions.extensions.diagrams_base import GraphProtocol
+
+
 class _Model:
+    """The model `GraphMachine` drives: it sets `state` and adds `get_graph` (declared only for the type checker,
+    since the machine adds the method only where the model has none)."""
+
     state: LifecycleState
+    if TYPE_CHECKING:
+        def get_graph(self, title: str | None = None, force_new: bool = False,
+                      show_roi: bool = False) -> GraphProtocol: ...
 
 
 def mermaid(current: LifecycleState | str | None = None, title: str = "draft backbone reload lifecycle") -> str:
@@ -41,7 +53,10 @@ def mermaid(current: LifecycleState | str | None = None, title: str = "draft bac
                            auto_transitions=False, graph_engine="mermaid", title=title, show_conditions=True)
     if current is not None:
         machine.set_state(LifecycleState(current), model)
-    return model.get_graph(force_new=True).draw(None)  # type: ignore[attr-defined]
+    text = model.get_graph(force_new=True).draw(None)
+    if text is None:  # with no file to write, the mermaid graph returns its text
+        raise RuntimeError("transitions' mermaid graph returned no text")
+    return text
 
 
 def _dot_quote(text: str) -> str:

@@ -226,14 +226,14 @@ class Auditor:
         r.epoch_began = ev.where
 
     def _src_matches(self, r: StreamReplay, ev: LogEvent, what: str) -> str | None:
-        src = ev.fields.get("src")
+        src: str | None = ev.fields.get("src")  # a string or absent: the schema checked the event's types
         if src not in STATE_NAMES:
             self._violate(r, "illegal_transition", ev.where, f"{what}: unknown src state {shown(src)}")
             return None
         if src != r.state_name:
             self._violate(r, "state_mismatch", ev.where,
                           f"{what}: the log says src {src}, the replay says {r.state_name}")
-        return src  # type: ignore[no-any-return]
+        return src
 
     def _in_state(self, r: StreamReplay, ev: LogEvent, states: frozenset[str], trigger: str) -> bool:
         if r.state_name in states:
@@ -245,13 +245,14 @@ class Auditor:
 
     def _transition(self, r: StreamReplay, ev: LogEvent) -> None:
         f = ev.fields
-        trigger, dst = f.get("trigger"), f.get("dst")
+        trigger: str | None = f.get("trigger")  # strings or absent: the schema checked the event's types
+        dst: str | None = f.get("dst")
         if trigger not in TRIGGERS:
             self._violate(r, "illegal_transition", ev.where,
                           f"unknown trigger {shown(trigger)}; the table knows: {', '.join(TRIGGERS)}")
             return
         src = self._src_matches(r, ev, trigger)
-        if dst not in STATE_NAMES:
+        if dst is None or dst not in STATE_NAMES:
             self._violate(r, "illegal_transition", ev.where, f"{trigger}: unknown dst state {shown(dst)}")
             return
         if src is None:

@@ -6,11 +6,12 @@ became ready, the lifecycle's steps and refusals, and the derived buffers' addre
 bounded). The page has no external reference at all: the stylesheet and the small script (`assets/`) and every
 picture (SVG, drawn by `svg.py` and `timeline.py`) are inline.
 
-Every value read from a log reaches the page through `markup.html`, which escapes it (one escaping path, no
-f-string HTML), and the page's Content-Security-Policy allows no script or style but its own (by their sha256):
-an injected `<script>` or event handler would not run even if a value slipped through. The page is bounded
-whatever the log: at most `STREAM_ROWS` streams listed, the auditor's `max_details` violations and input
-problems, panels for the streams the collector traced, `FIGURES_CAP` timelines in all.
+Every value read from a log reaches the page through a MarkupSafe template (`Markup(TEMPLATE).format`, see
+`markup`), which escapes it (one escaping path, no f-string HTML), and the page's Content-Security-Policy allows
+no script or style but its own (by their sha256): an injected `<script>` or event handler would not run even if
+a value slipped through. The page is bounded whatever the log: at most `STREAM_ROWS` streams listed, the
+auditor's `max_details` violations and input problems, panels for the streams the collector traced,
+`FIGURES_CAP` timelines in all.
 
 Sections: a summary with the verdict and the ranks and nodes the logs cover (and, with expected ranks, the ones
 they lack); the streams; the violations (filterable by kind) and warnings; then one panel per
@@ -30,8 +31,10 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
+from markupsafe import Markup
+
 from .logstream import LogEvent, iter_events
-from .markup import Markup, html, join, number, trusted
+from .markup import number
 from .replay import MAX_STREAMS, Auditor
 from .results import AuditResult, StreamReplay, Violation
 from .rules import VIOLATION_KINDS, WARNING_KINDS
@@ -52,7 +55,7 @@ INPUT_ROWS = 50
 @cache
 def _asset(name: str) -> Markup:
     """One file of `assets/` (the page's stylesheet or script), as it is inlined: after a newline."""
-    return trusted("\n" + (resources.files("lifecycle.audit") / "assets" / name).read_text(encoding="utf-8"))
+    return Markup("\n" + (resources.files("lifecycle.audit") / "assets" / name).read_text(encoding="utf-8"))
 
 
 def _sha256(text: str) -> str:
@@ -86,45 +89,54 @@ def _name(value: str) -> str:
     return abbreviate(value, SHOWN_CAP)
 
 
-_FIGURE = ('<figure class="timeline-figure" id="fig-{uid}"><figcaption><b>rank {rank} · epoch {epoch}</b> '
-           '({what}{lifecycle}) · {facts}<div class="path">{path}</div></figcaption><div class="scroll">{svg}</div>'
-           '<ol class="marks">{marks}</ol></figure>')
-_MARK_ITEM = '<li class="{cls}"><span class="t">+{ms:.3f} ms</span> {text}</li>'
+_FIGURE = Markup('<figure class="timeline-figure" id="fig-{uid}"><figcaption><b>rank {rank} · epoch {epoch}</b> '
+                 '({what}{lifecycle}) · {facts}<div class="path">{path}</div></figcaption><div class="scroll">'
+                 '{svg}</div><ol class="marks">{marks}</ol></figure>')
+_MARK_ITEM = Markup('<li class="{cls}"><span class="t">+{ms:.3f} ms</span> {text}</li>')
+_FACT_LAYERS = Markup("{ready}/{total} layers ready")
+_FACT_MS = Markup("{ms:.2f} ms")
+_FACT_REFRESH = Markup("refresh: {modes}")
+_FACT_REFUSED = Markup("{n} refused")
+_FACT_VIOLATIONS = Markup('<span class="bad">{n} violation(s)</span>')
 
 
 def _timeline_figure(st: StreamTrace, tr: EpochTrace, violations: int) -> Markup:
     uid = _slug("timeline", "r", st.rank, st.backbone, "i", tr.incarnation, "e", tr.epoch)
     modes = sorted({str(b.get("mode")) for b in tr.buffers.values()})
     facts: list[Markup] = [
-        html("{ready}/{total} layers ready", ready=len(tr.layers) + tr.layers_more + tr.unchanged_more,
-             total=tr.layers_total if tr.layers_total is not None else "?"),
-        html("{ms:.2f} ms", ms=(tr.end - tr.start) * 1e3),
-        html("refresh: {modes}", modes="/".join(modes) if modes else "none"),
+        _FACT_LAYERS.format(ready=len(tr.layers) + tr.layers_more + tr.unchanged_more,
+                            total=tr.layers_total if tr.layers_total is not None else "?"),
+        _FACT_MS.format(ms=(tr.end - tr.start) * 1e3),
+        _FACT_REFRESH.format(modes="/".join(modes) if modes else "none"),
     ]
     if tr.refused:
-        facts.append(html("{n} refused", n=tr.refused))
+        facts.append(_FACT_REFUSED.format(n=tr.refused))
     if violations:
-        facts.append(html('<span class="bad">{n} violation(s)</span>', n=violations))
-    marks = join(html(_MARK_ITEM, cls=cls, ms=(t - tr.start) * 1e3, text=text) for t, text, cls in tr.marks)
-    return html(_FIGURE, uid=uid, rank=st.rank, epoch=tr.epoch, what="cold load" if tr.epoch == 0 else "reload",
-                lifecycle=f", lifecycle {tr.incarnation}" if tr.incarnation > 1 else "", facts=join(facts, " · "),
-                path=" → ".join(tr.states), svg=timeline_svg(tr, uid), marks=marks)
+        facts.append(_FACT_VIOLATIONS.format(n=violations))
+    marks = Markup().join(_MARK_ITEM.format(cls=cls, ms=(t - tr.start) * 1e3, text=text) for t, text, cls in tr.marks)
+    return _FIGURE.format(uid=uid, rank=st.rank, epoch=tr.epoch, what="cold load" if tr.epoch == 0 else "reload",
+                          lifecycle=f", lifecycle {tr.incarnation}" if tr.incarnation > 1 else "",
+                          facts=Markup(" · ").join(facts), path=" → ".join(tr.states), svg=timeline_svg(tr, uid),
+                          marks=marks)
 
 
-_BUFFER_CELL = '<td class="{cls}"><code>{ptr}</code><small>{mode}</small></td>'
-_BUFFER_ROW = ('<tr data-buffer="{name}"><th><code>{name}</code></th><td>{kind}</td><td class="num">{nbytes}</td>'
-               '{cells}</tr>')
-_BUFFERS = ('<table class="buffers" id="{id}"><thead><tr><th>buffer</th><th>kind</th><th>bytes</th>{head}</tr>'
-            '</thead><tbody>{rows}</tbody></table>{more}')
+_BUFFER_HEAD = Markup("<th>epoch {epoch}{star}</th>")
+_BUFFER_CELL = Markup('<td class="{cls}"><code>{ptr}</code><small>{mode}</small></td>')
+_NO_BUFFER_CELL = Markup('<td class="no-refresh">—</td>')
+_BUFFER_ROW = Markup('<tr data-buffer="{name}"><th><code>{name}</code></th><td>{kind}</td><td class="num">{nbytes}'
+                     '</td>{cells}</tr>')
+_BUFFERS = Markup('<table class="buffers" id="{id}"><thead><tr><th>buffer</th><th>kind</th><th>bytes</th>{head}</tr>'
+                  '</thead><tbody>{rows}</tbody></table>{more}')
+_BUFFERS_MORE = Markup('<p class="none">{n} more buffer(s) not listed</p>')
+_NO_BUFFERS = Markup('<p class="none">no refresh in the epochs shown</p>')
 
 
 def _buffers_table(st: StreamTrace, drift_epochs: set[int]) -> Markup:
     epochs = list(st.epochs)
     names = list(dict.fromkeys(n for tr in epochs for n in tr.buffers))
     if not names:
-        return Markup('<p class="none">no refresh in the epochs shown</p>')
-    head = join(html("<th>epoch {epoch}{star}</th>", epoch=tr.epoch, star="*" if tr.incarnation > 1 else "")
-                for tr in epochs)
+        return _NO_BUFFERS
+    head = Markup().join(_BUFFER_HEAD.format(epoch=tr.epoch, star="*" if tr.incarnation > 1 else "") for tr in epochs)
     rows = []
     for name in names:
         info = next(tr.buffers[name] for tr in epochs if name in tr.buffers)
@@ -132,7 +144,7 @@ def _buffers_table(st: StreamTrace, drift_epochs: set[int]) -> Markup:
         for tr in epochs:
             b = tr.buffers.get(name)
             if b is None:
-                cells.append(Markup('<td class="no-refresh">—</td>'))
+                cells.append(_NO_BUFFER_CELL)
                 continue
             ptr = str(b.get("data_ptr"))
             if prev is None:
@@ -142,21 +154,37 @@ def _buffers_table(st: StreamTrace, drift_epochs: set[int]) -> Markup:
             else:
                 cls = "ptr-drift" if tr.refreshed_pinned or tr.epoch in drift_epochs else "ptr-moved"
             prev = ptr
-            cells.append(html(_BUFFER_CELL, cls=cls, ptr=ptr, mode=str(b.get("mode"))))
+            cells.append(_BUFFER_CELL.format(cls=cls, ptr=ptr, mode=str(b.get("mode"))))
         nbytes = number(info["nbytes"]) if "nbytes" in info else ""
-        rows.append(html(_BUFFER_ROW, name=name, kind=str(info.get("kind")), nbytes=nbytes, cells=join(cells)))
+        rows.append(_BUFFER_ROW.format(name=name, kind=str(info.get("kind")), nbytes=nbytes,
+                                       cells=Markup().join(cells)))
     more = max(tr.buffers_more for tr in epochs)
-    return html(_BUFFERS, id=_slug("buffers", "r", st.rank, st.backbone), head=head, rows=join(rows),
-                more=html('<p class="none">{n} more buffer(s) not listed</p>', n=more) if more else "")
+    return _BUFFERS.format(id=_slug("buffers", "r", st.rank, st.backbone), head=head, rows=Markup().join(rows),
+                           more=_BUFFERS_MORE.format(n=more) if more else "")
 
 
-_VIOLATION = ('<tr class="violation kind-{kind}" data-kind="{kind}"><td><code>{where}</code></td><td>{rank}</td>'
-              '<td>{backbone}</td><td>{epoch}</td><td class="kind">{kind}</td><td>{detail}</td></tr>')
-_VIOLATION_TABLE = ('<div id="violation-filter">{buttons}</div><table id="violation-table"><thead><tr><th>where</th>'
-                    '<th>rank</th><th>backbone</th><th>epoch</th><th>kind</th><th>detail</th></tr></thead><tbody>'
-                    '{rows}</tbody></table>{more}')
-_WARNING = ('<tr class="warning kind-{kind}" data-kind="{kind}"><td><code>{where}</code></td><td>{rank}</td>'
-            '<td>{backbone}</td><td>{epoch}</td><td class="kind">{kind}</td><td>{detail}</td></tr>')
+_VIOLATION = Markup('<tr class="violation kind-{kind}" data-kind="{kind}"><td><code>{where}</code></td><td>{rank}</td>'
+                    '<td>{backbone}</td><td>{epoch}</td><td class="kind">{kind}</td><td>{detail}</td></tr>')
+_FILTER_ALL = Markup('<button type="button" data-kind="all" class="active">all ({n})</button>')
+_FILTER_KIND = Markup('<button type="button" data-kind="{k}">{k} ({n})</button>')
+_VIOLATION_TABLE = Markup('<div id="violation-filter">{buttons}</div><table id="violation-table"><thead><tr><th>where'
+                          '</th><th>rank</th><th>backbone</th><th>epoch</th><th>kind</th><th>detail</th></tr></thead>'
+                          '<tbody>{rows}</tbody></table>{more}')
+_FIRST_OF = Markup("<p>first {shown} of {n} listed</p>")
+_FIRST = Markup("<p>first {k} listed</p>")
+_KIND = Markup('<dt class="{cls}">{k}</dt><dd>{meaning}</dd>')
+_WARNING_KIND = Markup('<dt class="{cls}">{k} (warning)</dt><dd>{meaning}</dd>')
+_WARNING = Markup('<tr class="warning kind-{kind}" data-kind="{kind}"><td><code>{where}</code></td><td>{rank}</td>'
+                  '<td>{backbone}</td><td>{epoch}</td><td class="kind">{kind}</td><td>{detail}</td></tr>')
+_WARNINGS = Markup('<h3>Warnings ({n}; the verdict does not count them)</h3><table id="warning-table"><thead>'
+                   "<tr><th>where</th><th>rank</th><th>backbone</th><th>epoch</th><th>kind</th><th>detail</th>"
+                   "</tr></thead><tbody>{rows}</tbody></table>{more}")
+_PROBLEM = Markup("<li><code>{where}</code> {message}</li>")
+_PROBLEMS = Markup('<h3>Unreadable input ({n})</h3><ul id="input-problems">{items}</ul>{more}'
+                   "<p>The rest of the input was audited.</p>")
+_VIOLATIONS_SECTION = Markup('<section id="violations"><h2>Violations</h2>{table}{warnings}{problems}<details>'
+                             '<summary>What the auditor checks</summary><dl id="kinds">{kinds}</dl></details>'
+                             "</section>")
 _NO_VIOLATIONS = Markup(
     '<p class="clean" id="no-violations">No violations: every transition is a row of the table, every refresh had '
     "every layer ready, no pinned address moved, every reload finished, every rank agrees.</p>")
@@ -166,71 +194,70 @@ def _violations_section(result: AuditResult) -> Markup:
     counts = result.violation_counts
     table = _NO_VIOLATIONS
     if result.total_violations:
-        buttons = [html('<button type="button" data-kind="all" class="active">all ({n})</button>',
-                        n=result.total_violations)]
-        buttons += [html('<button type="button" data-kind="{k}">{k} ({n})</button>', k=k, n=n)
-                    for k, n in sorted(counts.items())]
-        rows = join(html(_VIOLATION, kind=v.kind, where=v.where, rank=v.rank, backbone=_name(v.backbone),
-                         epoch=v.epoch, detail=v.detail) for v in result.violations)
+        buttons = [_FILTER_ALL.format(n=result.total_violations)]
+        buttons += [_FILTER_KIND.format(k=k, n=n) for k, n in sorted(counts.items())]
+        rows = Markup().join(_VIOLATION.format(kind=v.kind, where=v.where, rank=v.rank, backbone=_name(v.backbone),
+                                               epoch=v.epoch, detail=v.detail) for v in result.violations)
         shown = len(result.violations)
-        more = (html("<p>first {shown} of {n} listed</p>", shown=shown, n=result.total_violations)
-                if result.total_violations > shown else "")
-        table = html(_VIOLATION_TABLE, buttons=join(buttons), rows=rows, more=more)
-    kinds = join(html('<dt class="{cls}">{k}</dt><dd>{meaning}</dd>', cls="seen" if counts.get(k) else "", k=k,
-                      meaning=meaning) for k, meaning in VIOLATION_KINDS.items())
-    kinds = join([kinds, *(html('<dt class="{cls}">{k} (warning)</dt><dd>{meaning}</dd>',
-                                cls="seen" if result.warning_counts.get(k) else "", k=k, meaning=meaning)
-                           for k, meaning in WARNING_KINDS.items())])
+        more = _FIRST_OF.format(shown=shown, n=result.total_violations) if result.total_violations > shown else ""
+        table = _VIOLATION_TABLE.format(buttons=Markup().join(buttons), rows=rows, more=more)
+    kinds = Markup().join([
+        *(_KIND.format(cls="seen" if counts.get(k) else "", k=k, meaning=meaning)
+          for k, meaning in VIOLATION_KINDS.items()),
+        *(_WARNING_KIND.format(cls="seen" if result.warning_counts.get(k) else "", k=k, meaning=meaning)
+          for k, meaning in WARNING_KINDS.items())])
     warnings: Markup | str = ""
     if result.total_warnings:
-        rows = join(html(_WARNING, kind=w.kind, where=w.where, rank=w.rank, backbone=_name(w.backbone),
-                         epoch=w.epoch, detail=w.detail) for w in result.warnings)
+        rows = Markup().join(_WARNING.format(kind=w.kind, where=w.where, rank=w.rank, backbone=_name(w.backbone),
+                                             epoch=w.epoch, detail=w.detail) for w in result.warnings)
         shown = len(result.warnings)
-        warnings = html('<h3>Warnings ({n}; the verdict does not count them)</h3><table id="warning-table"><thead>'
-                        "<tr><th>where</th><th>rank</th><th>backbone</th><th>epoch</th><th>kind</th><th>detail</th>"
-                        "</tr></thead><tbody>{rows}</tbody></table>{more}", n=result.total_warnings, rows=rows,
-                        more=html("<p>first {k} listed</p>", k=shown) if result.total_warnings > shown else "")
+        warnings = _WARNINGS.format(n=result.total_warnings, rows=rows,
+                                    more=_FIRST.format(k=shown) if result.total_warnings > shown else "")
     problems: Markup | str = ""
     if result.input_problem_count:
-        items = join(html("<li><code>{where}</code> {message}</li>", where=p.where, message=p.message)
-                     for p in result.input_problems)
+        items = Markup().join(_PROBLEM.format(where=p.where, message=p.message) for p in result.input_problems)
         listed = len(result.input_problems)
-        problems = html('<h3>Unreadable input ({n})</h3><ul id="input-problems">{items}</ul>{more}'
-                        "<p>The rest of the input was audited.</p>", n=result.input_problem_count, items=items,
-                        more=html("<p>first {k} listed</p>", k=listed) if result.input_problem_count > listed else "")
-    return html('<section id="violations"><h2>Violations</h2>{table}{warnings}{problems}<details><summary>What the '
-                'auditor checks</summary><dl id="kinds">{kinds}</dl></details></section>', table=table,
-                warnings=warnings, problems=problems, kinds=kinds)
+        problems = _PROBLEMS.format(n=result.input_problem_count, items=items,
+                                    more=_FIRST.format(k=listed) if result.input_problem_count > listed else "")
+    return _VIOLATIONS_SECTION.format(table=table, warnings=warnings, problems=problems, kinds=kinds)
 
 
-_STREAM_ROW = ('<tr class="{cls}"><td>{rank}</td><td>{node}</td><td><a href="#{slug}">{backbone}</a></td><td '
-               'class="num">{events}</td><td class="num">{reloads}</td><td class="num">{epoch}</td><td>{state}</td>'
-               '<td>{pinned}</td><td class="num">{violations}</td><td class="num">{warnings}</td></tr>')
+_STREAM_ROW = Markup('<tr class="{cls}"><td>{rank}</td><td>{node}</td><td><a href="#{slug}">{backbone}</a></td><td '
+                     'class="num">{events}</td><td class="num">{reloads}</td><td class="num">{epoch}</td><td>{state}'
+                     '</td><td>{pinned}</td><td class="num">{violations}</td><td class="num">{warnings}</td></tr>')
+_STREAMS = Markup('<section id="streams"><h2>Streams</h2><table id="stream-table"><thead><tr><th>rank</th>'
+                  "<th>node</th><th>backbone</th><th>events</th><th>reloads</th><th>final epoch</th><th>final state"
+                  "</th><th>pinned</th><th>violations</th><th>warnings</th></tr></thead><tbody>{rows}</tbody></table>"
+                  "{more}</section>")
+_STREAMS_MORE = Markup("<p>{n} more stream(s) not listed</p>")
 
 
 def _streams_table(result: AuditResult) -> Markup:
-    rows = join(html(_STREAM_ROW, cls="bad" if sum(r.violations.values()) else "ok", rank=r.rank,
-                     node=_name(", ".join(r.nodes) or "-"), slug=_slug("backbone", r.backbone),
-                     backbone=_name(r.backbone), events=r.events, reloads=r.epochs_begun, epoch=r.epoch,
-                     state=r.state.value, pinned="yes" if r.pinned else "no", violations=sum(r.violations.values()),
-                     warnings=sum(r.warnings.values())) for r in result.streams[:STREAM_ROWS])
+    rows = Markup().join(
+        _STREAM_ROW.format(cls="bad" if sum(r.violations.values()) else "ok", rank=r.rank,
+                           node=_name(", ".join(r.nodes) or "-"), slug=_slug("backbone", r.backbone),
+                           backbone=_name(r.backbone), events=r.events, reloads=r.epochs_begun, epoch=r.epoch,
+                           state=r.state.value, pinned="yes" if r.pinned else "no",
+                           violations=sum(r.violations.values()), warnings=sum(r.warnings.values()))
+        for r in result.streams[:STREAM_ROWS])
     more = len(result.streams) - STREAM_ROWS
-    return html('<section id="streams"><h2>Streams</h2><table id="stream-table"><thead><tr><th>rank</th>'
-                "<th>node</th><th>backbone</th><th>events</th><th>reloads</th><th>final epoch</th><th>final state</th>"
-                "<th>pinned</th><th>violations</th><th>warnings</th></tr></thead><tbody>{rows}</tbody></table>{more}"
-                "</section>",
-                rows=rows, more=html("<p>{n} more stream(s) not listed</p>", n=more) if more > 0 else "")
+    return _STREAMS.format(rows=rows, more=_STREAMS_MORE.format(n=more) if more > 0 else "")
 
 
-_PANEL = ('<details class="backbone-panel" id="{slug}"{open}><summary>{summary}</summary><h3>State diagram</h3>'
-          '<p class="hint">Drawn from the transition table; thick blue: transitions these ranks took (×count); '
-          "dashed red: transitions the table does not allow; orange: final state.</p>"
-          '<div class="scroll diagram-box">{diagram}</div><h3>Per-layer readiness</h3><p class="hint">Each row a '
-          "layer: grey while it waits, green once every tensor arrived, blue-grey when declared unchanged, red if it "
-          "never became ready. Numbered marks: the lifecycle's steps and refusals (listed under each picture).</p>"
-          '{figures}<h3>Derived buffers</h3><p class="hint">data_ptr after each refresh; red: moved while graphs '
-          "were captured (storage drift), yellow: moved while unpinned (allowed), — no refresh in that epoch.</p>"
-          "{tables}</details>")
+_PANEL = Markup('<details class="backbone-panel" id="{slug}"{open}><summary>{summary}</summary><h3>State diagram</h3>'
+                '<p class="hint">Drawn from the transition table; thick blue: transitions these ranks took (×count); '
+                "dashed red: transitions the table does not allow; orange: final state.</p>"
+                '<div class="scroll diagram-box">{diagram}</div><h3>Per-layer readiness</h3><p class="hint">Each row '
+                "a layer: grey while it waits, green once every tensor arrived, blue-grey when declared unchanged, red "
+                "if it never became ready. Numbered marks: the lifecycle's steps and refusals (listed under each "
+                'picture).</p>{figures}<h3>Derived buffers</h3><p class="hint">data_ptr after each refresh; red: moved '
+                "while graphs were captured (storage drift), yellow: moved while unpinned (allowed), — no refresh in "
+                "that epoch.</p>{tables}</details>")
+_NOT_DRAWN = Markup('<p class="dropped">rank {rank}: {n} earlier epoch(s) not drawn ({why})</p>')
+_RANK_TABLE = Markup("<h4>rank {rank}</h4>{table}")
+_PANEL_BAD = Markup(' · <span class="bad">{n} violation(s)</span>')
+_PANEL_CLEAN = Markup(' · <span class="good">clean</span>')
+_PANEL_SUMMARY = Markup('<span class="name">{name}</span> · rank(s) {ranks} · final state(s) {states}{verdict}')
 
 
 def _backbone_panel(backbone: str, replays: list[StreamReplay], traces: list[StreamTrace],
@@ -256,21 +283,19 @@ def _backbone_panel(backbone: str, replays: list[StreamReplay], traces: list[Str
         figure_budget[0] -= len(drawn)
         not_drawn = st.dropped + len(epochs) - len(drawn)
         if not_drawn:
-            figures.append(html('<p class="dropped">rank {rank}: {n} earlier epoch(s) not drawn ({why})</p>',
-                                rank=st.rank, n=not_drawn,
-                                why="--max-epochs" if len(drawn) == len(epochs) else "the figure limit of the report"))
+            figures.append(_NOT_DRAWN.format(
+                rank=st.rank, n=not_drawn,
+                why="--max-epochs" if len(drawn) == len(epochs) else "the figure limit of the report"))
         figures += [_timeline_figure(st, tr, per_epoch.get(tr.epoch, 0)) for tr in drawn]
-        tables.append(html("<h4>rank {rank}</h4>{table}", rank=st.rank, table=_buffers_table(st, drift)))
-    verdict = (html(' · <span class="bad">{n} violation(s)</span>', n=len(bad)) if bad else
-               Markup(' · <span class="good">clean</span>'))
-    summary = html('<span class="name">{name}</span> · rank(s) {ranks} · final state(s) {states}{verdict}',
-                   name=_name(backbone), ranks=", ".join(str(r.rank) for r in replays),
-                   states=", ".join(sorted(current)), verdict=verdict)
-    return html(_PANEL, slug=_slug("backbone", backbone), open=Markup(" open") if open_ else "", summary=summary,
-                diagram=diagram, figures=join(figures), tables=join(tables))
+        tables.append(_RANK_TABLE.format(rank=st.rank, table=_buffers_table(st, drift)))
+    verdict = _PANEL_BAD.format(n=len(bad)) if bad else _PANEL_CLEAN
+    summary = _PANEL_SUMMARY.format(name=_name(backbone), ranks=", ".join(str(r.rank) for r in replays),
+                                    states=", ".join(sorted(current)), verdict=verdict)
+    return _PANEL.format(slug=_slug("backbone", backbone), open=Markup(" open") if open_ else "", summary=summary,
+                         diagram=diagram, figures=Markup().join(figures), tables=Markup().join(tables))
 
 
-_PAGE = """<!DOCTYPE html>
+_PAGE = Markup("""<!DOCTYPE html>
 <html lang="en" data-rendered="no">
 <head>
 <meta charset="utf-8">
@@ -299,7 +324,11 @@ no network.</footer>
 <script>{js}</script>
 </body>
 </html>
-"""
+""")
+_UNTRACED = Markup('<p class="dropped">{n} stream(s) of {b} backbone(s) audited but not drawn (the report draws the '
+                   "first {k})</p>")
+_INPUT = Markup("<li><code>{name}</code></li>")
+_INPUTS_MORE = Markup("<li>… {n} more</li>")
 
 
 def render_html(result: AuditResult, collector: ReportCollector, *, title: str = "reload-lifecycle report") -> str:
@@ -325,21 +354,20 @@ def render_html(result: AuditResult, collector: ReportCollector, *, title: str =
         traces = [collector.streams[r.key] for r in replays if r.key in collector.streams]
         panels.append(_backbone_panel(backbone, replays, traces, result.violations,
                                       open_=i == 0 or bad_per_backbone[backbone] > 0, figure_budget=budget))
-    untraced = (html('<p class="dropped">{n} stream(s) of {b} backbone(s) audited but not drawn (the report draws '
-                     "the first {k})</p>", n=len(collector.untraced), k=collector.max_traced,
-                     b=len(by_backbone) - len(drawn)) if collector.untraced else "")
-    input_items = [html("<li><code>{name}</code></li>", name=i) for i in result.inputs[:INPUT_ROWS]]
+    untraced = (_UNTRACED.format(n=len(collector.untraced), k=collector.max_traced, b=len(by_backbone) - len(drawn))
+                if collector.untraced else "")
+    input_items = [_INPUT.format(name=i) for i in result.inputs[:INPUT_ROWS]]
     if len(result.inputs) > INPUT_ROWS:
-        input_items.append(html("<li>… {n} more</li>", n=len(result.inputs) - INPUT_ROWS))
-    return html(
-        _PAGE, csp=content_security_policy(), title=clip(title, 200), css=_asset("report.css"), events=result.events,
+        input_items.append(_INPUTS_MORE.format(n=len(result.inputs) - INPUT_ROWS))
+    return str(_PAGE.format(
+        csp=content_security_policy(), title=clip(title, 200), css=_asset("report.css"), events=result.events,
         streams=len(result.streams), backbones=len(by_backbone), inputs=len(result.inputs),
         violations=result.total_violations, warnings=result.total_warnings, problems=result.input_problem_count,
         coverage=coverage_line(result), status_cls=status_cls,
-        status=status, input_items=join(input_items), streams_table=_streams_table(result),
-        violations_section=_violations_section(result), panels=join(panels), untraced=untraced,
+        status=status, input_items=Markup().join(input_items), streams_table=_streams_table(result),
+        violations_section=_violations_section(result), panels=Markup().join(panels), untraced=untraced,
         result=result_line(result), generated=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        js=_asset("report.js"))
+        js=_asset("report.js")))
 
 
 def write_report(paths: Sequence[str | Path], output: str | Path, *, title: str = "reload-lifecycle report",

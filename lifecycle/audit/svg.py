@@ -1,5 +1,5 @@
 """The state diagram as inline SVG, laid out and drawn here from the transition table (no JS, no fonts, no network),
-with the transitions a log actually took highlighted. Written through `markup.html` (every value escaped).
+with the transitions a log actually took highlighted. Written as MarkupSafe templates (every value escaped).
 
 Layout: a state's column is the longest path to it from the initial state over edges that lead to a state
 declared later in `LifecycleState` (the forward direction of the lifecycle); states sharing a column stack in
@@ -18,8 +18,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 
+from markupsafe import Markup
+
 from ..states import INITIAL_STATE, TRANSITIONS, LifecycleState
-from .markup import Markup, html, join
 
 __all__ = ["Edge", "layout", "state_diagram_svg"]
 
@@ -107,24 +108,32 @@ def _geometry(src: str, dst: str) -> tuple[str, float, float, str]:
             (x1 + x2) / 2, lowest + 58, "below")
 
 
+_SPAN = Markup('<tspan x="{x:.1f}" y="{y:.1f}" class="{cls}">{line}</tspan>')
+_LABEL = Markup('<text class="edge-label" text-anchor="middle">{spans}</text>')
+
+
 def _label(x: float, y: float, side: str, lines: list[str], classes: list[str]) -> Markup:
     n = len(lines)
     first = y - (n - 1) * LINE_H if side == "above" else y + LINE_H
-    spans = join(html('<tspan x="{x:.1f}" y="{y:.1f}" class="{cls}">{line}</tspan>', x=x, y=first + i * LINE_H,
-                      cls=classes[i], line=line) for i, line in enumerate(lines))
-    return html('<text class="edge-label" text-anchor="middle">{spans}</text>', spans=spans)
+    spans = Markup().join(_SPAN.format(x=x, y=first + i * LINE_H, cls=classes[i], line=line)
+                          for i, line in enumerate(lines))
+    return _LABEL.format(spans=spans)
 
 
-_MARKER = ('<marker id="{uid}-{kind}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="11" markerHeight="11" '
-           'orient="auto-start-reverse" markerUnits="userSpaceOnUse"><path d="M0,0 L10,5 L0,10 z" '
-           'class="arrow-{kind}"/></marker>')
-_ARC = ('<path class="{cls}" d="{d}" data-src="{src}" data-dst="{dst}" marker-end="url(#{uid}-{marker})"><title>'
-        '{src} → {dst}: {labels}</title></path>')
-_ILLEGAL = ('<path class="edge illegal" d="M{x1},{y1} Q{cx},{cy} {x2},{y2}" marker-end="url(#{uid}-illegal)"><title>'
-            'illegal: {trigger} {src} → {dst}</title></path><text class="edge-label illegal" x="{lx:.1f}" '
-            'y="{ly:.1f}" text-anchor="middle">illegal: {trigger} ×{k}</text>')
-_STATE = ('<g class="{cls}" data-state="{state}"><rect x="{x}" y="{y}" width="{w}" height="{h}" rx="10"/><text '
-          'x="{cx}" y="{ty}" text-anchor="middle">{state}</text></g>')
+_SVG = Markup('<svg xmlns="http://www.w3.org/2000/svg" class="state-diagram" id="{uid}" viewBox="0 0 {w} {h:.0f}" '
+              'width="{w}" height="{h:.0f}" role="img" aria-label="reload lifecycle state diagram"><defs>')
+_MARKER = Markup('<marker id="{uid}-{kind}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="11" markerHeight="11" '
+                 'orient="auto-start-reverse" markerUnits="userSpaceOnUse"><path d="M0,0 L10,5 L0,10 z" '
+                 'class="arrow-{kind}"/></marker>')
+_INITIAL = Markup('<circle class="initial" cx="{cx}" cy="{iy}" r="7"/><path class="edge" d="M{x1},{iy} L{x2},{iy}" '
+                  'marker-end="url(#{uid}-plain)"/>')
+_ARC = Markup('<path class="{cls}" d="{d}" data-src="{src}" data-dst="{dst}" marker-end="url(#{uid}-{marker})">'
+              '<title>{src} → {dst}: {labels}</title></path>')
+_ILLEGAL = Markup('<path class="edge illegal" d="M{x1},{y1} Q{cx},{cy} {x2},{y2}" marker-end="url(#{uid}-illegal)">'
+                  '<title>illegal: {trigger} {src} → {dst}</title></path><text class="edge-label illegal" '
+                  'x="{lx:.1f}" y="{ly:.1f}" text-anchor="middle">illegal: {trigger} ×{k}</text>')
+_STATE = Markup('<g class="{cls}" data-state="{state}"><rect x="{x}" y="{y}" width="{w}" height="{h}" rx="10"/><text '
+                'x="{cx}" y="{ty}" text-anchor="middle">{state}</text></g>')
 
 
 def state_diagram_svg(taken: Mapping[Edge, int], *, illegal: Mapping[Edge, int] | None = None,
@@ -138,23 +147,19 @@ def state_diagram_svg(taken: Mapping[Edge, int], *, illegal: Mapping[Edge, int] 
     width = LEFT * 2 + (cols - 1) * COL_W
     height = TOP + (rows - 1) * ROW_H + NODE_H / 2 + 120
     parts = [
-        html('<svg xmlns="http://www.w3.org/2000/svg" class="state-diagram" id="{uid}" viewBox="0 0 {w} {h:.0f}" '
-             'width="{w}" height="{h:.0f}" role="img" aria-label="reload lifecycle state diagram"><defs>',
-             uid=uid, w=width, h=height),
-        *(html(_MARKER, uid=uid, kind=kind) for kind in ("plain", "taken", "illegal")),
+        _SVG.format(uid=uid, w=width, h=height),
+        *(_MARKER.format(uid=uid, kind=kind) for kind in ("plain", "taken", "illegal")),
         Markup("</defs>"),
     ]
     ix, iy = _centre(INITIAL_STATE.value)
-    parts.append(html('<circle class="initial" cx="{cx}" cy="{iy}" r="7"/><path class="edge" d="M{x1},{iy} '
-                      'L{x2},{iy}" marker-end="url(#{uid}-plain)"/>', cx=ix - NODE_W / 2 - 40, iy=iy,
-                      x1=ix - NODE_W / 2 - 33, x2=ix - NODE_W / 2, uid=uid))
+    parts.append(_INITIAL.format(cx=ix - NODE_W / 2 - 40, iy=iy, x1=ix - NODE_W / 2 - 33, x2=ix - NODE_W / 2, uid=uid))
     for arc in _arcs():
         d, lx, ly, side = _geometry(arc.src, arc.dst)
         counts = [taken.get((t, arc.src, arc.dst), 0) for t in arc.triggers]
         n = sum(dict(zip(arc.triggers, counts, strict=True)).values())  # a trigger on two rows counts once
         cls = "edge taken" if n else "edge"
-        parts.append(html(_ARC, cls=cls, d=d, src=arc.src, dst=arc.dst, uid=uid, marker="taken" if n else "plain",
-                          labels=", ".join(arc.labels)))
+        parts.append(_ARC.format(cls=cls, d=d, src=arc.src, dst=arc.dst, uid=uid, marker="taken" if n else "plain",
+                                 labels=", ".join(arc.labels)))
         seen: set[str] = set()
         lines, classes = [], []
         for label, trig, k in zip(arc.labels, arc.triggers, counts, strict=True):
@@ -171,14 +176,14 @@ def state_diagram_svg(taken: Mapping[Edge, int], *, illegal: Mapping[Edge, int] 
         (x1, y1), (x2, y2) = _centre(src), _centre(dst)
         y1, y2 = y1 + NODE_H / 2, y2 + NODE_H / 2
         depth = 70 + 25 * abs(x2 - x1) / COL_W
-        parts.append(html(_ILLEGAL, x1=x1 + 10, y1=y1, cx=(x1 + x2) / 2, cy=max(y1, y2) + 2 * depth, x2=x2 - 10,
-                          y2=y2, uid=uid, trigger=trigger, src=src, dst=dst, lx=(x1 + x2) / 2,
-                          ly=max(y1, y2) + depth + 16, k=k))
+        parts.append(_ILLEGAL.format(x1=x1 + 10, y1=y1, cx=(x1 + x2) / 2, cy=max(y1, y2) + 2 * depth, x2=x2 - 10,
+                                     y2=y2, uid=uid, trigger=trigger, src=src, dst=dst, lx=(x1 + x2) / 2,
+                                     ly=max(y1, y2) + depth + 16, k=k))
     for state in LifecycleState:
         x, y = _centre(state.value)
-        cls = ["state"] + (["visited"] if state.value in visited else []) + (
+        classes = ["state"] + (["visited"] if state.value in visited else []) + (
             ["current"] if state.value in current else [])
-        parts.append(html(_STATE, cls=" ".join(cls), state=state.value, x=x - NODE_W / 2, y=y - NODE_H / 2, w=NODE_W,
-                          h=NODE_H, cx=x, ty=y + 4.5))
+        parts.append(_STATE.format(cls=" ".join(classes), state=state.value, x=x - NODE_W / 2, y=y - NODE_H / 2,
+                                   w=NODE_W, h=NODE_H, cx=x, ty=y + 4.5))
     parts.append(Markup("</svg>"))
-    return join(parts)
+    return Markup().join(parts)
