@@ -488,7 +488,7 @@ def performance_page() -> str:
         result = results[name]
         script = result.get("benchmark", name)
         body, found = RENDERERS.get(name, _generic)(result)
-        targets += [(f"[{t[0]}](#{name.replace('_', '-')})", t[1], t[2]) for t in found]
+        targets += [(f"[{t[0]}](#{name})", t[1], t[2]) for t in found]
         doc = first_line(source_docstring(ROOT / "benchmarks" / f"{script}.py"))
         command = f"python -m benchmarks.{script}" + (" --device cpu" if name == "gpu_check_cpu" else "")
         sections += [f"### {name}", "", f"`{command}`: {doc}", "", _machine(result), "", *body, "",
@@ -504,7 +504,7 @@ def performance_page() -> str:
              f"`{COMMAND}`. Each script times every arm next to a baseline measured in the same process, arms "
              "interleaved round by round after a warm-up, and reports medians with min-max and the median of the "
              "per-round ratios with its interquartile range (IQR). `make bench BENCH_ARGS=--quick` is a smoke run "
-             "of seconds whose results go to `benchmarks/results/quick/` (git-ignored), never here.", "",
+             "of seconds whose results go to a git-ignored `quick/` folder beside them, never here.", "",
              f"## Targets: {met} of {len(targets)} met in the stored results", "",
              md_table(["target", "figure", ""], targets), "",
              "## Results, benchmark by benchmark", "", *sections]
@@ -512,8 +512,9 @@ def performance_page() -> str:
         parts += ["## Benchmarks that print only", "",
                   "These scripts print their tables and store no result, so nothing of theirs is shown here; run "
                   "them to see their figures:", ""]
-        parts += [f"- `python benchmarks/{name}.py`: {first_line(source_docstring(ROOT / 'benchmarks' / (name + '.py')))}"
-                  for name in unstored]
+        for name in unstored:
+            summary = first_line(source_docstring(ROOT / "benchmarks" / f"{name}.py"))
+            parts.append(f"- `python benchmarks/{name}.py`: {summary}")
     return "\n".join(parts).rstrip() + "\n"
 
 
