@@ -267,7 +267,28 @@ def api_page() -> str:
     for group, lines in groups.items():
         if lines:
             parts += [f"## {group}", "", *lines, ""]
+    parts += ["## Every module's public names", "",
+              "Each module declares `__all__`; these are the names it offers (read from the source). They are "
+              "importable from the module, and may move between modules from one release to the next; the top-level "
+              "names above are the stable surface.", "",
+              md_table(["module", "`__all__`"], module_exports())]
     return "\n".join(parts).rstrip() + "\n"
+
+
+def module_exports() -> list[tuple[str, str]]:
+    """(module, its `__all__`) for every module of `lifecycle` and `models` that declares a non-empty one."""
+    rows = []
+    for path in sorted(p for top in ("lifecycle", "models") for p in (ROOT / top).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        dotted = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else (
+                node.target if isinstance(node, ast.AnnAssign) else None)
+            if isinstance(target, ast.Name) and target.id == "__all__" and node.value is not None:
+                names = list(ast.literal_eval(node.value))
+                if names:
+                    rows.append((dotted, ", ".join(f"`{n}`" for n in names)))
+    return [(f"`{dotted}`", names) for dotted, names in sorted(rows)]
 
 
 # ---- docs/performance.md: from benchmarks/results/*.json -------------------------------------------------------
