@@ -131,21 +131,21 @@ def packages() -> str:
 
 
 def core_layers() -> str:
-    """The core's layers, read from `tests/test_layering.py` (`CORE_LAYERS`: a sequence of (layer, modules)
-    pairs, lowest first, or a mapping in that order) so the document says what the test enforces."""
+    """The core's layers as `tests/test_layering.py` declares and enforces them (`CORE_LAYERS`, lowest first:
+    (layer, what it holds, modules) or (layer, modules)), so the document says what the test checks."""
     tree = ast.parse((ROOT / "tests" / "test_layering.py").read_text(encoding="utf-8"))
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else (
             node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
         if isinstance(target, ast.Name) and target.id == "CORE_LAYERS" and node.value is not None:
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                break
-            pairs = list(value.items()) if isinstance(value, dict) else list(value)
-            rows = [(i, f"**{layer}**", ", ".join(f"`{m}`" for m in sorted(modules)))
-                    for i, (layer, modules) in enumerate(pairs, 1)]
-            return md_table(["#", "layer (imports only the layers above it)", "modules"], rows)
+            value = ast.literal_eval(node.value)
+            layers = list(value.items()) if isinstance(value, dict) else [tuple(layer) for layer in value]
+            rows = []
+            for i, layer in enumerate(layers, 1):
+                name, modules = layer[0], layer[-1]
+                holds = layer[1] if len(layer) == 3 else ""
+                rows.append((i, f"**{name}**", holds, ", ".join(f"`{m}`" for m in modules)))
+            return md_table(["#", "layer", "what it holds", "modules"], rows)
     return ("_The core's layer table is generated from `CORE_LAYERS` in `tests/test_layering.py`, which does not "
             f"declare it yet; once it does, `{COMMAND}` fills this block._")
 
@@ -374,12 +374,12 @@ def _refresh(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]
                             f"{num(row['paired_ratio_to_floor']['median'])}x, "
                             f"{num(row['buffer_size_storages'])} storages", verdict(met)))
         rows.append((row["arm"], row["threads"], _ms(row), iqr(row["paired_ratio_to_floor"]),
-                     f"{num(row['storages_created'])} / {num(row['bytes_allocated'])} B", verdict(met)))
+                     f"{num(row['storages_created'])} / {num(row['bytes_allocated'] / 2**20)} MiB", verdict(met)))
     vs_hand = r["lifecycle_vs_by_hand"]["1"]
     targets.append((f"refresh at 1 thread within {pct(r['target_vs_hand'] - 1)} of the slice copy by hand",
                     f"{num(vs_hand['median'], 4)}x", verdict(r["met_vs_hand"])))
     fixed = r["fixed_overhead"]
-    body = [md_table(["arm", "threads", "median ms (min-max)", "x floor, paired (IQR)", "new storages / bytes",
+    body = [md_table(["arm", "threads", "median ms (min-max)", "x floor, paired (IQR)", "new storages / size",
                       "target"], rows), "",
             f"Fixed cost per refresh (a tiny draft, CPU time): {num(fixed['graphs_captured']['median_us'])} µs with "
             f"graphs captured ({fixed['pin_verification_passes_per_refresh']} pin verifications of "
