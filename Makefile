@@ -89,3 +89,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+# The generated documentation (docs/api.md, docs/performance.md and the generated blocks of README.md and
+# docs/architecture.md), rewritten from the code and benchmarks/results/; tests/test_docs.py checks it is current.
+.PHONY: docs
+docs: $(STAMP)
+	$(BIN)/python docs/generate.py
