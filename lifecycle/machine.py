@@ -93,8 +93,8 @@ class BackboneLifecycle(TableMachine):
         self.recovery_blocker: str | None = "no reload was aborted"
         self.torn_buffers: frozenset[str] = frozenset()
         self.structure: dict[str, bool] | None = None  # optional submodule -> present, frozen by the first load
-        # the header bytes of a checkpoint whose every tensor matched `specs` (`loading.validate_index`)
-        self.validated_headers: tuple[bytes, ...] | None = None
+        #: counts the changes of `specs` (`freeze_structure`): what was checked against them before is void
+        self.specs_revision = 0
 
     # ---- what the table says about the current state -----------------------------------------------------------
     @property
@@ -204,10 +204,11 @@ class BackboneLifecycle(TableMachine):
         with self._lock:
             return [self.weights_loaded(names, materialized=materialized, at_ns=at_ns) for names, at_ns in buckets]
 
-    def _whole_layers_loaded(self, buckets: list[tuple[list[str], int]], layers: list[str]) -> list[list[str]]:
+    def weights_loaded_whole_layers(self, buckets: list[tuple[list[str], int]], layers: list[str]
+                                    ) -> list[list[str]]:
         """`weights_loaded_buckets` of buckets the loader wrote with its own copy where `buckets[i]` is every
         tracked tensor of `layers[i]` (its plan by layer of a checkpoint that holds every tracked tensor,
-        `loading._whole_layer_plan`): when no layer of them received anything yet in this epoch, each completes
+        `loading.plan.whole_layer_plan`): when no layer of them received anything yet in this epoch, each completes
         its layer, counted per layer without reading a name, and the names join the written set in one step.
         Otherwise the general path."""
         readiness = self.readiness
@@ -287,7 +288,7 @@ class BackboneLifecycle(TableMachine):
             self.readiness.forget(absent)
             for name in absent:
                 self.specs.pop(name, None)
-            self.validated_headers = None  # checked against the specs before some were forgotten
+            self.specs_revision += 1  # a checkpoint checked against the specs before is not vouched for now
             self.structure = dict(modules)
             self._audit("structure_frozen", present=sorted(m for m, p in modules.items() if p),
                         absent=sorted(m for m, p in modules.items() if not p), tensors_untracked=len(absent),

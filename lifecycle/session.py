@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from .errors import NonFiniteWeightError, SessionStateError
+from .errors import NonFiniteWeightError, SessionStateError, raise_unheld
 from .loading import LoadReport, Writer, apply_bucket, load_safetensors, non_finite
 from .types import RefreshReport, describe_error
 
@@ -255,14 +255,16 @@ class ReloadSession:
             problems = non_finite((n, t) for n in names if (t := self.backbone.live_tensor(n)) is not None)
             checked += len(names)
             if problems:
-                err = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value, source="verify")
-                self._audit("verify", ok=False, error=type(err).__name__, reason=err.reason)
-                try:
-                    raise err
-                finally:
-                    del err  # see `errors`: a local holding the raised error keeps every frame of it alive
+                raise_unheld(self._refused_verify(problems))
         self._audit("verify", ok=True, checked=checked)
         return checked
+
+    def _refused_verify(self, problems: list[str]) -> NonFiniteWeightError:
+        """`verify`'s refusal of tensors written with NaN or Inf values, audited."""
+        lc = self.backbone.lifecycle
+        error = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value, source="verify")
+        self._audit("verify", ok=False, error=type(error).__name__, reason=error.reason)
+        return error
 
     # ---- COMMIT, ABORT --------------------------------------------------------------------------------------
     def commit(self, *, full: bool = False) -> RefreshReport:
