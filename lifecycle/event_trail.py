@@ -1,5 +1,4 @@
-"""The audit trail of one lifecycle: its numbered events, the last of them kept, and the per-bucket ones held back
-and written in batches.
+"""The audit trail of one lifecycle: its numbered events, the last ones kept, the per-bucket ones written in batches.
 
 Every info-level event is numbered (`seq`: 1, 2, ... per lifecycle, so the auditor sees a deleted, duplicated or
 reordered line as a gap or a step back, and a restart as a new lifecycle) and kept, bounded as written, in

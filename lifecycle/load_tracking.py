@@ -1,5 +1,7 @@
-"""What the writers report to a lifecycle: tensors written (`weights_loaded`, per bucket or per whole layer) or
-declared unchanged, writes that failed part way, and the write leases a writer holds while it writes.
+"""What the writers tell a lifecycle: tensors written or declared unchanged, failed writes, and their write leases.
+
+Tensors written are reported per bucket (`weights_loaded`), per batch of buckets or per whole layer; tensors kept
+are declared unchanged; a write that failed part way marks its tensor dirty (`mark_dirty`).
 
 The per-tensor bookkeeping is a plain counter update in `LayerReadiness`; the machine fires only when a report
 changes the state (`TableMachine._bucket_moves`): the first report after META, the last layer of an epoch. With a

@@ -24,7 +24,8 @@ def _first_line(path: Path) -> str:
 
 def packages() -> str:
     lines = []
-    for package in ("lifecycle", "lifecycle/derived", "lifecycle/audit", "lifecycle/vllm", "models"):
+    for package in ("lifecycle", "lifecycle/derived", "lifecycle/loading", "lifecycle/audit", "lifecycle/vllm",
+                    "models"):
         folder = ROOT / package
         lines.append(f"- `{package.replace('/', '.')}`")
         for path in sorted(folder.glob("*.py")):
