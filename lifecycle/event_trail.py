@@ -25,6 +25,14 @@ from .readiness import LayerReadiness
 __all__ = ["AuditTrail"]
 
 
+class _EncodedNames(dict[str, str]):
+    """Name -> the name as the JSON encoder writes it (`events.encode_string`), encoded on first use."""
+
+    def __missing__(self, name: str) -> str:
+        encoded = self[name] = events.encode_string(name)
+        return encoded
+
+
 class AuditTrail:
     """The audit trail of the lifecycle of backbone `name` on `rank` (see the module doc). `holds_events`: whether
     its per-bucket events may be held back (one thread only: an unlocked lifecycle); `recent_events`: how many
@@ -55,6 +63,8 @@ class AuditTrail:
         self._line_prefixes: dict[str, str] | None = (
             {} if self._plain_layer_events and isinstance(name, str)
             and all(isinstance(layer, str) for layer in readiness.tensors_of_layer) else None)
+        # ... and each layer name as the JSON encoder writes it, encoded once, when first written
+        self._encoded_layers = _EncodedNames()
 
     @property
     def recent_events(self) -> deque[dict[str, Any]]:
@@ -190,12 +200,12 @@ class AuditTrail:
         writes it, formatted from the tuple. Only for plain events (`_line_prefixes`): every value is an int or a
         name within the bounds, written as is."""
         prefixes: dict[str, str] = self._line_prefixes  # type: ignore[assignment]
-        encode = events.encode_string
+        encoded = self._encoded_layers
         lines = []
         for (event, seq, epoch, shown, count, tensors, ready, total, _), stamp in zip(
                 held, events.timestamps([item[-1] for item in held]), strict=True):
             prefix = prefixes.get(event) or self._line_prefix(event)
-            layers = encode(shown[0]) if len(shown) == 1 else ",".join(map(encode, shown))
+            layers = encoded[shown[0]] if len(shown) == 1 else ",".join(map(encoded.__getitem__, shown))
             if tensors is None:
                 lines.append(f'{head}{prefix}{epoch},"seq":{seq},"layers":[{layers}],"layers_more":'
                              f'{count - len(shown)},"layers_ready":{ready},"layers_total":{total}{middle}{stamp}{end}')
