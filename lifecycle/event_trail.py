@@ -14,6 +14,7 @@ tuples (`_held_lines`); everything else goes through `lifecycle.events` one reco
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections import deque
 from typing import Any
@@ -25,12 +26,8 @@ from .readiness import LayerReadiness
 __all__ = ["AuditTrail"]
 
 
-class _EncodedNames(dict[str, str]):
-    """Name -> the name as the JSON encoder writes it (`events.encode_string`), encoded on first use."""
-
-    def __missing__(self, name: str) -> str:
-        encoded = self[name] = events.encode_string(name)
-        return encoded
+#: A string the JSON encoder writes as it is, between quotes (ensure_ascii escapes anything else).
+_AS_IS_IN_JSON = re.compile(r'[ !#-\[\]-~]*')
 
 
 class AuditTrail:
@@ -63,8 +60,10 @@ class AuditTrail:
         self._line_prefixes: dict[str, str] | None = (
             {} if self._plain_layer_events and isinstance(name, str)
             and all(isinstance(layer, str) for layer in readiness.tensors_of_layer) else None)
-        # ... and each layer name as the JSON encoder writes it, encoded once, when first written
-        self._encoded_layers = _EncodedNames()
+        # ... and its layer names written between quotes as they are, when the JSON encoder would write them so
+        # (printable ASCII, no quote or backslash: `layers.12`), else each encoded (`events.encode_string`)
+        self._layers_as_is = self._line_prefixes is not None and all(
+            map(_AS_IS_IN_JSON.fullmatch, readiness.tensors_of_layer))
 
     @property
     def recent_events(self) -> deque[dict[str, Any]]:
@@ -200,12 +199,15 @@ class AuditTrail:
         writes it, formatted from the tuple. Only for plain events (`_line_prefixes`): every value is an int or a
         name within the bounds, written as is."""
         prefixes: dict[str, str] = self._line_prefixes  # type: ignore[assignment]
-        encoded = self._encoded_layers
+        encode, as_is = events.encode_string, self._layers_as_is
         lines = []
         for (event, seq, epoch, shown, count, tensors, ready, total, _), stamp in zip(
                 held, events.timestamps([item[-1] for item in held]), strict=True):
             prefix = prefixes.get(event) or self._line_prefix(event)
-            layers = encoded[shown[0]] if len(shown) == 1 else ",".join(map(encoded.__getitem__, shown))
+            if len(shown) == 1:  # the common case: the bucket completed one layer
+                layers = f'"{shown[0]}"' if as_is else encode(shown[0])
+            else:
+                layers = '"' + '","'.join(shown) + '"' if as_is and shown else ",".join(map(encode, shown))
             if tensors is None:
                 lines.append(f'{head}{prefix}{epoch},"seq":{seq},"layers":[{layers}],"layers_more":'
                              f'{count - len(shown)},"layers_ready":{ready},"layers_total":{total}{middle}{stamp}{end}')

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -139,11 +139,11 @@ def write_bucket(backbone: LoadTarget, names: list[str], bucket: list[tuple[str,
     `WeightWriteError` (after `before_failure`): the tensors before it are reported loaded, the failing one as
     possibly written (dirty, missing until sent again); the refusal is audited."""
     write = writer or write_tensor
-    module = cast(nn.Module, backbone)  # a LoadTarget is an nn.Module (a protocol cannot say so)
     done = 0
     try:
         for name, value in bucket:
-            write(module, name, value, device)
+            # a LoadTarget is an nn.Module, which a protocol cannot say
+            write(backbone, name, value, device)  # type: ignore[arg-type]
             done += 1
     except Exception as e:
         if before_failure is not None:
