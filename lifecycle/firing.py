@@ -89,9 +89,9 @@ class TableMachine(AuditTrail):
         self._lock = threading.RLock()
         self._locked = locked
         self._model = _Model()
-        rows = dict(model=self._model, states=LifecycleState, initial=INITIAL_STATE,
-                    transitions=[self._machine_row(t) for t in TRANSITIONS], auto_transitions=False, send_event=True)
-        self._machine = LockedMachine(**rows, machine_context=[self._lock]) if locked else Machine(**rows)
+        table = dict(model=self._model, states=LifecycleState, initial=INITIAL_STATE,
+                     transitions=[self._machine_row(t) for t in TRANSITIONS], auto_transitions=False, send_event=True)
+        self._machine = LockedMachine(**table, machine_context=[self._lock]) if locked else Machine(**table)
 
     def _machine_row(self, t: Transition) -> dict[str, Any]:
         """One row for `transitions`: its guards (then the trigger's effect) run before the state changes; its

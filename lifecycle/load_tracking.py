@@ -3,6 +3,10 @@
 Tensors written are reported per bucket (`weights_loaded`), per batch of buckets or per whole layer; tensors kept
 are declared unchanged; a write that failed part way marks its tensor dirty (`mark_dirty`).
 
+>>> t = LoadTracking("toy", 0, LayerReadiness(["layers.0.w", "norm.weight"]), locked=True, recent_events=8)
+>>> t.weights_loaded(["layers.0.w"]), t.weights_loaded(["norm.weight"]), t.state.value
+(['layers.0'], ['norm'], 'FULLY_LOADED')
+
 The per-tensor bookkeeping is a plain counter update in `LayerReadiness`; the machine fires only when a report
 changes the state (`TableMachine._bucket_moves`): the first report after META, the last layer of an epoch. With a
 locked lifecycle, a writer holds a lease (`leases.py`) between its "may I write?" check and its report, and the
