@@ -59,13 +59,13 @@ def timed_steps(spent: dict[str, float]) -> Iterator[None]:
     plan = timer("plan", loading.plan_buckets)
     write = timer("writes", loading.write_tensor)
     patches = [
-        ("lifecycle.loading.checkpoint_index", index), ("benchmarks.tracking_overhead.checkpoint_index", index),
-        ("lifecycle.loading.plan_buckets", plan), ("benchmarks.tracking_overhead.plan_buckets", plan),
-        ("lifecycle.loading.write_tensor", write), ("benchmarks.tracking_overhead.write_tensor", write),
+        ("lifecycle.loading.load.checkpoint_index", index), ("benchmarks.tracking_overhead.checkpoint_index", index),
+        ("lifecycle.loading.load.plan_buckets", plan), ("benchmarks.tracking_overhead.plan_buckets", plan),
+        ("lifecycle.loading.write.write_tensor", write), ("benchmarks.tracking_overhead.write_tensor", write),
         ("lifecycle.checkpoint._read_tensor", timer("reads", checkpoint._read_tensor)),
-        ("lifecycle.loading.validate_index", timer("validate_index", loading.validate_index)),
+        ("lifecycle.loading.load.validate_index", timer("validate_index", loading.validate_index)),
         # the loader tells the lifecycle about its buckets here, after writing them (one or two calls a load)
-        ("lifecycle.loading._report_written", timer("weights_loaded", loading._report_written)),
+        ("lifecycle.loading.load._report_written", timer("weights_loaded", loading.load._report_written)),
     ]
     methods = [
         (checkpoint._OpenFile, "check", "file checks"),

@@ -155,8 +155,8 @@ def stubbed_io(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
     def no_write(module: torch.nn.Module, name: str, value: torch.Tensor, device: object) -> None:
         return None
 
-    with mock.patch("lifecycle.loading.iter_buckets", from_memory), \
-            mock.patch("lifecycle.loading.write_tensor", no_write), \
+    with mock.patch("lifecycle.loading.load.iter_buckets", from_memory), \
+            mock.patch("lifecycle.loading.write.write_tensor", no_write), \
             mock.patch(f"{__name__}.iter_buckets", from_memory), \
             mock.patch(f"{__name__}.write_tensor", no_write):
         yield

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -34,14 +34,12 @@ from .derived import DerivedSpec, apply_refresh, current_buffer, plan_refresh, r
 from .derived.reuse import PlanMemory
 from .errors import LayersNotReadyError, QuarantinedError, RefreshInterruptedError, StorageReallocationError
 from .hooks import Hook, Phase, collect_hooks
+from .loading import Writer
 from .machine import BackboneLifecycle
+from .session import ReloadSession
 from .slots import Slots
 from .states import LifecycleState
 from .types import RefreshReport, TensorSpec
-
-if TYPE_CHECKING:
-    from .loading import Writer
-    from .session import ReloadSession
 
 __all__ = ["DraftBackbone"]
 
@@ -176,6 +174,10 @@ class DraftBackbone(nn.Module):
     def live_tensor(self, name: str) -> torch.Tensor | None:
         """The parameter or buffer called `name` as it is now (None when absent)."""
         return self._slots.live(name)
+
+    def tensor_slot(self, name: str) -> tuple[nn.Module, str]:
+        """Where the tracked tensor `name` lives: (owning module, attribute name); KeyError for an untracked name."""
+        return self._tensor_slots[name]
 
     def meta_or_absent(self) -> set[str]:
         """Names of checkpoint tensors that are absent or on META now: `live_tensor` for each, in one loop. The
@@ -347,8 +349,6 @@ class DraftBackbone(nn.Module):
         buffers kept, reason audited). `rollback=True` snapshots each tensor before its first write (memory:
         the bytes of the tensors the reload touches) so an abort restores them exactly and `recover()` works.
         See `lifecycle.session.ReloadSession`."""
-        from .session import ReloadSession
-
         return ReloadSession(self, rollback=rollback, finite_check=finite_check, keep_untouched=keep_untouched,
                              device=device, writer=writer)
 

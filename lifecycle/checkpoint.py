@@ -1,7 +1,6 @@
-"""Reading safetensors checkpoints that may change, vanish or lie while they are read.
+"""Safetensors checkpoint files: read when they may change, vanish or lie while they are read, and written.
 
 >>> import tempfile, torch
->>> from lifecycle.loading import write_checkpoint
 >>> path = write_checkpoint({"a": torch.ones(2, 3), "b": torch.arange(4)}, tempfile.mkdtemp() + "/x.safetensors")
 >>> index = checkpoint_index(path)
 >>> index["a"].shape, index["a"].dtype, index["b"].nbytes
@@ -26,6 +25,9 @@ trusted beyond what was checked:
   versions of a file. (The check relies on the file system's mtime granularity for same-size rewrites.)
 - A folder is read file by file; `iter_buckets` holds one bucket's tensors at a time.
 - A tensor that appears in two files is refused, naming both.
+
+`write_checkpoint` writes one file (tests, demos, benchmarks, a trainer's own checkpoints): the format the readers
+here read, through safetensors itself.
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors.torch import save_file
 
 from .errors import CheckpointError
 
 __all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "check_paths", "checkpoint_files",
-           "checkpoint_index", "iter_buckets"]
+           "checkpoint_index", "iter_buckets", "write_checkpoint"]
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -325,3 +328,19 @@ def _read_tensor(f: _OpenFile, entry: IndexEntry, into: torch.Tensor | None = No
     if entry.nbytes:
         _read_exact(f.fd, memoryview(raw.numpy()), entry.start, f.path)
     return raw.view(entry.dtype).reshape(entry.shape)
+
+
+def write_checkpoint(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
+                     ) -> Path:
+    """Save `tensors` as one safetensors file (contiguous CPU copies). Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: _own_storage(v.detach().to("cpu").contiguous()) for k, v in tensors.items()}, str(path),
+              metadata=metadata)
+    return path
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy when it is a view of a larger storage (the weights of a backed derived buffer share it, and
+    safetensors refuses tensors that share memory)."""
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()

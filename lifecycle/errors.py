@@ -28,8 +28,8 @@
 Raising: never from a local that still holds the error (`err = X(...); raise err`). The raising frame is in
 the error's traceback; its local keeps the error, the error keeps the frame, and every frame of the traceback
 (the callers' too, holding the backbone and all its weights) stays until the cyclic collector runs. Raise the
-expression (`raise lc.record_refusal(trigger, X(...))`: it returns the error it audited), or drop the local as
-the error leaves (`try: raise err` / `finally: del err`).
+expression (`raise lc.record_refusal(trigger, X(...))`: it returns the error it audited); where a check returns
+an error or None, hand the call itself to `raise_unheld` (`raise_unheld(check(...))`), never a local.
 
 Each class says what state it leaves. Every message names the backbone, the state, and what was expected vs
 found; the bar is PyTorch's cudagraph-trees message: "static input data pointer changed ... from X to Y".
@@ -69,6 +69,7 @@ __all__ = [
     "UnsupportedVLLMError",
     "WeightShapeError",
     "WeightWriteError",
+    "raise_unheld",
 ]
 
 #: How many offending items an error message spells out before it says "... and N more".
@@ -86,6 +87,25 @@ def _listing(items: Sequence[str]) -> str:
     shown, more = capped(items, MESSAGE_ITEMS_CAP)
     shown = [clipped(str(item), MESSAGE_NAME_CAP) for item in shown]
     return "\n  ".join([*shown, f"... and {more} more"] if more else shown)
+
+
+def raise_unheld(error: BaseException | None) -> None:
+    """Raise `error` (nothing when it is None) with no frame left holding it: pass the expression that makes it
+    (`raise_unheld(refusal_of(bucket))`), not a local of the caller, which would keep it (see the module doc).
+
+    >>> try:
+    ...     raise_unheld(StateError("refused", backbone="d", state="META"))
+    ... except StateError as e:
+    ...     print(e, e.__traceback__.tb_next.tb_frame.f_locals)
+    [backbone 'd', state META] refused {}
+    >>> raise_unheld(None)
+    """
+    if error is None:
+        return
+    try:
+        raise error
+    finally:
+        del error  # this frame is in the traceback too: it must not keep what it raised
 
 
 class LifecycleError(RuntimeError):

@@ -72,8 +72,8 @@ def _bound_value(key: str, value: Any, out: MutableMapping[str, Any], depth: int
             value = value[:cap]
         items: list[Any] = []
         for v in value:
-            holder: dict[str, Any] = {}
-            items.append(_bound_value(key, v, holder, depth + 1))
+            cut: dict[str, Any] = {}  # what bounding the item cut (dropped: a list item has no fields beside it)
+            items.append(_bound_value(key, v, cut, depth + 1))
         return items
     if isinstance(value, (bool, int, float, str)):  # a subclass (an enum, a numpy scalar): its plain value
         plain = next(t for t in (bool, int, float, str) if isinstance(value, t))

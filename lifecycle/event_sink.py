@@ -1,7 +1,7 @@
 """Writing audit events as JSON lines: the file sink, the line it writes, and the count of events lost.
 
-A line is a JSON object encoded by a C encoder made once, with a fixed-width UTC timestamp (`TS_FORMAT`, its
-second formatted once) and the schema version (`SCHEMA_VERSION`).
+A line is a JSON object encoded by one `json.JSONEncoder` (the standard library's C encoder underneath), with a
+fixed-width UTC timestamp (`TS_FORMAT`, its second formatted once) and the schema version (`SCHEMA_VERSION`).
 
 The sink never changes what the lifecycle does: a write that fails (a full disk, a closed or no longer writable
 descriptor) is counted (`sink_failures()`, and a `sink_failures` field on the events each lifecycle keeps),
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import json.encoder
 import os
 import sys
 import threading
@@ -50,25 +49,24 @@ class AuditSinkError(OSError):
 
 # ---- the line -----------------------------------------------------------------------------------------------------
 
-#: What `json.dumps(..., default=str, separators=(",", ":"))` writes. The C encoder is made once (`JSONEncoder.
-#: encode` makes a new one per call: half the cost of a small event); records are flat, bounded and acyclic, so no
-#: circular-reference markers. Without the C accelerator, the Python encoder.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
-_C_ENCODER = (json.encoder.c_make_encoder(None, str, json.encoder.encode_basestring_ascii, None, ":", ",", False,
-                                          False, True) if json.encoder.c_make_encoder is not None else None)
+#: What `json.dumps(..., default=str, separators=(",", ":"))` writes, made once (`json.dumps` with options makes an
+#: encoder per call). Records are flat, bounded and acyclic: no circular-reference check.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False)
+_encode = _ENCODER.encode
 
 
 #: How every written line ends, after its timestamp.
 _LINE_END = f'","schema":{SCHEMA_VERSION}}}\n'
-#: A string as the JSON encoder writes it (ensure_ascii: quoted, escaped, non-ASCII as \uXXXX escapes): for a
-#: holder that formats its events' lines itself (`events.emit_held_lines`).
-encode_string = json.encoder.encode_basestring_ascii
 
 
-def _encode(record: Mapping[str, Any]) -> str:
-    if _C_ENCODER is None:
-        return _ENCODER.encode(record)
-    return "".join(_C_ENCODER(record, 0))
+def encode_string(value: str) -> str:
+    """A string as the JSON encoder writes it (ensure_ascii: quoted, escaped, non-ASCII as \\uXXXX escapes): for a
+    holder that formats its events' lines itself (`events.emit_held_lines`), and encodes each name once.
+
+    >>> encode_string("layers.0"), encode_string("é") == '"\\\\u00e9"'
+    ('"layers.0"', True)
+    """
+    return _ENCODER.encode(value)
 
 
 def add_schema_version(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:

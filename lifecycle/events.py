@@ -197,19 +197,14 @@ def _isatty(stream: Any) -> bool:
 # ---- emitting -----------------------------------------------------------------------------------------------------
 
 
-try:  # the object `structlog.get_config()` copies its answer from: read directly, it costs no dict per event
-    from structlog._config import _CONFIG as _STRUCTLOG_CONFIG
-except ImportError:  # pragma: no cover (another structlog layout: the public call, slower)
-    _STRUCTLOG_CONFIG = None
-
-
 def _capture_chain() -> list[Any] | None:
-    """structlog's global processors while `structlog.testing.capture_logs()` is active (it ends them with a
-    `LogCapture`), else None. Asked at every event: read from structlog's configuration object when it has the
-    attribute `get_config()` reads, else through `get_config()`."""
-    processors = getattr(_STRUCTLOG_CONFIG, "default_processors", None)
-    if processors is None:
-        processors = structlog.get_config()["processors"]
+    """structlog's global processors while `structlog.testing.capture_logs()` is active (it configures structlog
+    with processors that end in a `LogCapture`), else None. Asked at every event, through structlog's public API:
+    `is_configured()` first (False while structlog runs on its built-in defaults, which capture nothing: one
+    attribute read), then `get_config()`."""
+    if not structlog.is_configured():
+        return None
+    processors = structlog.get_config()["processors"]
     return processors if processors and type(processors[-1]) is LogCapture else None
 
 
@@ -242,10 +237,7 @@ def hold_events() -> int:
     `register_holder`; everything it holds is written before its next other event, when it is asked for its
     events, before `configure_audit` switches the route, and at exit."""
     route = _route
-    processors = getattr(_STRUCTLOG_CONFIG, "default_processors", None)  # `_capture_chain`, inline: per bucket
-    if processors is None:
-        processors = structlog.get_config()["processors"]
-    if processors and type(processors[-1]) is LogCapture:
+    if _capture_chain() is not None:
         return HOLD_NONE
     return HOLD_WRITE if route.json_only else HOLD_KEEP if route.logger is None else HOLD_NONE
 

@@ -1,28 +1,28 @@
 """How one trigger of the table is fired: the `transitions` machine built from `states.TRANSITIONS`, with the
-guards and conditions of `guards.py`, the trigger's effect, the follow-ups the table declares, and one numbered
-audit event either way.
+guards and conditions of `guards.py` and what they read, the trigger's effect, the follow-ups the table declares,
+and one numbered audit event either way.
 
 A fire runs the row's guards, then the effect (a refresh, a pin), then changes the state; a guard or an effect
-that raises leaves the state as it was, and the refusal is itself an audit event. `BackboneLifecycle`
-(`machine.py`) builds on this and says what each trigger does.
+that raises leaves the state as it was, and the refusal is itself an audit event (`event_trail.AuditTrail`).
+`TableMachine` holds everything a guard or a condition reads (`guards.GuardedMachine`), so it can fire every row
+of the table by itself; `BackboneLifecycle` (`machine.py`) builds on it and says what each trigger does.
 """
 
 from __future__ import annotations
 
-import contextlib
+import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from transitions import Machine, MachineError
 from transitions.extensions import LockedMachine
 
 from . import events
 from .errors import IllegalTransitionError, LayersNotReadyError
-from .events import HOLD_KEEP, HOLD_NONE, HOLD_WRITE, LIST_CAP
-from .guards import CONDITIONS, GUARDS, MAY_HOLD
+from .event_trail import AuditTrail
+from .guards import CONDITIONS, GUARDS, MAY_BE_MET
 from .readiness import LayerReadiness
 from .states import (
     ALLOWED_TRIGGERS,
@@ -36,10 +36,21 @@ from .states import (
 )
 from .types import capped
 
-__all__ = ["TableMachine"]
+if TYPE_CHECKING:
+    import torch
+
+    from .storage import PinnedStorage
+
+__all__ = ["MetaScan", "PinnedTensors", "Resolver", "TableMachine"]
 
 T = TypeVar("T")
 E = TypeVar("E", bound=BaseException)
+#: Finds the live tensor for a name (None when absent).
+Resolver = Callable[[str], "torch.Tensor | None"]
+#: What captured graphs read (derived buffers and parameters), for pinning.
+PinnedTensors = Callable[[], Mapping[str, "torch.Tensor | None"]]
+#: The names of every checkpoint tensor that is absent or on META now, in one pass.
+MetaScan = Callable[[], "set[str]"]
 
 
 class _Model:
@@ -48,47 +59,39 @@ class _Model:
     state: LifecycleState
 
 
-class TableMachine:
-    """The table's state machine for one backbone, and its audit trail. Every info-level event is numbered
-    (`seq`: 1, 2, ... per lifecycle, so the auditor sees a deleted, duplicated or reordered line as a gap or a
-    step back, and a restart as a new lifecycle) and kept, bounded as written, in `recent_events` (the worker
-    RPCs read it); once an audit write failed in this process, each kept event also says how many have
-    (`sink_failures`). Auditing never changes what a trigger does: a failed write is counted, not raised."""
+class TableMachine(AuditTrail):
+    """The table's state machine for one backbone, with what its guards and conditions read: the readiness of the
+    epoch against the live tensors (`missing`, `missing_by_counts`), the pinned storage identities
+    (`pinned_changes`) and whether a recovery would be right (`recovery_blocker`).
 
-    def __init__(self, name: str, rank: int, readiness: LayerReadiness, *, locked: bool, recent_events: int
-                 ) -> None:
-        self.name = name
-        self.rank = rank
-        self.readiness = readiness
-        # a held event is kept as its tuple (see `flush_events`) until `recent_events` is read; `_unbuilt`: how many
-        # of the last kept entries may still be tuples
-        self._recent: deque[dict[str, Any] | tuple[Any, ...]] = deque(maxlen=recent_events)
-        self._unbuilt = 0
-        # per-bucket events held back (see `_audit_layers`); only on an unlocked lifecycle (one thread)
-        self._held: list[tuple[Any, ...]] = []
-        self._may_hold = not locked
-        if self._may_hold:
-            events.register_holder(self)
-        self._seq = 0
-        # the per-bucket event is built field by field, without `events.bound_fields`, when every value it can
-        # hold is known to be within the bounds: the backbone's name, its layer names, the rank
-        self._plain_layer_events = (
-            type(rank) is int and -(2 ** 63) <= rank < 2 ** 63 and len(name) <= events.STR_CAP
-            and all(len(layer) <= events.STR_CAP for layer in readiness.tensors_of_layer))
-        # ... and then, its names being strings, its line in a JSON file is formatted from the tuple held
-        # (`_held_lines`), with the fields every such event of a kind begins with encoded once
-        self._line_prefixes: dict[str, str] | None = (
-            {} if self._plain_layer_events and isinstance(name, str)
-            and all(isinstance(layer, str) for layer in readiness.tensors_of_layer) else None)
+    `locked`: built for several writer threads (`LockedMachine`, entered with this machine's own lock: one lock for
+    the triggers and the machine). `resolve`, `pinned_tensors`, `meta_scan`: see `BackboneLifecycle`."""
+
+    def __init__(self, name: str, rank: int, readiness: LayerReadiness, *, locked: bool, recent_events: int,
+                 resolve: Resolver | None = None, pinned_tensors: PinnedTensors | None = None,
+                 meta_scan: MetaScan | None = None) -> None:
+        super().__init__(name, rank, readiness, holds_events=not locked, recent_events=recent_events)
+        self.pinned: PinnedStorage | None = None
+        #: why `recover` would be wrong now (None: it would not), decided when a reload is aborted
+        self.recovery_blocker: str | None = "no reload was aborted"
+        self._resolve = resolve
+        self._pinned_tensors = pinned_tensors
+        self._meta_scan = meta_scan
+        # whether a tensor counted loaded in this epoch may be on META: False while every one was written by the
+        # loader's own copy (`weights_loaded(..., materialized=True)`: `write_tensor` leaves no placeholder), so
+        # the FULLY_LOADED condition and the finish guard need no scan of the live tensors (`missing_by_counts`);
+        # any other report, declaration or failed write sets it until the next epoch, and so does a finish: once
+        # other code has run, the refresh (which builds from the weights) scans again
+        self._meta_possible = False
+        # the one lock of the lifecycle: every trigger holds it, and a locked machine enters it too (re-entrant).
+        # An unlocked lifecycle is not thread-safe (a plain Machine, leases never wait); the lock is there anyway:
+        # an uncontended RLock costs less per call than a null context manager
+        self._lock = threading.RLock()
+        self._locked = locked
         self._model = _Model()
-        self._machine = (LockedMachine if locked else Machine)(
-            model=self._model,
-            states=LifecycleState,
-            initial=INITIAL_STATE,
-            transitions=[self._machine_row(t) for t in TRANSITIONS],
-            auto_transitions=False,
-            send_event=True,
-        )
+        table = dict(model=self._model, states=LifecycleState, initial=INITIAL_STATE,
+                     transitions=[self._machine_row(t) for t in TRANSITIONS], auto_transitions=False, send_event=True)
+        self._machine = LockedMachine(**table, machine_context=[self._lock]) if locked else Machine(**table)
 
     def _machine_row(self, t: Transition) -> dict[str, Any]:
         """One row for `transitions`: its guards (then the trigger's effect) run before the state changes; its
@@ -112,68 +115,90 @@ class TableMachine:
         return self._model.state
 
     @property
-    def recent_events(self) -> deque[dict[str, Any]]:
-        """The last events, bounded as written (the worker RPCs read it); held events are written first. Read it
-        anew after later events: the deque is the same object, but the held events it gains are built into
-        records when it is read."""
-        if self._held:
-            self.flush_events()
-        if self._unbuilt:
-            self._build_kept()
-        return self._recent  # type: ignore[return-value]  # every entry a record now
-
-    def _build_kept(self) -> None:
-        """Replace the held events kept as tuples by their records, in place (the deque stays the same object,
-        a record already built stays the same dict)."""
-        recent = self._recent
-        tail = [recent.pop() for _ in range(min(self._unbuilt, len(recent)))]
-        recent.extend(self._held_record(item) if type(item) is tuple else item for item in reversed(tail))
-        self._unbuilt = 0
-
-    @property
-    def epoch(self) -> int:
-        return self.readiness.epoch
-
-    def __del__(self) -> None:
-        # held per-bucket events of a lifecycle dropped before its next event: written, not lost (the registry
-        # of holders is weak, so the exit flush would not find them)
-        if getattr(self, "_held", None):
-            with contextlib.suppress(Exception):
-                self.flush_events()
+    def locked(self) -> bool:
+        """Built for several writer threads (`LockedMachine`, write leases that triggers wait for)."""
+        return self._locked
 
     def can(self, trigger: str) -> bool:
         """Whether the table allows `trigger` from the current state (its guards may still refuse it)."""
         return trigger in ALLOWED_TRIGGERS[self._model.state]
+
+    def bind(self, *, resolve: Resolver | None = None, pinned_tensors: PinnedTensors | None = None,
+             meta_scan: MetaScan | None = None) -> None:
+        if resolve is not None:
+            self._resolve = resolve
+        if pinned_tensors is not None:
+            self._pinned_tensors = pinned_tensors
+        if meta_scan is not None:
+            self._meta_scan = meta_scan
+
+    # ---- what the guards and conditions read -------------------------------------------------------------------
+    def _is_meta(self, name: str) -> bool:
+        if self._resolve is None:
+            return False
+        t = self._resolve(name)
+        return t is None or t.is_meta
+
+    def missing_by_counts(self) -> dict[str, tuple[str, ...]]:
+        """`missing()` for `Guard`/`Condition.ALL_LAYERS_READY`: while every tensor of the epoch was materialised
+        by the loader's own copy and the load is not finished, the counts say it and no live tensor is scanned
+        (the scan costs about 0.5 us per tensor once the loader's copies have gone through the caches): the
+        FULLY_LOADED condition at the last bucket and the finish guard. Any other writer, a declaration, a
+        failed write, or a finished load (other code has run since) makes it scan: the refresh, which builds the
+        derived buffers from the weights, scans after every finish."""
+        if self._meta_possible:
+            return self.missing()
+        return self.readiness.missing(None)
+
+    def missing(self, names: Iterable[str] | None = None) -> dict[str, tuple[str, ...]]:
+        """Layer -> tensors not loaded in this epoch or still on META. Empty when every layer is ready."""
+        if names is None and self._meta_scan is not None:
+            bad = self._meta_scan()  # one pass over the live tensors
+            return self.readiness.missing(bad.__contains__ if bad else None)
+        resolve = self._resolve
+        if resolve is None:
+            return self.readiness.missing(None, names)
+
+        def is_meta(name: str) -> bool:  # per tensor: one call into the resolver, no attribute lookups
+            t = resolve(name)
+            return t is None or t.is_meta
+
+        return self.readiness.missing(is_meta, names)
+
+    def pinned_changes(self) -> list[str]:
+        if self.pinned is None or self._pinned_tensors is None:
+            return []
+        return self.pinned.changes(self._pinned_tensors())
 
     # ---- firing -----------------------------------------------------------------------------------------------
     def _fire(self, trigger: str, effect: Callable[[], T] | None = None, **log: Any) -> T | None:
         """Fire `trigger`: guards, then `effect`, then the state change; one audit event either way."""
         src = self.state
         t0 = time.perf_counter()
-        holder: dict[str, Any] = {"effect": effect}
+        effect_call: dict[str, Any] = {"effect": effect}  # `_run_effect` runs it and puts its "result" here
         try:
             if not self.can(trigger):
                 raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
                                              allowed_from=[s.value for s in allowed_sources(trigger)])
             try:
-                fired = self._model.trigger(trigger, holder=holder)  # type: ignore[attr-defined]
+                fired = self._model.trigger(trigger, effect_call=effect_call)  # type: ignore[attr-defined]
             except MachineError as e:  # the table check above should make this unreachable
                 raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
                                              allowed_from=[s.value for s in allowed_sources(trigger)]) from e
             if not fired:
                 raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
-                                             allowed_from=["(no row's condition held)"])
+                                             allowed_from=["(no row's condition was met)"])
         except Exception as e:  # guards' refusals and effects' failures alike: audited, state unchanged
             self.record_refusal(trigger, e, duration_ms=_ms(t0))
             _clear_machine_frames(e.__traceback__.tb_next if e.__traceback__ is not None else None)
             raise
         self._audit("transition", trigger=trigger, src=src.value, dst=self.state.value, duration_ms=_ms(t0),
                     **self._readiness_fields(), **log)
-        return holder.get("result")
+        return effect_call.get("result")
 
     def _fire_follow_ups(self, trigger: str, **log: Any) -> None:
         """Fire what the table declares to follow `trigger` (`FOLLOW_UPS`): each follow-up with a row from the
-        state reached whose condition holds (a refresh under captured graphs goes on to `graphs_verified`)."""
+        state reached whose condition is met (a refresh under captured graphs goes on to `graphs_verified`)."""
         for follow_up in FOLLOW_UPS.get(trigger, ()):
             if any(t.trigger == follow_up and self.state in t.sources
                    and (t.condition is None or CONDITIONS[t.condition](self)) for t in TRANSITIONS):
@@ -183,15 +208,15 @@ class TableMachine:
         """Whether a bucket reported now is a step of the lifecycle (fire `trigger`) or bookkeeping only. It is
         bookkeeping when it completed no layer and the state is already one of the trigger's destinations, or
         when the row the machine would pick is a per-bucket row back to the current state
-        (`Transition.per_bucket`). Rows are picked with each condition's cheap test (`guards.MAY_HOLD`): a row
-        whose condition may hold is taken to be the one, so the full check (a META scan) runs only when the
+        (`Transition.per_bucket`). Rows are picked with each condition's cheap test (`guards.MAY_BE_MET`): a row
+        whose condition may be met is taken to be the one, so the full check (a META scan) runs only when the
         machine really fires."""
         state = self._model.state
         rows = ROWS_FROM[trigger][state]
         if not completed:
             return all(t.dest is not state for t in rows)  # the first report after META
         for t in rows:
-            if t.condition is None or MAY_HOLD[t.condition](self):
+            if t.condition is None or MAY_BE_MET[t.condition](self):
                 return not t.per_bucket or t.dest is not state
         return True
 
@@ -206,145 +231,6 @@ class TableMachine:
             trigger, backbone=self.name, state=self.state.value,
             allowed_from=[s.value for s in allowed_sources(trigger)], hint=hint))
 
-    # ---- the audit trail ------------------------------------------------------------------------------------------
-    def _readiness_fields(self) -> dict[str, Any]:
-        return {"layers_ready": self.readiness.layers_ready, "layers_total": self.readiness.layers_total}
-
-    def _audit(self, event: str, *, level: str = "info", **fields: Any) -> None:
-        if level == "debug":  # per-bucket detail: not numbered, a log at info level has no gaps in `seq`
-            if events.enabled(level):  # checked first: a filtered event costs a comparison
-                if self._held:
-                    self.flush_events()
-                events.emit(event, level=level, backbone=self.name, rank=self.rank, epoch=self.epoch, **fields)
-            return
-        self._seq += 1
-        # bounded once: the same record is written and kept (a 5 MB reason is cut in memory too)
-        self._keep(events.bound_fields({"event": event, "backbone": self.name, "rank": self.rank,
-                                        "epoch": self.epoch, "seq": self._seq, **fields}))
-
-    def _audit_layers(self, event: str, layers: list[str], tensors: int | None = None, at_ns: int | None = None
-                      ) -> None:
-        """A `layer_ready` or `layers_unchanged` event: the layers (at most `events.LIST_CAP`, the rest counted in
-        `layers_more`), the bucket's `tensors` (layer_ready) and the readiness counts.
-
-        The per-bucket hot path. When the route allows it (`events.hold_events`: a JSON file alone, or nothing)
-        the event is held as a tuple, numbered and timed now, and written with the others of its batch (one
-        `write(2)`) before this lifecycle's next other event, when `recent_events` is read, after
-        `events.HOLD_MAX` events or `events.HOLD_NS`, before the route changes, and at exit. A process killed
-        mid-load loses at most that batch of `layer_ready` lines (the epoch reads as unfinished either way)."""
-        readiness = self.readiness
-        self._seq = seq = self._seq + 1
-        # the counts read from their fields (`layers_ready`, `layers_total`): properties cost a call each
-        self._hold_layer_events([(event, seq, readiness.epoch, layers[:LIST_CAP], len(layers), tensors,
-                                  readiness._complete, len(readiness.tensors_of_layer),
-                                  time.time_ns() if at_ns is None else at_ns)])
-
-    def _audit_whole_layers(self, layers: list[str], buckets: list[tuple[list[str], int]], ready_before: int
-                            ) -> None:
-        """One `layer_ready` event per bucket of `buckets`, `buckets[i]` being every tensor of `layers[i]` (written
-        at its time), completing the layers in order from `ready_before` layers ready: the events
-        `_audit_layers` makes for them one by one, made in one pass (a load's reports come in one call)."""
-        readiness = self.readiness
-        seq, epoch, total = self._seq, readiness.epoch, len(readiness.tensors_of_layer)
-        self._seq = seq + len(layers)
-        self._hold_layer_events([("layer_ready", seq + i, epoch, [layer], 1, len(names), ready_before + i, total, at_ns)
-                                 for i, (layer, (names, at_ns)) in enumerate(zip(layers, buckets, strict=True), 1)])
-
-    def _hold_layer_events(self, items: list[tuple[Any, ...]]) -> None:
-        """Hold per-bucket events (tuples, in order) as `_audit_layers` says, and flush when a bound is reached."""
-        hold = events.hold_events() if self._may_hold else HOLD_NONE
-        if hold == HOLD_NONE:  # each written (and kept) as it comes
-            for item in items:
-                self._held.append(item)  # a flush replaces the list
-                self.flush_events()
-            return
-        held = self._held
-        held.extend(items)
-        if hold == HOLD_KEEP:  # nothing is written: only the last `recent_events` are ever read
-            if len(held) > 2 * (self._recent.maxlen or 0) + events.HOLD_MAX:
-                del held[:len(held) - (self._recent.maxlen or 0)]
-        elif len(held) >= events.HOLD_MAX or held[-1][-1] - held[0][-1] >= events.HOLD_NS:
-            self.flush_events()
-
-    def flush_events(self) -> None:
-        """Write and keep the held per-bucket events, in order. Where nothing is written (audit off) or a JSON file
-        alone gets lines formatted from the tuples (`_held_lines`), and no audit write failed yet, the tuples are
-        kept as they are and built into records only when `recent_events` is read (most never are: the deque
-        keeps the last ones); else each is built into its record (bounded unless plain), written and kept."""
-        held = self._held
-        if not held:
-            return
-        self._held = []
-        # a locked lifecycle (writer threads) never keeps tuples: `recent_events` builds them without the lock
-        hold = events.hold_events() if self._may_hold else HOLD_NONE
-        if hold == HOLD_KEEP or (hold == HOLD_WRITE and self._line_prefixes is not None
-                                 and events.emit_held_lines(lambda *frame: self._held_lines(held, *frame))):
-            if not events.sink_failures():
-                self._recent.extend(held)
-                self._unbuilt += len(held)
-                return
-            records = [self._held_record(item) for item in held]
-        else:
-            records = [self._held_record(item) for item in held]
-            events.emit_held(records, [item[-1] for item in held])
-        failures = events.sink_failures()
-        if failures:
-            for record in records:
-                record["sink_failures"] = failures
-        self._recent.extend(records)
-        if self._unbuilt:
-            self._unbuilt += len(records)
-
-    def _held_record(self, item: tuple[Any, ...]) -> dict[str, Any]:
-        """The record of a held event: what `_audit` would have built for it (bounded, unless plain)."""
-        event, seq, epoch, shown, count, tensors, ready, total, _ = item
-        record = {"event": event, "backbone": self.name, "rank": self.rank, "epoch": epoch, "seq": seq,
-                  "layers": shown, "layers_more": count - len(shown)}
-        if tensors is not None:
-            record["tensors"] = tensors
-        record["layers_ready"] = ready
-        record["layers_total"] = total
-        return record if self._plain_layer_events else events.bound_fields(record)
-
-    def _held_lines(self, held: list[tuple[Any, ...]], head: str, middle: str, end: str) -> str:
-        """The held events' lines in a JSON file (`events.emit_held_lines`): each one's record as the JSON encoder
-        writes it, formatted from the tuple. Only for plain events (`_line_prefixes`): every value is an int or a
-        name within the bounds, written as is."""
-        prefixes: dict[str, str] = self._line_prefixes  # type: ignore[assignment]
-        encode = events.encode_string
-        lines = []
-        for (event, seq, epoch, shown, count, tensors, ready, total, _), stamp in zip(
-                held, events.timestamps([item[-1] for item in held]), strict=True):
-            prefix = prefixes.get(event) or self._line_prefix(event)
-            layers = encode(shown[0]) if len(shown) == 1 else ",".join(map(encode, shown))
-            if tensors is None:
-                lines.append(f'{head}{prefix}{epoch},"seq":{seq},"layers":[{layers}],"layers_more":'
-                             f'{count - len(shown)},"layers_ready":{ready},"layers_total":{total}{middle}{stamp}{end}')
-            else:
-                lines.append(f'{head}{prefix}{epoch},"seq":{seq},"layers":[{layers}],"layers_more":'
-                             f'{count - len(shown)},"tensors":{tensors},"layers_ready":{ready},"layers_total":{total}'
-                             f'{middle}{stamp}{end}')
-        return "".join(lines)
-
-    def _line_prefix(self, event: str) -> str:
-        """The fields a held `event`'s line begins with, up to its epoch, encoded (and kept for the next ones)."""
-        encode = events.encode_string
-        prefix = self._line_prefixes[event] = (  # type: ignore[index]
-            f'"event":{encode(event)},"backbone":{encode(self.name)},"rank":{self.rank},"epoch":')
-        return prefix
-
-    def _keep(self, record: dict[str, Any], level: str = "info") -> None:
-        """Write a bounded, numbered record (if audit output is on) and keep it in `recent_events`."""
-        if self._held:
-            self.flush_events()  # the held events come first: `seq` stays in order in the file
-        events.emit_record(record, level)  # never raises: a failed write is counted, not the lifecycle's problem
-        failures = events.sink_failures()
-        if failures:
-            record["sink_failures"] = failures
-        self._recent.append(record)
-        if self._unbuilt:
-            self._unbuilt += 1
-
     def record_refusal(self, trigger: str, error: E, **fields: Any) -> E:
         """Audit a refusal: the machine's own, and those decided outside it (the loader's checks of names,
         shapes, files). A refusal for unready layers names the missing tensors (capped). Returns `error`, to be
@@ -354,15 +240,11 @@ class TableMachine:
                     **_missing_fields(error))
         return error
 
-    def audit_event(self, event: str, *, level: str = "info", **fields: Any) -> None:
-        """Emit an event in this backbone's context (used by the backbone, loader and hooks)."""
-        self._audit(event, level=level, **fields)
-
 
 def _run_effect(event: Any) -> None:
-    holder = event.kwargs.get("holder")
-    if holder is not None and holder.get("effect") is not None:
-        holder["result"] = holder["effect"]()
+    effect_call = event.kwargs.get("effect_call")
+    if effect_call is not None and effect_call.get("effect") is not None:
+        effect_call["result"] = effect_call["effect"]()
 
 
 def _clear_machine_frames(tb: TracebackType | None) -> None:

@@ -14,39 +14,34 @@ trigger 'capture_graphs' is not allowed from state FULLY_LOADED; it is allowed f
 The machine (`firing.TableMachine`) holds the state and picks conditional destinations; the guards the table
 names (`guards.py`) raise with the full reason before the state changes; the effect of a trigger (a refresh)
 runs after the guards and before the state changes, so a refused trigger leaves both state and buffers as they
-were. Per-tensor bookkeeping is a plain counter update in `LayerReadiness`; the machine fires per layer
-completion and per phase. Here: what each trigger does, and what the table says about the current state.
+were. What the writers report (`weights_loaded`, write leases) is `load_tracking.LoadTracking`'s, the numbered
+events `event_trail.AuditTrail`'s. Here: what each other trigger does, and what the table says about the
+current state.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-import torch
-
 from . import events
-from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError, UnknownWeightError
-from .firing import TableMachine
+from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError
+from .firing import MetaScan, PinnedTensors, Resolver
 from .guards import ReloadOrigin, recovery_verdict, refusal, require_all_layers_ready, require_pinned_unchanged
-from .leases import WriteLeases
-from .readiness import LayerReadiness, UnknownNames, layer_of
-from .states import ALLOWED_TRIGGERS, INITIAL_STATE, QUARANTINE_STATE, USABLE_STATES, LifecycleState
+from .load_tracking import LoadTracking
+from .readiness import LayerReadiness, layer_of
+from .states import INITIAL_STATE, QUARANTINE_STATE, USABLE_STATES, LifecycleState
 from .storage import PinnedStorage
 from .types import TensorSpec, capped, clipped
 
 __all__ = ["BackboneLifecycle"]
 
 T = TypeVar("T")
-Resolver = Callable[[str], "torch.Tensor | None"]
-PinnedTensors = Callable[[], Mapping[str, "torch.Tensor | None"]]
+#: Restores every tensor written since `begin_reload` and returns their names (`abort_reload`).
 Rollback = Callable[[], Iterable[str]]
-MetaScan = Callable[[], "set[str]"]
 
 
-class BackboneLifecycle(TableMachine):
+class BackboneLifecycle(LoadTracking):
     """The reload lifecycle of one draft backbone.
 
     `tensor_specs`: every checkpoint tensor the backbone expects (name -> shape/dtype).
@@ -71,30 +66,15 @@ class BackboneLifecycle(TableMachine):
     ) -> None:
         self.specs = dict(tensor_specs)
         super().__init__(name, rank, LayerReadiness(self.specs, layer_key), locked=locked,
-                         recent_events=recent_events)
-        self.pinned: PinnedStorage | None = None
+                         recent_events=recent_events, resolve=resolve, pinned_tensors=pinned_tensors,
+                         meta_scan=meta_scan)
         self.quarantine_reason: str | None = None
-        self._resolve = resolve
-        self._pinned_tensors = pinned_tensors
-        self._meta_scan = meta_scan
-        # whether a tensor counted loaded in this epoch may be on META: False while every one was written by the
-        # loader's own copy (`weights_loaded(..., materialized=True)`: `write_tensor` leaves no placeholder), so
-        # the FULLY_LOADED condition and the finish guard need no scan of the live tensors (`missing_by_counts`);
-        # any other report, declaration or failed write sets it until the next epoch, and so does a finish: once
-        # other code has run, the refresh (which builds from the weights) scans again
-        self._may_hold_meta = False
-        # an unlocked lifecycle is not thread-safe (no LockedMachine, leases never wait); the lock is there anyway:
-        # an uncontended RLock costs less per call than a null context manager
-        self._lock = threading.RLock()
-        self._locked = locked
-        self._leases = WriteLeases(self._lock, locked=locked)
-        # what `recover` needs: where the current reload began, and why recovering would be wrong (None: it would not)
+        # what `recover` needs beside `recovery_blocker`: where the current reload began
         self._origin = ReloadOrigin()
-        self.recovery_blocker: str | None = "no reload was aborted"
         self.torn_buffers: frozenset[str] = frozenset()
         self.structure: dict[str, bool] | None = None  # optional submodule -> present, frozen by the first load
-        # the header bytes of a checkpoint whose every tensor matched `specs` (`loading.validate_index`)
-        self.validated_headers: tuple[bytes, ...] | None = None
+        #: counts the changes of `specs` (`freeze_structure`): what was checked against them before is void
+        self.specs_revision = 0
 
     # ---- what the table says about the current state -----------------------------------------------------------
     @property
@@ -126,155 +106,7 @@ class BackboneLifecycle(TableMachine):
         but not `refresh_derived` (some layer is not ready, or the load is not finalized)."""
         return self.can("weights_loaded") and not self.can("refresh_derived")
 
-    def bind(self, *, resolve: Resolver | None = None, pinned_tensors: PinnedTensors | None = None,
-             meta_scan: MetaScan | None = None) -> None:
-        if resolve is not None:
-            self._resolve = resolve
-        if pinned_tensors is not None:
-            self._pinned_tensors = pinned_tensors
-        if meta_scan is not None:
-            self._meta_scan = meta_scan
-
-    # ---- what the guards read -----------------------------------------------------------------------------------
-    def _is_meta(self, name: str) -> bool:
-        if self._resolve is None:
-            return False
-        t = self._resolve(name)
-        return t is None or t.is_meta
-
-    def missing_by_counts(self) -> dict[str, tuple[str, ...]]:
-        """`missing()` for `Guard`/`Condition.ALL_LAYERS_READY`: while every tensor of the epoch was materialised
-        by the loader's own copy and the load is not finished, the counts say it and no live tensor is scanned
-        (the scan costs about 0.5 us per tensor once the loader's copies have gone through the caches): the
-        FULLY_LOADED condition at the last bucket and the finish guard. Any other writer, a declaration, a
-        failed write, or a finished load (other code has run since) makes it scan: the refresh, which builds the
-        derived buffers from the weights, scans after every finish."""
-        if self._may_hold_meta:
-            return self.missing()
-        return self.readiness.missing(None)
-
-    def missing(self, names: Iterable[str] | None = None) -> dict[str, tuple[str, ...]]:
-        """Layer -> tensors not loaded in this epoch or still on META. Empty when every layer is ready."""
-        if names is None and self._meta_scan is not None:
-            bad = self._meta_scan()  # one pass over the live tensors
-            return self.readiness.missing(bad.__contains__ if bad else None)
-        resolve = self._resolve
-        if resolve is None:
-            return self.readiness.missing(None, names)
-
-        def is_meta(name: str) -> bool:  # per tensor: one call into the resolver, no attribute lookups
-            t = resolve(name)
-            return t is None or t.is_meta
-
-        return self.readiness.missing(is_meta, names)
-
-    def pinned_changes(self) -> list[str]:
-        if self.pinned is None or self._pinned_tensors is None:
-            return []
-        return self.pinned.changes(self._pinned_tensors())
-
     # ---- triggers ---------------------------------------------------------------------------------------------
-    def _refuse_unknown(self, names: list[str]) -> None:
-        unknown = self.readiness.unknown(names)
-        if unknown:
-            self._raise_unknown(unknown)
-
-    def _raise_unknown(self, unknown: list[str]) -> None:
-        raise self.record_refusal("weights_loaded", UnknownWeightError(unknown, backbone=self.name,
-                                                                      state=self.state.value))
-
-    @property
-    def locked(self) -> bool:
-        """Built for several writer threads (`LockedMachine`, write leases that triggers wait for)."""
-        return self._locked
-
-    def weights_loaded_buckets(self, buckets: Iterable[tuple[list[str], int]], *, materialized: bool = False
-                               ) -> list[list[str]]:
-        """`weights_loaded` of buckets written earlier, in the order written, each with the time it was written
-        (`time.time_ns()`): its `layer_ready` event carries that time. A loader on an unlocked lifecycle (one
-        thread: nothing can act between its buckets) reports this way after its writes, in one pass while the
-        lifecycle's tables are in the caches, rather than between each bucket's reads and copies. Returns each
-        bucket's completed layers."""
-        buckets = list(buckets)
-        for _, at_ns in buckets:  # every time checked before the first bucket is recorded
-            if type(at_ns) is not int or not 0 <= at_ns < 2**63:
-                raise TypeError(f"weights_loaded_buckets of backbone {self.name!r}: each bucket's time must be a "
-                                f"time.time_ns() value (an int in [0, 2**63)), got {type(at_ns).__name__} "
-                                f"{clipped(repr(at_ns), 60)}; nothing recorded")
-        with self._lock:
-            return [self.weights_loaded(names, materialized=materialized, at_ns=at_ns) for names, at_ns in buckets]
-
-    def _whole_layers_loaded(self, buckets: list[tuple[list[str], int]], layers: list[str]) -> list[list[str]]:
-        """`weights_loaded_buckets` of buckets the loader wrote with its own copy where `buckets[i]` is every
-        tracked tensor of `layers[i]` (its plan by layer of a checkpoint that holds every tracked tensor,
-        `loading._whole_layer_plan`): when no layer of them received anything yet in this epoch, each completes
-        its layer, counted per layer without reading a name, and the names join the written set in one step.
-        Otherwise the general path."""
-        readiness = self.readiness
-        with self._lock:
-            if (not buckets or len(layers) != len(buckets)
-                    or "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]
-                    or not readiness.fresh_layers(layers)):
-                return self.weights_loaded_buckets(buckets, materialized=True)
-            self._audit_whole_layers(layers, buckets, readiness.mark_layers_written(layers))
-            if self._bucket_moves("weights_loaded", True):
-                self._fire("weights_loaded", tensors=len(buckets[-1][0]))
-            return [[layer] for layer in layers]
-
-    def weights_loaded(self, names: Iterable[str], *, materialized: bool = False, at_ns: int | None = None
-                       ) -> list[str]:
-        """Record that tensors were written (one bucket; one tensor is fine). Unknown names are refused and
-        nothing is recorded. Returns the layers that completed with this bucket. `materialized=True` says the
-        writer left each of them off META (the loader's own `write_tensor`): while every report of an epoch says
-        so, the FULLY_LOADED condition and the finish guard trust the counts instead of scanning every live tensor
-        for a placeholder (`missing_by_counts`); the refresh scans either way.
-
-        Per bucket: one `layer_ready` event listing the layers it completed (none if it completed none); the
-        machine fires only when the state changes (the first report after META, the last layer of an epoch):
-        a report that leaves PARTIALLY_LOADED as it is is bookkeeping (`Transition.per_bucket`)."""
-        names = names if type(names) is list else list(names)
-        if at_ns is not None and (type(at_ns) is not int or not 0 <= at_ns < 2**63):
-            raise TypeError(f"weights_loaded of backbone {self.name!r}: at_ns must be a time.time_ns() value (an int "
-                            f"in [0, 2**63)), got {type(at_ns).__name__} {clipped(repr(at_ns), 60)}; nothing recorded")
-        with self._lock:
-            if not materialized:
-                self._may_hold_meta = True
-            if "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]:
-                self._fire("weights_loaded")  # raises IllegalTransitionError and records the refusal
-            try:
-                completed = self.readiness.mark_loaded(names)
-            except UnknownNames as e:
-                self._raise_unknown(e.names)
-            if completed:
-                self._audit_layers("layer_ready", completed, len(names), at_ns)
-            if self._bucket_moves("weights_loaded", bool(completed)):
-                self._fire("weights_loaded", tensors=len(names))
-            return completed
-
-    def weights_unchanged(self, names: Iterable[str]) -> None:
-        """Declare tensors unchanged in this epoch: they count as loaded, but nothing derived from them is dirty
-        (a selective reload that sends some tensors of a layer). Refused (`LayersNotReadyError`, nothing
-        marked) for a tensor whose layer an aborted or abandoned reload left partly written, whose write failed
-        part way, or that is still META: those must be written."""
-        names = list(names)
-        with self._lock:
-            self._require_allowed_audited("weights_loaded")
-            self._refuse_unknown(names)
-            refusals = self.readiness.unchanged_refusals(names)
-            for name in names:  # a placeholder has no value to keep
-                if self._is_meta(name):
-                    layer = self.readiness.layer_of_name[name]
-                    refusals[layer] = (*refusals.get(layer, ()), f"{name} (META: nothing to keep, load it)")
-            if refusals:
-                raise self.record_refusal("weights_loaded", LayersNotReadyError(
-                    "weights_unchanged", refusals, backbone=self.name, state=self.state.value))
-            self._may_hold_meta = True  # declared, not written: the scan looks again at the end
-            completed = self.readiness.mark_unchanged(names)
-            if completed:
-                self._audit_unchanged(completed)
-                if self._bucket_moves("weights_loaded", True):
-                    self._fire("weights_loaded", tensors=0, unchanged=len(names))
-
     def freeze_structure(self, modules: Mapping[str, bool], absent: Iterable[str]) -> None:
         """Record which optional submodules the first load gave the backbone (`modules`: name -> present), once,
         in epoch 0 before that load finished, and stop tracking the tensors of the absent ones (`absent`): no
@@ -287,14 +119,11 @@ class BackboneLifecycle(TableMachine):
             self.readiness.forget(absent)
             for name in absent:
                 self.specs.pop(name, None)
-            self.validated_headers = None  # checked against the specs before some were forgotten
+            self.specs_revision += 1  # a checkpoint checked against the specs before is not vouched for now
             self.structure = dict(modules)
             self._audit("structure_frozen", present=sorted(m for m, p in modules.items() if p),
                         absent=sorted(m for m, p in modules.items() if not p), tensors_untracked=len(absent),
                         **self._readiness_fields())
-
-    def _audit_unchanged(self, layers: list[str]) -> None:
-        self._audit_layers("layers_unchanged", layers)
 
     def begin_reload(self) -> int:
         """Start a reload epoch. Graph pinning (if any) stays in force. Returns the new epoch."""
@@ -307,7 +136,7 @@ class BackboneLifecycle(TableMachine):
                 current=self.usable or (self.quarantined and self.recovery_blocker is None),
                 dirty_parts=self.readiness.dirty_parts())
             self.readiness.new_epoch()
-            self._may_hold_meta = False
+            self._meta_possible = False
             self.quarantine_reason = None
             self._fire("begin_reload", pinned=self.graphs_pinned, from_state=src.value)
             return self.epoch
@@ -329,7 +158,7 @@ class BackboneLifecycle(TableMachine):
                 self._refuse_if_still_missing("finish_loading", set(untouched))  # before marking anything
                 if names:
                     declared = names
-                    self._may_hold_meta = True
+                    self._meta_possible = True
                     self._audit_unchanged(self.readiness.mark_unchanged(names))
             try:
                 self._fire("finish_loading", effect, keep_untouched=keep_untouched)
@@ -337,7 +166,7 @@ class BackboneLifecycle(TableMachine):
                 if declared:
                     self.readiness.unmark(declared)
                 raise
-            self._may_hold_meta = True  # the loader is done: whatever runs next may swap a tensor (see __init__)
+            self._meta_possible = True  # the loader is done: whatever runs next may swap a tensor (see __init__)
 
     def _refuse_if_still_missing(self, action: str, untouched: set[str]) -> None:
         """Refuse (audited) if some layer would still be missing tensors once `untouched` layers are declared
@@ -442,7 +271,7 @@ class BackboneLifecycle(TableMachine):
         unchanged. Every tensor counts as restored unchanged in this epoch. Returns the new state."""
         with self._lock:
             def restore() -> None:
-                self._may_hold_meta = True
+                self._meta_possible = True
                 self.readiness.mark_unchanged(self.specs)
                 self.quarantine_reason = None
                 self.recovery_blocker = "recovered already"
@@ -467,49 +296,3 @@ class BackboneLifecycle(TableMachine):
         with self._lock:
             require_pinned_unchanged(self, "verify_pinned")
             return len(self.pinned) if self.pinned else 0
-
-    # ---- writers --------------------------------------------------------------------------------------------------
-    def ensure_loading_allowed(self) -> None:
-        """Raise (audited) unless weights may be written now. A loader calls this BEFORE it writes anything:
-        writing weights under refreshed derived buffers without `begin_reload()` is how values go stale."""
-        with self._lock:
-            self._require_allowed_audited("weights_loaded")
-
-    def acquire_write_lease(self) -> int:
-        """Raise (audited) unless weights may be written now, else take a write lease (`leases.py`) for this
-        thread and return its token for `release_write_lease`. With `locked=True`, `begin_reload`,
-        `finish_loading`, `refresh_derived` and `abort_reload` wait until no other thread holds a lease."""
-        with self._lock:
-            if "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]:
-                self._fire("weights_loaded")  # raises IllegalTransitionError and records the refusal
-            # unlocked, nothing ever waits for a lease: the check is all there is to it
-            return self._leases.acquire() if self._locked else 0
-
-    def release_write_lease(self, token: int) -> None:
-        if self._locked:
-            with self._lock:
-                self._leases.release(token)
-
-    @contextmanager
-    def loading(self) -> Iterator[None]:
-        """A write lease as a context manager: raise (audited) unless weights may be written now, else hold the
-        lease while writing and reporting one bucket (`acquire_write_lease`)."""
-        token = self.acquire_write_lease()
-        try:
-            yield
-        finally:
-            self.release_write_lease(token)
-
-    @contextmanager
-    def quiesced(self) -> Iterator[None]:
-        """Hold the lifecycle (no trigger, no new write lease) once no other thread is writing."""
-        with self._lock:
-            self._leases.wait_until_idle()
-            yield
-
-    def mark_dirty(self, names: Iterable[str]) -> None:
-        """Record tensors possibly written by a write that failed part way: missing until sent again in full;
-        their layers count as partly written if the epoch ends first."""
-        with self._lock:
-            self._may_hold_meta = True
-            self.readiness.mark_dirty(names)

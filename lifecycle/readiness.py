@@ -3,6 +3,8 @@
 Per-tensor work is set operations done in C: the name -> layer map and each layer's names are built once, a
 bucket that is one layer (or part of one) is checked and recorded with two set operations, and a per-layer
 counter says when a layer completes. The machine only hears about layer completions, never about single tensors.
+Two concerns beside the counts have their own modules, fed from here: which tensors are dirty since the last
+refresh (`dirty.DirtySinceRefresh`) and which layers must be written in full (`full_writes.FullWrites`).
 
 >>> r = LayerReadiness(["layers.0.w", "layers.0.b", "norm.weight"])
 >>> r.mark_loaded(["layers.0.w"]), r.mark_loaded(["layers.0.b"])
@@ -20,6 +22,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
+
+from .dirty import DirtySinceRefresh
+from .full_writes import FullWrites
 
 __all__ = ["LayerReadiness", "UnknownNames", "layer_of"]
 
@@ -48,9 +53,8 @@ class LayerReadiness:
     """Readiness bookkeeping for one backbone. Not thread-safe by itself: the lifecycle serialises calls.
 
     In an epoch a tensor is loaded when it was written (`_written`) or declared unchanged (`_unchanged`); the
-    two sets are disjoint. Dirty (written since the last successful refresh) is `_dirty_base`, the write sets of
-    earlier epochs not refreshed yet (`_dirty_epochs`, kept whole: an epoch's end costs nothing per tensor) and this
-    epoch's writes, until a refresh clears it: no per-tensor dirty set on the hot path."""
+    two sets are disjoint. Dirty (written since the last successful refresh) is kept by `dirty` from this epoch's
+    writes and the earlier epochs'; the layers owed a full write by `full_writes`."""
 
     def __init__(self, names: Iterable[str], layer_key: Callable[[str], str] = layer_of) -> None:
         self.layer_of_name: dict[str, str] = {n: layer_key(n) for n in names}
@@ -65,45 +69,39 @@ class LayerReadiness:
         self._unchanged: set[str] = set()  # declared unchanged in this epoch (and not written since)
         self._left: dict[str, int] = dict(self._size)  # per layer: tensors not loaded yet in this epoch
         self._complete = 0
-        # written since the last successful refresh (dirty) = `_dirty_base` | `_dirty_epochs` | this epoch's
-        # `_written`, unless a refresh (or an exact rollback) in this epoch set it (`_epoch_absorbed`). Kept across
-        # epochs: an epoch that ends without a refresh (aborted, or a second begin_reload) leaves its writes to the
-        # next refresh.
-        self._dirty_base: set[str] = set()
-        self._dirty_epochs: list[set[str]] = []
-        self._epoch_absorbed = False
+        # written since the last successful refresh, kept across epochs: an epoch that ends without a refresh
+        # (aborted, or a second begin_reload) leaves its writes to the next refresh
+        self.dirty = DirtySinceRefresh()
         # writes that failed part way in this epoch and were not redone
         self._failed: set[str] = set()
         self._closed = False  # the epoch ended (close_epoch ran): nothing more is written in it
-        # layers an earlier epoch left partly written (it ended with some of their tensors written and not all, or
-        # a write failed part way): they mix two checkpoints, so only a complete write of them ends this; nothing
-        # may declare them unchanged (`unchanged_refusals`). Also layers holding values no checkpoint gave
-        # (`require_full_write`), for the same reason: what they hold is nothing to keep
-        self.partly_written: set[str] = set()
-        #: layer -> why it must be written in full, for layers of `partly_written` put there by
-        #: `require_full_write` (the others: an aborted or abandoned reload wrote part of them)
-        self.full_write_reasons: dict[str, str] = {}
+        # layers that must be written in full before anything of them may be kept (`unchanged_refusals`)
+        self.full_writes = FullWrites()
         self._layer_get = self.layer_of_name.get
         self._plain = True  # nothing declared unchanged, no failed write, no refresh in this epoch: the fast path
 
     def _note_plain(self) -> None:
         """Recompute `_plain` after a change to what it summarises (off the hot path)."""
-        self._plain = not (self._unchanged or self._failed or self._epoch_absorbed)
+        self._plain = not (self._unchanged or self._failed or self.dirty.absorbed)
+
+    @property
+    def partly_written(self) -> set[str]:
+        """Layers an earlier epoch left partly written (it ended with some of their tensors written and not all,
+        or a write failed part way: they mix two checkpoints), and layers holding values no checkpoint gave
+        (`require_full_write`): only a complete write of one ends this (`full_writes.FullWrites`)."""
+        return self.full_writes.layers
+
+    @property
+    def full_write_reasons(self) -> dict[str, str]:
+        """Layer -> why it must be written in full, for the layers `require_full_write` put in."""
+        return self.full_writes.reasons
 
     # ---- epochs -------------------------------------------------------------------------------------------
     def new_epoch(self) -> int:
         self.close_epoch()
-        if not self._epoch_absorbed and self._written:
-            if len(self._written) == len(self.layer_of_name):  # every tensor: the earlier parts are within it
-                self._dirty_epochs = [self._written]
-                self._dirty_base = set()
-            else:
-                self._dirty_epochs.append(self._written)  # a new set follows: this one is never written again
-                if len(self._dirty_epochs) > 4:  # many epochs without a refresh: folded, so memory stays bounded
-                    self._dirty_epochs = [frozenset().union(*self._dirty_epochs)]
+        self.dirty.epoch_ended(self._written, len(self.layer_of_name))  # a new set follows: this one stays as is
         self.epoch += 1
         self._closed = False
-        self._epoch_absorbed = False
         self._written = set()
         self._unchanged = set()
         self._left = dict(self._size)
@@ -128,13 +126,9 @@ class LayerReadiness:
                 if 0 < left[layer] < sizes[layer] and layer not in new and any(
                         n in written and n not in restored for n in names):
                     new.add(layer)
-        new -= self.partly_written
-        self.partly_written.update(new)
-        for layer in new:
-            self.full_write_reasons.pop(layer, None)
         self._failed = set()
         self._note_plain()
-        return sorted(new)
+        return self.full_writes.mark_partly_written(new)
 
     def require_full_write(self, layers: Iterable[str], why: str) -> None:
         """`layers` hold values no checkpoint gave (`why` says where they came from): until a load writes every
@@ -143,12 +137,11 @@ class LayerReadiness:
         for layer in layers:
             if layer not in self.tensors_of_layer:
                 raise UnknownNames([layer])
-            self.partly_written.add(layer)
-            self.full_write_reasons[layer] = why
+            self.full_writes.require([layer], why)
 
     def full_write_reason(self, layer: str) -> str:
         """Why `layer` (one of `partly_written`) must be written in full before anything of it may be kept."""
-        return self.full_write_reasons.get(layer, "layer partly written by a reload that was aborted or abandoned")
+        return self.full_writes.reason(layer)
 
     def forget(self, names: Iterable[str]) -> None:
         """Stop tracking `names` (optional tensors the first load did not have): the counts are rebuilt from
@@ -162,8 +155,7 @@ class LayerReadiness:
         self._written = self._written - gone
         self._unchanged -= gone
         self._failed -= gone
-        self._dirty_base -= gone
-        self._dirty_epochs = [frozenset(part - gone) for part in self._dirty_epochs]
+        self.dirty.forget(gone)
         tensors: dict[str, list[str]] = {}
         for name, layer in self.layer_of_name.items():
             tensors.setdefault(layer, []).append(name)
@@ -173,7 +165,7 @@ class LayerReadiness:
         loaded = self._written | self._unchanged
         self._left = {k: sum(n not in loaded for n in v) for k, v in tensors.items()}
         self._complete = sum(not left for left in self._left.values())
-        self.partly_written &= self.tensors_of_layer.keys()
+        self.full_writes.keep_only(self.tensors_of_layer)
         self._note_plain()
 
     # ---- hot path -----------------------------------------------------------------------------------------
@@ -202,8 +194,9 @@ class LayerReadiness:
         if left:
             return []
         self._complete += 1
-        if self.partly_written:
-            self.partly_written.discard(layer)  # written in full (nothing may declare it unchanged)
+        partly = self.full_writes.layers
+        if partly:
+            partly.discard(layer)  # written in full (nothing may declare it unchanged)
         return [layer]
 
     def fresh_layers(self, layers: Sequence[str]) -> bool:
@@ -222,8 +215,9 @@ class LayerReadiness:
         for layer in layers:
             left[layer] = 0
         self._complete += len(layers)
-        if self.partly_written:
-            self.partly_written.difference_update(layers)
+        partly = self.full_writes.layers
+        if partly:
+            partly.difference_update(layers)
         if self._complete == len(self._size) and not self._unchanged:
             self._written = set(self.layer_of_name)
         else:
@@ -236,8 +230,8 @@ class LayerReadiness:
         completed = self._mark(names, dirty=True)
         if self._failed:
             self._failed.difference_update(names)  # written again, in full
-        if self._epoch_absorbed:  # written after a refresh of this epoch absorbed its writes: dirty again
-            self._dirty_base.update(names)
+        if self.dirty.absorbed:  # written after a refresh of this epoch absorbed its writes: dirty again
+            self.dirty.add(names)
         self._note_plain()
         return completed
 
@@ -287,8 +281,9 @@ class LayerReadiness:
             if not left[layer]:
                 completed.append(layer)
         self._complete += len(completed)
-        if self.partly_written and completed:
-            self.partly_written.difference_update(completed)  # written in full (nothing may declare them unchanged)
+        partly = self.full_writes.layers
+        if partly and completed:
+            partly.difference_update(completed)  # written in full (nothing may declare them unchanged)
         self._note_plain()
         return completed
 
@@ -314,11 +309,12 @@ class LayerReadiness:
         """Layer -> why its tensors among `names` may not be declared unchanged: the layer is partly written by
         an earlier epoch, or a write of the tensor failed part way in this one. Empty: all may be."""
         out: dict[str, list[str]] = {}
-        if not self.partly_written and not self._failed:
+        partly = self.full_writes.layers
+        if not partly and not self._failed:
             return {}
         for name in names:
             layer = self.layer_of_name[name]
-            if layer in self.partly_written:
+            if layer in partly:
                 out.setdefault(layer, []).append(f"{name} ({self.full_write_reason(layer)}: write every tensor "
                                                   "of it)")
             elif name in self._failed:
@@ -350,24 +346,20 @@ class LayerReadiness:
                 out.setdefault(layer_of_name[name], []).append(f"{name} (a write of it failed part way)")
         return {k: tuple(v) for k, v in out.items()}
 
+    # ---- dirty since the last refresh (`dirty.DirtySinceRefresh`, fed this epoch's writes) ----------------------
     def dirty_parts(self) -> tuple[AbstractSet[str], ...]:
-        """The dirty set as parts whose union it is, none of which changes again (a copy of the small base set, and
-        the write sets of ended epochs and of this one, which the next epoch replaces rather than changes): what a
-        reload's origin keeps, at no cost per tensor. Call it just before `new_epoch`."""
-        current = () if self._epoch_absorbed or not self._written else (self._written,)
-        return (frozenset(self._dirty_base), *self._dirty_epochs, *current)
+        """The dirty set as parts whose union it is, none of which changes again (`DirtySinceRefresh.parts`): what
+        a reload's origin keeps, at no cost per tensor. Call it just before `new_epoch`."""
+        return self.dirty.parts(self._written)
 
     def dirty_tensors(self) -> frozenset[str]:
         """Tensors written since the last successful refresh (this epoch or an earlier one that ended without
         a refresh): what a selective refresh must propagate."""
-        parts = [*self._dirty_epochs, *(() if self._epoch_absorbed else (self._written,))]
-        return frozenset(self._dirty_base.union(*parts))
+        return self.dirty.tensors(self._written)
 
     def clear_dirty(self) -> None:
         """A refresh propagated every dirty tensor into the derived buffers."""
-        self._dirty_base = set()
-        self._dirty_epochs = []
-        self._epoch_absorbed = True
+        self.dirty.refreshed()
         self._plain = False
 
     def mark_dirty(self, names: Iterable[str]) -> None:
@@ -375,15 +367,13 @@ class LayerReadiness:
         what reads them, and they are missing until written again in full (sent again); if the epoch ends first,
         their layers are partly written."""
         names = list(names)
-        self._dirty_base.update(names)
+        self.dirty.add(names)
         self._failed.update(names)
         self._note_plain()
 
     def restore_dirty(self, names: Iterable[str]) -> None:
         """Set the dirty set back to `names` (after a rollback restored every write since it was taken)."""
-        self._dirty_base = set(names)
-        self._dirty_epochs = []
-        self._epoch_absorbed = True
+        self.dirty.restored(names)
         self._plain = False
 
     def dirty_layers(self) -> list[str]:

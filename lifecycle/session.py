@@ -37,6 +37,9 @@ a full reload. On abort every one is restored exactly (same storage, same bits; 
 back), before the state changes and after every other writing thread finished. If the reload started with
 current derived buffers (DERIVED_REFRESHED or GRAPH_CAPTURED), `backbone.recover()` then leaves QUARANTINED
 without a reload.
+
+A session drives any `ReloadTarget` (what it uses of a backbone: `DraftBackbone` is one); it never imports the
+backbone, which builds sessions (`DraftBackbone.reload_session`).
 """
 
 from __future__ import annotations
@@ -46,19 +49,34 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
-from .errors import NonFiniteWeightError, SessionStateError
-from .loading import LoadReport, Writer, apply_bucket, load_safetensors, non_finite
+from .errors import NonFiniteWeightError, SessionStateError, raise_unheld
+from .loading import LoadReport, LoadTarget, Writer, apply_bucket, load_safetensors, non_finite
 from .types import RefreshReport, describe_error
 
-if TYPE_CHECKING:
-    from .backbone import DraftBackbone
+__all__ = ["ReloadSession", "ReloadTarget", "WeightSnapshot"]
 
-__all__ = ["ReloadSession", "WeightSnapshot"]
+
+class ReloadTarget(LoadTarget, Protocol):
+    """What a reload session uses of the backbone it reloads, beside what the loader does (`LoadTarget`): its
+    lifecycle steps, its live tensors, and where each tracked tensor lives (for the rollback snapshot). Every
+    `DraftBackbone` is one."""
+
+    def begin_reload(self) -> int: ...
+
+    def finalize_loading(self, *, keep_untouched: bool = False) -> list[str]: ...
+
+    def weights_unchanged(self, names: Iterable[str]) -> None: ...
+
+    def refresh_derived_buffers(self, *, full: bool = False) -> RefreshReport: ...
+
+    def live_tensor(self, name: str) -> torch.Tensor | None: ...
+
+    def tensor_slot(self, name: str) -> tuple[nn.Module, str]: ...
 
 Bucket = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 Status = Literal["new", "open", "committed", "aborted"]
@@ -76,7 +94,7 @@ class _Saved:
 class WeightSnapshot:
     """Each tensor's value before its first write (thread-safe). `nbytes`: what the copies hold."""
 
-    def __init__(self, backbone: DraftBackbone) -> None:
+    def __init__(self, backbone: ReloadTarget) -> None:
         self._backbone = backbone
         self._saved: dict[str, _Saved] = {}
         self._by_tensor: dict[int, torch.Tensor] = {}  # one copy per distinct tensor (tied names share it)
@@ -96,7 +114,7 @@ class WeightSnapshot:
             for name in names:
                 if name in self._saved:
                     continue
-                owner, leaf = self._backbone._tensor_slots[name]
+                owner, leaf = self._backbone.tensor_slot(name)
                 is_param = leaf in owner._parameters
                 t = owner._parameters[leaf] if is_param else owner._buffers[leaf]
                 assert t is not None
@@ -131,7 +149,7 @@ class ReloadSession:
     """One transactional reload of `backbone`. Use as a context manager (or call `begin` and then `commit` or
     `abort` yourself). See the module docstring for the phases and what rollback costs."""
 
-    def __init__(self, backbone: DraftBackbone, *, rollback: bool = False, finite_check: bool = False,
+    def __init__(self, backbone: ReloadTarget, *, rollback: bool = False, finite_check: bool = False,
                  keep_untouched: bool = False, device: torch.device | str = "cpu", writer: Writer | None = None
                  ) -> None:
         self.backbone = backbone
@@ -255,14 +273,16 @@ class ReloadSession:
             problems = non_finite((n, t) for n in names if (t := self.backbone.live_tensor(n)) is not None)
             checked += len(names)
             if problems:
-                err = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value, source="verify")
-                self._audit("verify", ok=False, error=type(err).__name__, reason=err.reason)
-                try:
-                    raise err
-                finally:
-                    del err  # see `errors`: a local holding the raised error keeps every frame of it alive
+                raise_unheld(self._refused_verify(problems))
         self._audit("verify", ok=True, checked=checked)
         return checked
+
+    def _refused_verify(self, problems: list[str]) -> NonFiniteWeightError:
+        """`verify`'s refusal of tensors written with NaN or Inf values, audited."""
+        lc = self.backbone.lifecycle
+        error = NonFiniteWeightError(problems, backbone=lc.name, state=lc.state.value, source="verify")
+        self._audit("verify", ok=False, error=type(error).__name__, reason=error.reason)
+        return error
 
     # ---- COMMIT, ABORT --------------------------------------------------------------------------------------
     def commit(self, *, full: bool = False) -> RefreshReport:

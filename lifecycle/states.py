@@ -80,7 +80,7 @@ class Transition:
     """One row of the table. `condition` picks this row among several rows of the same trigger (first match
     wins); `guards` refuse the trigger with the full reason, leaving the state unchanged. `follows`: the row is
     fired by the machine itself right after that trigger succeeded, when its sources include the state reached
-    and its condition holds (a follow-up, never called directly). `per_bucket`: the row fires once per bucket of
+    and its condition is met (a follow-up, never called directly). `per_bucket`: the row fires once per bucket of
     tensors, many times an epoch: bookkeeping of the load, not a step of the lifecycle (the report does not draw it
     as a timeline mark). A per-bucket row that would leave the state as it is (PARTIALLY_LOADED ->
     PARTIALLY_LOADED) is bookkeeping only: the machine is not triggered and no `transition` event is written (the
@@ -198,7 +198,7 @@ def possible_destinations(trigger: str, source: LifecycleState) -> tuple[Lifecyc
 
 def rows_from(trigger: str, source: LifecycleState) -> tuple[Transition, ...]:
     """The rows of `trigger` that may fire from `source`, in declaration order (the machine takes the first whose
-    condition holds)."""
+    condition is met)."""
     return ROWS_FROM[trigger][source]
 
 

@@ -30,6 +30,7 @@ from lifecycle.loading import (
     iter_buckets,
     load_safetensors,
     plan_buckets,
+    validated_headers,
     write_checkpoint,
 )
 from lifecycle.readiness import layer_of
@@ -389,7 +390,7 @@ def test_a_subset_check_does_not_vouch_for_the_whole_header(target, tiny_cfg, tm
     weights["layers.2.self_attn.qkv_proj.weight"] = torch.randn(127, tiny_cfg.hidden_size)
     path = write_checkpoint(weights, tmp_path / "half-bad.safetensors")
     load_safetensors(target, path, subset=lambda n: not n.startswith("layers.2."))
-    assert target.lifecycle.validated_headers != checkpoint_index(path).headers
+    assert validated_headers(target.lifecycle) != checkpoint_index(path).headers
     with pytest.raises(WeightShapeError):
         load_safetensors(target, path)
 
@@ -397,9 +398,9 @@ def test_a_subset_check_does_not_vouch_for_the_whole_header(target, tiny_cfg, tm
 def test_forgetting_tensors_forgets_the_checked_headers(tiny_cfg, ckpt_b):
     model = DFlashQwen3Draft(tiny_cfg)
     load_safetensors(model, ckpt_b)
-    assert model.lifecycle.validated_headers == checkpoint_index(ckpt_b).headers
+    assert validated_headers(model.lifecycle) == checkpoint_index(ckpt_b).headers
     model.lifecycle.freeze_structure({}, [])
-    assert model.lifecycle.validated_headers is None
+    assert validated_headers(model.lifecycle) is None
 
 
 # ---- progress -----------------------------------------------------------------------------------------------

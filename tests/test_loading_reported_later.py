@@ -1,4 +1,4 @@
-"""The loader reports its buckets after writing them (`loading._load_reported_later`) when nothing can act
+"""The loader reports its buckets after writing them (`loading.load._load_reported_later`) when nothing can act
 between buckets: what the lifecycle ends up knowing, and every event it writes, are those of a load that
 reports each bucket as it is written (the path a progress callback, a custom writer or a locked lifecycle takes).
 
@@ -16,9 +16,9 @@ import torch
 from structlog.testing import capture_logs
 
 from lifecycle import LifecycleState, NonFiniteWeightError, WeightWriteError
-from lifecycle import loading as loading_module
 from lifecycle.events import configure_audit, read_events
 from lifecycle.loading import apply_bucket, load_safetensors, write_checkpoint
+from lifecycle.loading import write as loading_module
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
 S = LifecycleState

@@ -1,0 +1,170 @@
+"""Writing one bucket into the backbone: the checks before its first write, the tensor writes, and the report.
+
+A bucket is refused before anything of it is written (audited, nothing changed) for a state that allows no
+loading, unknown names, a shape or dtype mismatch, and with the finite check a NaN or Inf value (`non_finite`).
+Then every tensor is written (`write_tensor`, or the caller's `Writer`) and the bucket is reported to the
+lifecycle as one `weights_loaded` call; a write that fails part way says what it left behind (`WeightWriteError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from operator import itemgetter
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..errors import (
+    NonFiniteWeightError,
+    UnknownWeightError,
+    WeightShapeError,
+    WeightWriteError,
+    raise_unheld,
+)
+
+if TYPE_CHECKING:
+    from ..errors import LifecycleError
+    from ..machine import BackboneLifecycle
+    from .target import LoadTarget
+
+__all__ = ["BeforeWrite", "Writer", "apply_bucket", "non_finite", "non_finite_refusal", "write_and_report",
+           "write_bucket", "write_tensor"]
+
+#: Writes one validated tensor into the module: (module, name, value, device). `write_tensor` by default; a
+#: model's own per-parameter loader (sharding, conversion) can take its place.
+Writer = Callable[[nn.Module, str, torch.Tensor, "torch.device | str"], None]
+#: Called with a bucket's names after it was validated and before its first write (a rollback snapshot).
+BeforeWrite = Callable[[Sequence[str]], None]
+
+
+@torch.no_grad()
+def write_tensor(module: nn.Module, name: str, value: torch.Tensor, device: torch.device | str) -> None:
+    """Copy into the existing tensor (same storage), or materialise a META placeholder as a copy: it never shares
+    storage with `value` (a trainer may reuse its buffer; a tensor read by safetensors is a view of the file's
+    memory map, which changes if the file is rewritten in place)."""
+    path, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    is_param = leaf in owner._parameters
+    current = owner._parameters[leaf] if is_param else owner._buffers[leaf]
+    assert current is not None
+    if current.is_meta:
+        fresh = value.to(device=device, dtype=current.dtype).contiguous()
+        if fresh.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
+            fresh = fresh.clone()
+        if is_param:
+            owner._parameters[leaf] = nn.Parameter(fresh, requires_grad=False)
+        else:
+            owner._buffers[leaf] = fresh
+    else:
+        current.copy_(value)
+
+
+def non_finite(bucket: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """One line per floating-point tensor holding NaN or Inf: `name: 2 NaN, 1 Inf of 512 elements`.
+
+    >>> non_finite([("a", torch.tensor([1.0, float("nan"), float("inf")])), ("b", torch.ones(2))])
+    ['a: 1 NaN, 1 Inf of 3 elements']
+    """
+    problems = []
+    for name, t in bucket:
+        if not (t.is_floating_point() or t.is_complex()) or t.is_meta:
+            continue
+        if t.element_size() == 1:  # float8: no isfinite kernel; widening is exact
+            t = t.float()
+        finite = torch.isfinite(t)
+        if bool(finite.all()):
+            continue
+        nan = int(torch.isnan(t).sum())
+        problems.append(f"{name}: {nan} NaN, {int((~finite).sum()) - nan} Inf of {t.numel()} elements")
+    return problems
+
+
+def apply_bucket(backbone: LoadTarget, bucket: Sequence[tuple[str, torch.Tensor]],
+                 device: torch.device | str = "cpu", *, finite_check: bool = False, writer: Writer | None = None,
+                 before_write: BeforeWrite | None = None, validated: bool = False) -> list[str]:
+    """Validate a bucket of (name, tensor), write it, report it. Returns the layers it completed.
+
+    Refused before any write (audited, nothing changed): a state that allows no loading, unknown names, a shape
+    or dtype mismatch, and with `finite_check` a NaN or Inf value (`NonFiniteWeightError`). A write that fails
+    part way raises `WeightWriteError`: the tensors written before it are reported as loaded, the failing one as
+    possibly written. Thread-safe on a locked lifecycle: the bucket is written and reported under a write lease.
+    `validated=True` skips the per-tensor name/shape/dtype checks: for tensors read from a checkpoint whose
+    header `validate_index` already checked (safetensors returns exactly the header's shape and dtype), as
+    `load_safetensors` does. Whether loading is allowed now (and the finite check) happen either way.
+    """
+    bucket = bucket if type(bucket) is list else list(bucket)
+    return write_and_report(backbone, list(map(_NAME, bucket)), bucket, device, finite_check=finite_check,
+                            writer=writer, before_write=before_write, validated=validated)
+
+
+_NAME = itemgetter(0)
+
+
+def write_and_report(backbone: LoadTarget, names: list[str], bucket: list[tuple[str, torch.Tensor]],
+                     device: torch.device | str, *, finite_check: bool, writer: Writer | None,
+                     before_write: BeforeWrite | None, validated: bool) -> list[str]:
+    """`apply_bucket` with the bucket's names given (`names[i]` is `bucket[i]`'s name)."""
+    lc = backbone.lifecycle
+    lease = lc.acquire_write_lease()
+    try:
+        if not validated:
+            raise_unheld(_bucket_refusal(lc, names, bucket))
+        if finite_check:
+            raise_unheld(non_finite_refusal(lc, bucket))
+        if before_write is not None:
+            before_write(names)
+        write_bucket(backbone, names, bucket, device, writer)
+        return lc.weights_loaded(names, materialized=writer is None)  # write_tensor leaves nothing on META
+    finally:
+        lc.release_write_lease(lease)
+
+
+def _bucket_refusal(lc: BackboneLifecycle, names: list[str], bucket: list[tuple[str, torch.Tensor]]
+                    ) -> LifecycleError | None:
+    """The audited refusal of a bucket's unknown names, else of its shape or dtype mismatches; None if sound."""
+    if unknown := lc.readiness.unknown(names):
+        return lc.record_refusal("weights_loaded", UnknownWeightError(unknown, backbone=lc.name,
+                                                                      state=lc.state.value))
+    if problems := [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]:
+        return lc.record_refusal("weights_loaded", WeightShapeError(problems, backbone=lc.name,
+                                                                    state=lc.state.value))
+    return None
+
+
+def write_bucket(backbone: LoadTarget, names: list[str], bucket: list[tuple[str, torch.Tensor]],
+                 device: torch.device | str, writer: Writer | None,
+                 before_failure: Callable[[], None] | None = None) -> None:
+    """Write every tensor of a bucket (`writer`, else `write_tensor`). A write that fails part way raises
+    `WeightWriteError` (after `before_failure`): the tensors before it are reported loaded, the failing one as
+    possibly written (dirty, missing until sent again); the refusal is audited."""
+    write = writer or write_tensor
+    done = 0
+    try:
+        for name, value in bucket:
+            # a LoadTarget is an nn.Module, which a protocol cannot say
+            write(backbone, name, value, device)  # type: ignore[arg-type]
+            done += 1
+    except Exception as e:
+        if before_failure is not None:
+            before_failure()
+        lc = backbone.lifecycle
+        written = names[:done]
+        state = lc.state.value  # the error names the state the write failed in, before the report below
+        lc.mark_dirty([names[done]])
+        if written:
+            lc.weights_loaded(written, materialized=writer is None)
+        raise lc.record_refusal("weights_loaded", WeightWriteError(
+            names[done], written, len(names), e, backbone=lc.name, state=state)) from e
+
+
+def non_finite_refusal(lc: BackboneLifecycle, bucket: list[tuple[str, torch.Tensor]],
+                       before: Callable[[], None] | None = None) -> NonFiniteWeightError | None:
+    """The `finite_check` refusal of a bucket holding NaN or Inf, audited (after `before`), or None."""
+    problems = non_finite(bucket)
+    if not problems:
+        return None
+    if before is not None:
+        before()
+    return lc.record_refusal("weights_loaded", NonFiniteWeightError(problems, backbone=lc.name,
+                                                                    state=lc.state.value))
