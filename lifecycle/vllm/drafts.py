@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..errors import raise_unheld
 from .families import SHADOW
 from .owners import MODULE_OWNERS, VLLMDraftBackbone
 from .processing import guard_processing
@@ -115,13 +116,9 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         that write begins a reload epoch, audited, and starts vLLM's layerwise reload on the modules holding the
         draft's own checkpoint tensors (not on those it shares with the target, which keeps serving meanwhile).
         A call the frozen structure refused (`structure.admit`) raises here, before anything is written."""
-        refusal = self.__dict__.pop("_structure_refusal", None)
         lc = self.lifecycle
-        if refusal is not None:
-            try:
-                raise lc.record_refusal("weights_loaded", refusal)
-            finally:
-                del refusal  # see `lifecycle.errors`: a local holding the raised error keeps its frames alive
+        if "_structure_refusal" in self.__dict__:
+            raise_unheld(lc.record_refusal("weights_loaded", self.__dict__.pop("_structure_refusal")))
         if not (lc.usable or lc.quarantined):
             return
         lc.audit_event("implicit_reload", cause=IMPLICIT_CAUSE, from_state=lc.state.value)
