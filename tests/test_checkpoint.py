@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import assert_same, snapshot
+from support.reference import assert_same, snapshot
 
 from lifecycle.checkpoint import checkpoint_files, checkpoint_index, iter_buckets
 from lifecycle.errors import CheckpointError

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from reference import assert_derived_current, assert_same, snapshot
 from structlog.testing import capture_logs
+from support.reference import assert_derived_current, assert_same, snapshot
 from torch import nn
 
 from lifecycle.errors import IllegalTransitionError, LifecycleError, NonFiniteWeightError, SessionStateError

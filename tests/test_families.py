@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import (
+from structlog.testing import capture_logs
+from support.family_helpers import (
     Fam,
     L,
     S,
@@ -29,7 +30,6 @@ from family_helpers import (
     snapshot,
     specs,
 )
-from structlog.testing import capture_logs
 from torch import nn
 
 from lifecycle import (

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import FaultyDraft, Snap, assert_derived_current, assert_same, derived_names, snapshot
 from structlog.testing import capture_logs
+from support.reference import FaultyDraft, Snap, assert_derived_current, assert_same, derived_names, snapshot
 from torch import nn
 
 from lifecycle.errors import (

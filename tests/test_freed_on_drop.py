@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from family_helpers import Fam
+from support.family_helpers import Fam
 from torch import nn
 
 from lifecycle import DraftBackbone

@@ -33,8 +33,8 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
-from reference import assert_derived_current
 from structlog.testing import capture_logs
+from support.reference import assert_derived_current
 
 from lifecycle.errors import (
     IllegalTransitionError,

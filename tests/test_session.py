@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import assert_derived_current, assert_same, snapshot
 from structlog.testing import capture_logs
+from support.reference import assert_derived_current, assert_same, snapshot
 
 from lifecycle import ReloadSession
 from lifecycle.errors import IllegalTransitionError, QuarantinedError, RecoveryError, SessionStateError
