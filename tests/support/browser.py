@@ -21,8 +21,9 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def missing_chromium(path: str = CHROMIUM) -> str | None:
-    """Why Chromium cannot run from `path` (with how to install it), or None where it can."""
+def missing_chromium(path: str | None = None) -> str | None:
+    """Why Chromium cannot run from `path` (`CHROMIUM` by default), with how to install it; None where it can."""
+    path = path or CHROMIUM
     if os.access(path, os.X_OK) and Path(path).is_file():
         return None
     return (f"Chromium not found at {path}: install it with `apt-get install -y chromium` (make test does it), "

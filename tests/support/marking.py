@@ -5,13 +5,15 @@ a parameter for `request.getfixturevalue`), and, followed by name, the helpers t
 modules and `lifecycle.vllm`. A helper declared with `support.needs.needs(...)` brings its markers; an
 `import vllm...` anywhere in that code brings `vllm`. A doctest brings `vllm` when its examples import it.
 
-Names are resolved as the code's globals resolve them (and through a module it names: `plugin.register`); a call
-through an instance (`fam.cold()`) is not followed, which is why the declared helpers also check at run time.
+Names are resolved as the code's globals resolve them, through a module it names (`plugin.register`) and through a
+function-level `from support.x import helper`; a call through an instance (`fam.cold()`) or `getattr` is not
+followed, which is why the declared helpers also check, when called, that the running test has their markers.
 """
 
 from __future__ import annotations
 
 import dis
+import importlib
 import inspect
 import re
 from collections.abc import Iterator
@@ -45,12 +47,24 @@ def _codes(code: CodeType) -> Iterator[CodeType]:
             yield from _codes(const)
 
 
-def _imports_vllm(code: CodeType) -> bool:
+def _imports(code: CodeType) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """(module, names taken from it) for each import in the code (a function-level `from X import y` too)."""
     for c in _codes(code):
+        module: str | None = None
+        taken: list[str] = []
         for ins in dis.get_instructions(c):
-            if ins.opname == "IMPORT_NAME" and (ins.argval == "vllm" or str(ins.argval).startswith("vllm.")):
-                return True
-    return False
+            if ins.opname == "IMPORT_NAME":
+                if module is not None:
+                    yield module, tuple(taken)
+                module, taken = str(ins.argval), []
+            elif ins.opname == "IMPORT_FROM" and module is not None:
+                taken.append(str(ins.argval))
+        if module is not None:
+            yield module, tuple(taken)
+
+
+def _is_vllm(module: str) -> bool:
+    return module == "vllm" or module.startswith("vllm.")
 
 
 def needs_in(fn: Any, _active: set[CodeType] | None = None) -> frozenset[str]:
@@ -68,10 +82,16 @@ def needs_in(fn: Any, _active: set[CodeType] | None = None) -> frozenset[str]:
     if code in active:  # a cycle: what it needs is being found further up
         return frozenset()
     active.add(code)
-    found: set[str] = {"vllm"} if _imports_vllm(code) else set()
+    found: set[str] = set()
     names = {n for c in _codes(code) for n in c.co_names}
     scope: dict[str, Any] = getattr(fn, "__globals__", {})
     reached = [scope[n] for n in names if n in scope]
+    for module, taken in _imports(code):
+        if _is_vllm(module):
+            found.add("vllm")
+        elif _followed(module) and taken:  # `from support.x import helper` inside the function
+            imported = importlib.import_module(module)
+            reached += [getattr(imported, n) for n in taken if hasattr(imported, n)]
     reached += [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if _filled(cell)]
     for obj in reached:
         found |= _needs_of_object(obj, names, active)
@@ -94,7 +114,7 @@ def _needs_of_object(obj: Any, names: set[str], active: set[CodeType]) -> frozen
     if declared:
         return declared
     if isinstance(obj, ModuleType):
-        if obj.__name__ == "vllm" or obj.__name__.startswith("vllm."):
+        if _is_vllm(obj.__name__):
             return frozenset({"vllm"})
         if not _followed(obj.__name__):
             return frozenset()

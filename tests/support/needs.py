@@ -152,35 +152,29 @@ _FINDER = _PatchOnImport()
 def refusing_engines(nodeid: str | None) -> Iterator[None]:
     """While the block runs, every vLLM engine start in this process raises `EngineRefused` naming `nodeid`
     (None: engines allowed)."""
-    global _refusing
     before = _refusing
-    _refusing = nodeid
-    loaded = sys.modules.get(ENGINE_CLIENT)
-    if nodeid is not None:
-        if loaded is not None:
-            _patch(loaded)
-        elif _FINDER not in sys.meta_path:
-            sys.meta_path.insert(0, _FINDER)
+    _set_refusing(nodeid)
     try:
         yield
     finally:
-        _refusing = before
-        loaded = sys.modules.get(ENGINE_CLIENT)
-        if loaded is not None and _saved:
-            (_patch if before is not None else _unpatch)(loaded)
-        if before is None and _FINDER in sys.meta_path:
-            sys.meta_path.remove(_FINDER)
+        _set_refusing(before)
+
+
+def _set_refusing(nodeid: str | None) -> None:
+    global _refusing
+    _refusing = nodeid
+    loaded = sys.modules.get(ENGINE_CLIENT)
+    if loaded is not None:
+        (_patch if nodeid is not None else _unpatch)(loaded)
+    if nodeid is not None and loaded is None and _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+    elif nodeid is None and _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
 
 
 def refuse_engines() -> None:
     """In a scenario process: if the test that started it is not marked `engine` (`NO_ENGINE_ENV`), every vLLM
     engine start in this process raises for the rest of its life."""
-    global _refusing
     nodeid = os.environ.get(NO_ENGINE_ENV)
     if nodeid:
-        _refusing = nodeid
-        loaded = sys.modules.get(ENGINE_CLIENT)
-        if loaded is not None:
-            _patch(loaded)
-        elif _FINDER not in sys.meta_path:
-            sys.meta_path.insert(0, _FINDER)
+        _set_refusing(nodeid)
