@@ -1,9 +1,7 @@
-"""Test and benchmark helpers: a cold load and a reload in one call each (`cold_load`, `reload`: what a test of
-one's own backbone does before what it checks), random checkpoints for any backbone (`random_checkpoint`), and
-large, valid audit logs from a recorded one (`repeat_reloads`): the benchmarks' and the tests' way to get a million
-real events.
-
-Importing this module costs torch and nothing of the loader: `cold_load` and `reload` import it when called.
+"""Test and benchmark helpers: random checkpoints for any backbone (`random_checkpoint`), and large, valid audit
+logs from a recorded one (`repeat_reloads`): the benchmarks' and the tests' way to get a million real events.
+And a cold load and a reload in one call each (`cold_load`, `reload`): what a test of one's own backbone does
+before what it checks. Importing this module costs torch and nothing of the loader: those two import it when called.
 
 A real lifecycle is recorded once (cold load in epoch 0, then one reload in epoch 1); `repeat_reloads` writes
 the cold load once and the reload again and again, as epochs 1, 2, 3, ..., renumbering `seq` and moving
@@ -21,7 +19,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -121,7 +119,8 @@ def cold_load(backbone: BackboneT | Callable[[], BackboneT], checkpoint: Checkpo
     from .backbone import DraftBackbone
     from .loading import load_safetensors
 
-    model = backbone if isinstance(backbone, DraftBackbone) else backbone()
+    # a backbone is callable too (an nn.Module): tell the two apart by type; the cast keeps the caller's class
+    model = cast("BackboneT", backbone) if isinstance(backbone, DraftBackbone) else backbone()
     load_safetensors(model, checkpoint, **load)
     model.finalize_loading()
     if refresh:

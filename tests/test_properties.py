@@ -493,6 +493,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, dic
     return out
 
 
+@pytest.mark.slow  # about 15-25 s on two cores (the ci profile's 300 runs)
 def test_lifecycle_state_machine(ckpts: dict[int, tuple[Path, dict[str, torch.Tensor]]]) -> None:
     DraftLifecycleMachine.ckpts = ckpts
     STATS.clear()

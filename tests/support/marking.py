@@ -3,7 +3,8 @@
 A test needs what the code it runs needs: its own function, every fixture in its closure (and a fixture it names by
 a parameter for `request.getfixturevalue`), and, followed by name, the helpers these call in `support`, the test
 modules and `lifecycle.vllm`. A helper declared with `support.needs.needs(...)` brings its markers; an
-`import vllm...` anywhere in that code brings `vllm`. A doctest brings `vllm` when its examples import it.
+`import vllm...` or a `find_spec("vllm")` (reading the installed vLLM's files) anywhere in that code brings
+`vllm`. A doctest brings `vllm` when its examples import it.
 
 Names are resolved as the code's globals resolve them, through a module it names (`plugin.register`) and through a
 function-level `from support.x import helper`; a call through an instance (`fam.cold()`) or `getattr` is not
@@ -67,6 +68,11 @@ def _is_vllm(module: str) -> bool:
     return module == "vllm" or module.startswith("vllm.")
 
 
+def _finds_vllm(code: CodeType) -> bool:
+    """`importlib.util.find_spec("vllm")`: reading the installed vLLM's files needs it installed, not imported."""
+    return any("find_spec" in c.co_names and "vllm" in c.co_consts for c in _codes(code))
+
+
 def needs_in(fn: Any, _active: set[CodeType] | None = None) -> frozenset[str]:
     """The markers calling `fn` needs: what it declares, or what its code and the helpers it names need."""
     declared = needs_of(fn)
@@ -86,12 +92,14 @@ def needs_in(fn: Any, _active: set[CodeType] | None = None) -> frozenset[str]:
     names = {n for c in _codes(code) for n in c.co_names}
     scope: dict[str, Any] = getattr(fn, "__globals__", {})
     reached = [scope[n] for n in names if n in scope]
+    if _finds_vllm(code):
+        found.add("vllm")
     for module, taken in _imports(code):
         if _is_vllm(module):
             found.add("vllm")
-        elif _followed(module) and taken:  # `from support.x import helper` inside the function
+        elif _followed(module):  # a function-level `from support.x import helper`, `import lifecycle.vllm.y as y`
             imported = importlib.import_module(module)
-            reached += [getattr(imported, n) for n in taken if hasattr(imported, n)]
+            reached += [imported, *(getattr(imported, n) for n in taken if hasattr(imported, n))]
     reached += [cell.cell_contents for cell in getattr(fn, "__closure__", None) or () if _filled(cell)]
     for obj in reached:
         found |= _needs_of_object(obj, names, active)

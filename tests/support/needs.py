@@ -11,8 +11,11 @@ refuses) and not in a scenario process it starts (`RELOAD_LIFECYCLE_TESTS_NO_ENG
 >>> @needs("browser")
 ... def render() -> str:
 ...     return "rendered"
->>> sorted(needs_of(render)), render()  # no test is running: nothing to check
-(['browser', 'slow'], 'rendered')
+>>> sorted(needs_of(render))
+['browser', 'slow']
+>>> with running_test("tests/test_page.py::test_renders", ["browser", "slow"]):
+...     render()
+'rendered'
 """
 
 from __future__ import annotations
