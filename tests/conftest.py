@@ -46,7 +46,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     left_out = [i for i in items if any(i.get_closest_marker(m) for m in OPT_IN if m not in named)]
     if left_out:
         config.hook.pytest_deselected(items=left_out)
-        items[:] = [i for i in items if i not in left_out]
+        gone = set(map(id, left_out))
+        items[:] = [i for i in items if id(i) not in gone]
 
 
 @pytest.hookimpl(wrapper=True)

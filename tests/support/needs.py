@@ -6,7 +6,7 @@ A helper that starts a vLLM engine, runs vLLM in a child process or renders in C
 `-m "not engine and not browser"` leaves those tests out. The decorated helper checks, when called, that the
 running test carries the markers (a test that reached it by a path the marking did not see fails, naming the
 marker), and a test not marked `engine` cannot start an engine anywhere: not here (vLLM's engine-core client
-refuses) and not in a scenario process it starts (`RELOAD_LIFECYCLE_TESTS_NO_ENGINE`, read by `refuse_engines`).
+refuses) and not in a scenario process it starts (`LIFECYCLE_TEST_NO_ENGINE`, read by `refuse_engines`).
 
 >>> @needs("browser")
 ... def render() -> str:
@@ -38,7 +38,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: marker -> what it implies: a helper that starts an engine imports vLLM and takes seconds
 IMPLIES = {"engine": {"vllm", "slow"}, "browser": {"slow"}, "vllm": set(), "slow": set()}
 #: set in a scenario process a test not marked `engine` started: the test's id
-NO_ENGINE_ENV = "RELOAD_LIFECYCLE_TESTS_NO_ENGINE"
+NO_ENGINE_ENV = "LIFECYCLE_TEST_NO_ENGINE"
 ENGINE_CLIENT = "vllm.v1.engine.core_client"  # every engine (LLM, AsyncLLM, `vllm serve`) gets its core here
 
 _ATTR = "__test_needs__"
