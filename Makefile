@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 RAY_STAMP := $(VENV)/.ray-installed
 
-.PHONY: venv venv-vllm venv-ray demo demo-vllm test test-ray compat lint bench clean
+.PHONY: venv venv-vllm venv-ray demo demo-vllm test test-quick test-ray compat lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,8 +49,16 @@ $(CHROMIUM):
 	apt-get update
 	DEBIAN_FRONTEND=noninteractive apt-get install -y chromium
 
+# The whole suite (what CI runs). Markers (tests/conftest.py adds them by what each test uses): engine, vllm,
+# browser, slow; `compat` and `ray` tests run only in their own targets below.
 test: $(VLLM_STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest
+
+# The quick core run: no vLLM engine, no Chromium (vLLM's in-process tests stay in). PYTEST_ARGS for more, e.g.
+#   make test-quick PYTEST_ARGS="-x -k session"
+PYTEST_ARGS ?=
+test-quick: $(VLLM_STAMP)
+	$(BIN)/python -m pytest -m "not engine and not browser" $(PYTEST_ARGS)
 
 # vLLM 0.33.0 by its sources: every name the plugin relies on must exist in the release wheel (fetched once with
 # `pip download --no-deps` into .cache/vllm-wheels/, about 340 MB; it is CUDA-only, so it is read, not run).

@@ -2,7 +2,7 @@
 
     python -m benchmarks.shadow_memory [--quick] [--json PATH]
 
-In-process (vLLM's own classes and loader under a CPU VllmConfig, `tests/vllm_inprocess.py`), per family with a
+In-process (vLLM's own classes and loader under a CPU VllmConfig, `tests/support/vllm_inprocess.py`), per family with a
 K/V shadow and per weight layout (`cpu`: vLLM's CPU repack empties the attention weight; `gpu`: it keeps it, as
 on CUDA, simulated), a tiny draft is cold-loaded twice: by stock vLLM's class and by the plugin's. Counted, not
 timed: the bytes of the distinct storages behind every parameter, buffer and tensor the family's builders set
@@ -47,7 +47,7 @@ def fused_kv_bytes(model: Any, fam: str) -> int:
 
 
 def measure(fam: str, layout: str, work: Path) -> dict[str, Any]:
-    from vllm_inprocess import CASES, build, gpu_weight_layout, make_draft, memory
+    from support.vllm_inprocess import CASES, build, gpu_weight_layout, make_draft, memory
 
     case = CASES[fam].with_structure()
     folder = work / fam
@@ -68,7 +68,7 @@ def measure(fam: str, layout: str, work: Path) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = common.parser(NAME, __doc__.splitlines()[0], repeats=1).parse_args(argv)
     common.setup_run(args, default_repeats=1)
-    from vllm_inprocess import setup
+    from support.vllm_inprocess import setup
 
     from lifecycle.vllm.tiny import make_target
 

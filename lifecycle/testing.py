@@ -1,5 +1,7 @@
 """Test and benchmark helpers: random checkpoints for any backbone (`random_checkpoint`), and large, valid audit
 logs from a recorded one (`repeat_reloads`): the benchmarks' and the tests' way to get a million real events.
+And a cold load and a reload in one call each (`cold_load`, `reload`): what a test of one's own backbone does
+before what it checks. Importing this module costs torch and nothing of the loader: those two import it when called.
 
 A real lifecycle is recorded once (cold load in epoch 0, then one reload in epoch 1); `repeat_reloads` writes
 the cold load once and the reload again and again, as epochs 1, 2, 3, ..., renumbering `seq` and moving
@@ -14,17 +16,26 @@ timestamps forward. Every line has the shape the machine wrote; only epoch, seq,
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
 
 from .events import TS_FORMAT
 
-__all__ = ["random_checkpoint", "repeat_reloads", "write_synthetic"]
+if TYPE_CHECKING:
+    from .backbone import DraftBackbone
+
+__all__ = ["cold_load", "random_checkpoint", "reload", "repeat_reloads", "write_synthetic"]
+
+BackboneT = TypeVar("BackboneT", bound="DraftBackbone")
+#: one checkpoint file or several (what `load_safetensors` reads)
+Checkpoint = str | Path | Sequence[str | Path]
+#: the tensors a reload writes: names, or a test on each name (what `load_safetensors` takes as `subset`)
+Subset = Iterable[str] | Callable[[str], bool] | None
 
 _EPOCH, _SEQ, _TS = -1_234_567_001, -1_234_567_002, "@@ts@@"
 
@@ -83,3 +94,73 @@ def random_checkpoint(model: nn.Module, seed: int, dtype: torch.dtype = torch.fl
             value = torch.randn(t.shape, generator=gen) / max(t.shape[-1], 1) ** 0.5 if t.dim() else torch.randn(())
         out[name] = value.to(t.dtype if t.dtype.is_floating_point else dtype).contiguous()
     return out
+
+
+def cold_load(backbone: BackboneT | Callable[[], BackboneT], checkpoint: Checkpoint, *, refresh: bool = True,
+              capture_graphs: bool = False, **load: Any) -> BackboneT:
+    """The first load of a backbone: `load_safetensors(backbone, checkpoint, **load)`, `finalize_loading()`,
+    then (`refresh`) `refresh_derived_buffers()`, which leaves it DERIVED_REFRESHED, and (`capture_graphs`)
+    `capture_graphs()`: GRAPH_CAPTURED. `backbone` is a backbone (on META or not) or what builds one (a class that
+    needs no argument, a `functools.partial`, a family's `build`). `load` takes any option of `load_safetensors`
+    (`bucket_by`, `shuffle`, `subset`, `device`, ...). Returns the backbone.
+
+    >>> import tempfile
+    >>> from lifecycle import write_checkpoint
+    >>> from lifecycle.events import configure_audit; _ = configure_audit(console=False)
+    >>> from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+    >>> cfg = DFlashConfig(num_hidden_layers=2)
+    >>> a = write_checkpoint(random_weights(cfg, seed=0), tempfile.mkdtemp() + "/a.safetensors")
+    >>> draft = cold_load(DFlashQwen3Draft(cfg, device="meta"), a)
+    >>> draft.lifecycle.state.value, draft.lifecycle.epoch
+    ('DERIVED_REFRESHED', 0)
+    >>> cold_load(lambda: DFlashQwen3Draft(cfg), a, capture_graphs=True).lifecycle.state.value
+    'GRAPH_CAPTURED'
+    """
+    from .backbone import DraftBackbone
+    from .loading import load_safetensors
+
+    # a backbone is callable too (an nn.Module): tell the two apart by type; the cast keeps the caller's class
+    model = cast("BackboneT", backbone) if isinstance(backbone, DraftBackbone) else backbone()
+    load_safetensors(model, checkpoint, **load)
+    model.finalize_loading()
+    if refresh:
+        model.refresh_derived_buffers()
+    if capture_graphs:
+        model.capture_graphs()
+    return model
+
+
+def reload(backbone: DraftBackbone, checkpoint: Checkpoint, *, subset: Subset = None,
+           keep_untouched: bool | None = None, refresh: bool = True, full: bool = False, rebuild: bool = False,
+           **load: Any) -> list[str]:
+    """A reload in one call: `begin_reload()`, `load_safetensors(backbone, checkpoint, subset=subset, **load)`,
+    `finalize_loading(keep_untouched=...)` and (`refresh`) `refresh_derived_buffers(full=full, rebuild=rebuild)`.
+    `keep_untouched` defaults to whether a `subset` was given: a selective reload keeps the layers it did not
+    write. Without `refresh` the backbone stays FINALIZED (what a test checks between the two). `load` takes any
+    other option of `load_safetensors` (`bucket_by`, `shuffle`, `seed`, `device`, `writer`, ...). Returns the
+    names of the post-load hooks `finalize_loading` ran.
+
+    >>> import tempfile
+    >>> from lifecycle import write_checkpoint
+    >>> from lifecycle.events import configure_audit; _ = configure_audit(console=False)
+    >>> from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+    >>> cfg, folder = DFlashConfig(num_hidden_layers=2), tempfile.mkdtemp()
+    >>> a = write_checkpoint(random_weights(cfg, seed=0), folder + "/a.safetensors")
+    >>> b = write_checkpoint(random_weights(cfg, seed=1), folder + "/b.safetensors")
+    >>> draft = cold_load(DFlashQwen3Draft(cfg), a, capture_graphs=True)
+    >>> reload(draft, b, bucket_by=3, shuffle=True)
+    []
+    >>> draft.lifecycle.state.value, draft.lifecycle.epoch  # refreshed in place under the captured graphs
+    ('GRAPH_CAPTURED', 1)
+    >>> _ = reload(draft, a, subset=lambda name: name.startswith("layers.1."), refresh=False)
+    >>> draft.lifecycle.state.value
+    'FINALIZED'
+    """
+    from .loading import load_safetensors
+
+    backbone.begin_reload()
+    load_safetensors(backbone, checkpoint, subset=subset, **load)
+    hooks = backbone.finalize_loading(keep_untouched=subset is not None if keep_untouched is None else keep_untouched)
+    if refresh:
+        backbone.refresh_derived_buffers(full=full, rebuild=rebuild)
+    return hooks

@@ -1,19 +1,61 @@
-"""Shared fixtures: a quiet audit configuration, a tiny DFlash config, two checkpoints and a loaded model."""
+"""Shared fixtures (a quiet audit configuration, a tiny DFlash config, two checkpoints and a loaded model) and the
+markers every test gets by what it uses.
+
+Markers (pyproject.toml registers them): `engine` (starts a vLLM engine), `vllm` (imports vLLM, here or in a process
+it starts), `browser` (renders in headless Chromium), `slow` (over about 5 s alone on two cores: every engine or
+browser test, vLLM's in-process runs, and the tests marked so where they are defined), `compat`, `ray`. They are
+added at collection from what each test reaches (`support/marking.py`); the helpers say what they need
+(`support.needs.needs`). While a test runs, a helper it reaches checks the test carries the markers, and a vLLM
+engine started by a test not marked `engine`, here or in a scenario process, raises. The quick core run:
+    pytest -m "not engine and not browser"          (make test-quick)
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from support.marking import markers_for
+from support.needs import running_test
+from support.scenarios import debug_level, mixed_backbones, multi_rank
+from support.vllm_basic_scenarios import run_scenario
 
 from lifecycle.events import configure_audit
-from lifecycle.loading import load_safetensors, write_checkpoint
+from lifecycle.loading import write_checkpoint
+from lifecycle.testing import cold_load
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
 # Tiny tensors gain nothing from intra-op threads, and on a shared machine OpenMP's barriers cost tens of ms per
 # op (a 4x8x32 attention: ~30 ms with 2 threads under load, ~0.03 ms with 1). Results do not depend on it.
 torch.set_num_threads(1)
+
+
+#: markers whose tests run only where -m names them (`make compat`, `make test-ray`)
+OPT_IN = ("compat", "ray")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the markers added here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        present = {m.name for m in item.iter_markers()}
+        for name in sorted(markers_for(item) - present):
+            item.add_marker(name)
+    named = set(re.findall(r"\w+", config.getoption("markexpr") or ""))
+    left_out = [i for i in items if any(i.get_closest_marker(m) for m in OPT_IN if m not in named)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        gone = set(map(id, left_out))
+        items[:] = [i for i in items if id(i) not in gone]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    # around setup, call and teardown (a module's fixtures start in its first test's setup): the declared helpers
+    # check against this test's markers, and no vLLM engine starts unless it is marked `engine`
+    with running_test(item.nodeid, [m.name for m in item.iter_markers()]):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)
@@ -42,20 +84,15 @@ def ckpt_b(tiny_cfg: DFlashConfig, tmp_path: Path) -> Path:
 @pytest.fixture
 def loaded(tiny_cfg: DFlashConfig, ckpt_a: Path) -> DFlashQwen3Draft:
     """A DFlash draft cold-loaded from checkpoint A, finalized and refreshed (state DERIVED_REFRESHED)."""
-    model = DFlashQwen3Draft(tiny_cfg)
-    load_safetensors(model, ckpt_a)
-    model.finalize_loading()
-    model.refresh_derived_buffers()
-    return model
+    return cold_load(DFlashQwen3Draft(tiny_cfg), ckpt_a)
 
 
 @pytest.fixture(scope="session")
 def real_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder of audit logs written by real lifecycles (tests/scenarios.py): three ranks of one backbone in
+    """A folder of audit logs written by real lifecycles (tests/support/scenarios.py): three ranks of one backbone in
     three files (cold load, capture, two bucketed reloads with a refused early refresh), several backbones in
     one file (refusals, abort and recovery, a quarantined end, release and rebuild, a selective reload) and a
     debug-level log. Tests copy it before editing it."""
-    from scenarios import debug_level, mixed_backbones, multi_rank
 
     root = tmp_path_factory.mktemp("real-logs")
     cfg = DFlashConfig(num_hidden_layers=3)
@@ -88,8 +125,6 @@ def vllm_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def cold_b(vllm_workdir: Path) -> dict:
     """A cold engine on draft B: what every reload to B is compared with."""
-    from vllm_basic_scenarios import run_scenario
-
     return run_scenario("cold", vllm_workdir)
 
 
@@ -112,4 +147,4 @@ settings.register_profile("dev", max_examples=20, stateful_step_count=20, deadli
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-from vllm_runs import vllm_work  # noqa: E402, F401  (session fixture: vLLM checkpoints and in-process runs)
+from support.vllm_runs import vllm_work  # noqa: E402, F401  (session fixture: vLLM checkpoints and in-process runs)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lifecycle import LifecycleState
-from lifecycle.loading import load_safetensors
 from lifecycle.storage import count_allocations
+from lifecycle.testing import cold_load, reload
 from models.qwen3_dflash import DFlashQwen3Draft
 
 S = LifecycleState
@@ -26,19 +26,13 @@ def smallest_sliced_buffer(model: DFlashQwen3Draft) -> int:
     return min(nbytes(model._fused_kv_weight), nbytes(model._k_norm_weights))
 
 
-def reload(model: DFlashQwen3Draft, path, **kw) -> None:
-    model.begin_reload()
-    load_safetensors(model, path, **kw)
-    model.finalize_loading(keep_untouched="subset" in kw)
-
-
 @pytest.mark.parametrize("graphs", [False, True], ids=["no-graphs", "graphs-captured"])
 @pytest.mark.parametrize("full", [False, True], ids=["selective", "full"])
 def test_in_place_refresh_allocates_nothing_buffer_sized(loaded, ckpt_b, graphs, full):
     if graphs:
         loaded.capture_graphs()
     buf_bytes = nbytes(loaded._fused_kv_weight)
-    reload(loaded, ckpt_b, bucket_by=2, shuffle=True)
+    reload(loaded, ckpt_b, bucket_by=2, shuffle=True, refresh=False)
     with count_allocations() as log:
         report = loaded.refresh_derived_buffers(full=full)
     assert report["_fused_kv_weight"].mode == "in_place"
@@ -50,7 +44,7 @@ def test_in_place_refresh_allocates_nothing_buffer_sized(loaded, ckpt_b, graphs,
 
 
 def test_selective_refresh_allocates_nothing_buffer_sized(loaded, ckpt_b):
-    reload(loaded, ckpt_b, subset=lambda n: n.startswith("layers.1."))
+    reload(loaded, ckpt_b, subset=lambda n: n.startswith("layers.1."), refresh=False)
     with count_allocations() as log:
         report = loaded.refresh_derived_buffers()
     assert report["_fused_kv_weight"].slices_written == 1
@@ -60,9 +54,7 @@ def test_selective_refresh_allocates_nothing_buffer_sized(loaded, ckpt_b):
 
 def test_cold_build_allocates_and_the_counter_sees_it(tiny_cfg, ckpt_a):
     """The positive control: the first build allocates the buffers, and the counter records it."""
-    model = DFlashQwen3Draft(tiny_cfg)
-    load_safetensors(model, ckpt_a)
-    model.finalize_loading()
+    model = cold_load(DFlashQwen3Draft(tiny_cfg), ckpt_a, refresh=False)
     with count_allocations() as log:
         report = model.refresh_derived_buffers()
     assert report["_fused_kv_weight"].mode == "cold"
@@ -79,7 +71,7 @@ def test_explicit_rebuild_allocates_new_storage(loaded, ckpt_b):
     """rebuild=True (no graphs captured) is a cold build: new storage, and the counter sees it."""
     old_ptr = loaded._fused_kv_weight.data_ptr()
     old = loaded._fused_kv_weight  # keep it alive so the new one cannot reuse its address
-    reload(loaded, ckpt_b)
+    reload(loaded, ckpt_b, refresh=False)
     with count_allocations() as log:
         report = loaded.refresh_derived_buffers(rebuild=True)
     assert report["_fused_kv_weight"].mode == "cold"

@@ -17,21 +17,15 @@ from lifecycle.errors import IllegalTransitionError, LayersNotReadyError, Storag
 from lifecycle.events import LIST_CAP, SCHEMA_VERSION, STR_CAP, configure_audit, emit, read_events
 from lifecycle.loading import load_safetensors
 from lifecycle.states import LifecycleState, possible_destinations
+from lifecycle.testing import cold_load, reload
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 S = LifecycleState
 
 
 def _cold_and_reload(cfg: DFlashConfig, a: Path, b: Path) -> DFlashQwen3Draft:
-    m = DFlashQwen3Draft(cfg, name="draft-r3", rank=3)
-    load_safetensors(m, a)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
-    m.capture_graphs()
-    m.begin_reload()
-    load_safetensors(m, b, bucket_by=3, shuffle=True, seed=7)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
+    m = cold_load(DFlashQwen3Draft(cfg, name="draft-r3", rank=3), a, capture_graphs=True)
+    reload(m, b, bucket_by=3, shuffle=True, seed=7)
     return m
 
 
@@ -211,10 +205,7 @@ def test_capped_lists_always_say_how_many_were_left_out(ckpt_a: Path) -> None:
 
     ckpt = write_checkpoint(random_weights(cfg, 0), ckpt_a.parent / "big.safetensors")
     with capture_logs() as logs:
-        load_safetensors(m, ckpt)
-        m.finalize_loading()
-        m.refresh_derived_buffers()
-        m.capture_graphs()
+        cold_load(m, ckpt, capture_graphs=True)
         m.begin_reload()
         m.abort_reload("test")  # every tensor missing
         m.begin_reload()

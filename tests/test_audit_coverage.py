@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from scenarios import read_lines, write_lines
+from support.scenarios import read_lines, write_lines
 
 from lifecycle.audit.replay import Auditor, audit_logs
 from lifecycle.audit.report import write_report

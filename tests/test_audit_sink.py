@@ -30,6 +30,7 @@ from lifecycle.events import (
     sink_failures,
 )
 from lifecycle.loading import load_safetensors
+from lifecycle.testing import cold_load
 from lifecycle.vllm import plugin
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
@@ -176,9 +177,7 @@ def test_a_console_stream_that_fails_is_counted_not_raised(tiny_cfg: DFlashConfi
     configure_audit(console=True, stream=stream)
     stream.close()  # the terminal went away
     before = sink_failures()
-    m = DFlashQwen3Draft(tiny_cfg, name="tty")
-    load_safetensors(m, ckpt_a)
-    m.finalize_loading()
+    m = cold_load(DFlashQwen3Draft(tiny_cfg, name="tty"), ckpt_a, refresh=False)
     assert m.lifecycle.can("refresh_derived") and sink_failures() > before
     assert capfd.readouterr().err.count("reload-lifecycle: audit output") == 1
 
@@ -240,8 +239,7 @@ def test_the_plugin_leaves_the_hosts_structlog_alone(tiny_cfg: DFlashConfig, ckp
             assert structlog.get_config() == config  # the same processors, factory, wrapper: nothing replaced
             m = DFlashQwen3Draft(tiny_cfg, name=f"plugin-{audit_dir is not None}")
             host.info("host_request", path="/v1/completions")
-            load_safetensors(m, ckpt_a)
-            m.finalize_loading()
+            cold_load(m, ckpt_a, refresh=False)
             host.warning("host_done")
         configure_audit(console=False)
         lines = [json.loads(line) for line in host_out.getvalue().splitlines()]

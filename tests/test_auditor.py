@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scenarios import bucketed_reload, cold_load, index_of, logging_to, read_lines, write_lines
+from support.scenarios import bucketed_reload, index_of, logging_to, read_lines, write_lines
 
 from lifecycle.audit.logstream import LogEvent, read_stream
 from lifecycle.audit.replay import (
@@ -36,7 +36,7 @@ from lifecycle.states import (
     Transition,
     possible_destinations,
 )
-from lifecycle.testing import write_synthetic
+from lifecycle.testing import cold_load, reload, write_synthetic
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 S = LifecycleState
@@ -109,8 +109,7 @@ def test_a_restarted_lifecycle_under_the_same_rank_and_name_is_a_new_replay(
     log = tmp_path / "restart.jsonl"
     for _ in range(2):  # the worker restarts and appends to the same log
         with logging_to(log):
-            m = DFlashQwen3Draft(tiny_cfg, name="draft", rank=0)
-            cold_load(m, ckpt_a)
+            m = cold_load(DFlashQwen3Draft(tiny_cfg, name="draft", rank=0), ckpt_a, capture_graphs=True)
             bucketed_reload(m, ckpt_b)
     result = audit_logs([log])
     assert result.status == 0, result.violations
@@ -284,13 +283,8 @@ def test_a_real_reload_abandoned_for_the_next_one_is_a_warning_in_every_view(
     audit is clean (exit 0) and says so with one warning, in text, JSON and the report."""
     log = tmp_path / "abandoned.jsonl"
     with logging_to(log):
-        m = DFlashQwen3Draft(tiny_cfg, name="draft")
-        cold_load(m, ckpt_a)
-        m.begin_reload()
-        from lifecycle.loading import load_safetensors
-
-        load_safetensors(m, ckpt_b)
-        m.finalize_loading()
+        m = cold_load(DFlashQwen3Draft(tiny_cfg, name="draft"), ckpt_a, capture_graphs=True)
+        reload(m, ckpt_b, refresh=False)
         bucketed_reload(m, ckpt_a)  # begin_reload again, from FULLY_LOADED
     result = audit_logs([log])
     assert result.status == 0 and kinds(result) == set()

@@ -24,7 +24,7 @@ from lifecycle import (
 from lifecycle.audit.replay import audit_logs
 from lifecycle.derived.backing import is_view_of
 from lifecycle.storage import count_allocations
-from lifecycle.testing import random_checkpoint
+from lifecycle.testing import cold_load, random_checkpoint, reload
 
 S = LifecycleState
 L, HIDDEN, KV = 3, 16, 8
@@ -81,16 +81,9 @@ def ckpts(tmp_path: Path) -> tuple[Path, Path, dict, dict]:
     return write_checkpoint(a, tmp_path / "a.safetensors"), write_checkpoint(b, tmp_path / "b.safetensors"), a, b
 
 
-def cold(path: Path, **kw: object) -> KVDraft:
-    m = KVDraft(**kw)  # type: ignore[arg-type]
-    load_safetensors(m, path)
-    m.finalize_loading()
-    return m
-
-
 def test_the_cold_build_makes_every_source_a_view_of_its_place_and_memory_one_copy(ckpts) -> None:
     a, _, weights, _ = ckpts
-    backed, plain = cold(a), cold(a, backed=False)
+    backed, plain = cold_load(KVDraft(), a, refresh=False), cold_load(KVDraft(backed=False), a, refresh=False)
     objects = sources_of(backed)
     report = backed.refresh_derived_buffers()
     plain.refresh_derived_buffers()
@@ -112,9 +105,7 @@ def test_the_cold_build_makes_every_source_a_view_of_its_place_and_memory_one_co
 
 def test_a_reload_writes_the_buffer_as_it_loads_and_the_refresh_writes_nothing(ckpts) -> None:
     a, b, _, wb = ckpts
-    m = cold(a)
-    m.refresh_derived_buffers()
-    m.capture_graphs()
+    m = cold_load(KVDraft(), a, capture_graphs=True)
     ptrs = (m._kv.data_ptr(), m._k_norms.data_ptr())
     m.begin_reload()
     load_safetensors(m, b, bucket_by=2, shuffle=True)
@@ -128,8 +119,7 @@ def test_a_reload_writes_the_buffer_as_it_loads_and_the_refresh_writes_nothing(c
         "_kv": ("backed", 0, 0, 0), "_k_norms": ("backed", 0, 0, 0)}
     assert log.storages_created == 0 and report.bytes_allocated == report.temporaries == 0
     assert (m._kv.data_ptr(), m._k_norms.data_ptr()) == ptrs
-    oracle = cold(b, backed=False)
-    oracle.refresh_derived_buffers()
+    oracle = cold_load(KVDraft(backed=False), b)
     assert torch.equal(m._kv, oracle._kv) and torch.equal(m._k_norms, oracle._k_norms)
 
 
@@ -145,8 +135,7 @@ def replace(m: KVDraft, i: int, proj: str, value: torch.Tensor) -> None:
 
 def test_a_replaced_source_is_copied_in_and_made_a_view_again_but_refused_as_drift_under_graphs(ckpts) -> None:
     a, *_ = ckpts
-    m = cold(a)
-    m.refresh_derived_buffers()
+    m = cold_load(KVDraft(), a)
     new = torch.full((KV, HIDDEN), 3.0)
     replace(m, 1, "v_proj", new)
     report = m.refresh_derived_buffers()
@@ -164,9 +153,7 @@ def test_a_replaced_source_is_copied_in_and_made_a_view_again_but_refused_as_dri
 
 def test_rollback_restores_the_buffer_with_the_weights_and_recover_returns(ckpts) -> None:
     a, _, _, wb = ckpts
-    m = cold(a)
-    m.refresh_derived_buffers()
-    m.capture_graphs()
+    m = cold_load(KVDraft(), a, capture_graphs=True)
     kv, norms = m._kv.clone(), m._k_norms.clone()
     with m.reload_session(rollback=True) as s:
         s.apply({"layers.1.k_proj.weight": wb["layers.1.k_proj.weight"], "layers.0.k_norm.weight":
@@ -181,8 +168,7 @@ def test_rollback_restores_the_buffer_with_the_weights_and_recover_returns(ckpts
 
 def test_rebuild_after_release_moves_the_sources_to_the_new_buffer(ckpts) -> None:
     a, *_ = ckpts
-    m = cold(a)
-    m.refresh_derived_buffers()
+    m = cold_load(KVDraft(), a)
     old = m._kv.data_ptr()
     m.begin_reload()
     m.finalize_loading(keep_untouched=True)
@@ -195,7 +181,7 @@ def test_declarations_that_cannot_be_backed_are_refused_with_the_reason(ckpts) -
     a, *_ = ckpts
     slice_of_a_source = (concat("_k_rows", sources=("q_proj.weight",), backed=True,
                                 per_layer=lambda layer: layer.q_proj.weight[:KV]),)
-    m = cold(a, specs=slice_of_a_source)
+    m = cold_load(KVDraft(specs=slice_of_a_source), a, refresh=False)
     with pytest.raises(SourceLayoutError, match=r"layers\.0: part 0 is not one of the layer.s sources "
                                                 r"\(q_proj\.weight\) as a whole"):
         m.refresh_derived_buffers()
@@ -215,17 +201,12 @@ def test_a_backed_model_saves_a_checkpoint_and_its_logs_audit_clean(ckpts, tmp_p
     log = tmp_path / "audit.jsonl"
     configure_audit(json_path=log, console=False)
     try:
-        m = cold(a)
-        m.refresh_derived_buffers()
-        m.capture_graphs()
-        m.begin_reload()
-        load_safetensors(m, b)
-        m.finalize_loading()
-        m.refresh_derived_buffers()
+        m = cold_load(KVDraft(), a, capture_graphs=True)
+        reload(m, b)
     finally:
         configure_audit(console=False)
     result = audit_logs([log])
     assert result.status == 0, [v.detail for v in result.violations]
     saved = write_checkpoint(dict(m.state_dict()), tmp_path / "saved.safetensors")  # views of one storage
-    again = cold(saved, backed=False)
+    again = cold_load(KVDraft(backed=False), saved, refresh=False)
     assert all(torch.equal(again.get_parameter(n), p) for n, p in m.named_parameters())

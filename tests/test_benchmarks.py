@@ -46,6 +46,7 @@ def run_quick(module: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], *
     return out, data
 
 
+@pytest.mark.slow  # the tracking benchmark's quick sizes: over 10 s
 def test_tracking_overhead_quick(tmp_path, capsys):
     out, data = run_quick(tracking_overhead, tmp_path, capsys)
     assert "baseline ms" in out and "lifecycle ms" in out and "per-event costs" in out
@@ -256,6 +257,7 @@ def test_pinned_replayer_reads_captured_objects_and_restores_the_live_ones():
 # ---- as a command, in a fresh process ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a fresh process each: about 8 s
 @pytest.mark.parametrize("how", ["file", "module"])
 def test_scripts_run_as_commands(tmp_path, how):
     """`python benchmarks/NAME.py` and `python -m benchmarks.NAME` both work from the repository root."""
@@ -267,6 +269,8 @@ def test_scripts_run_as_commands(tmp_path, how):
     assert "RESULT: all checks passed" in proc.stdout
 
 
+@pytest.mark.vllm  # the benchmark's process runs vLLM's in-process harness (no engine)
+@pytest.mark.slow
 def test_shadow_memory_quick_counts_no_byte_over_stock_vllm(tmp_path):
     """In a fresh process (it starts vLLM's in-process harness): every family and layout measured holds stock
     vLLM's bytes, with the shadows as views of the fused buffer on CPU and none in the GPU layout, where main held

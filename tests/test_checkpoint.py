@@ -20,13 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import assert_same, snapshot
+from support.reference import assert_same, snapshot
 
 from lifecycle.checkpoint import checkpoint_files, checkpoint_index, iter_buckets
 from lifecycle.errors import CheckpointError
-from lifecycle.loading import load_safetensors, plan_buckets, write_checkpoint
+from lifecycle.loading import plan_buckets, write_checkpoint
 from lifecycle.readiness import layer_of
 from lifecycle.states import LifecycleState
+from lifecycle.testing import cold_load
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
 S = LifecycleState
@@ -88,10 +89,7 @@ def test_a_checkpoint_changed_during_a_load_is_refused_and_nothing_mixed_is_writ
     cfg = DFlashConfig(num_hidden_layers=3)
     path = write_checkpoint(random_weights(cfg, 1), tmp_path / "ckpt.safetensors")
     a, b = random_weights(cfg, 0), random_weights(cfg, 1)
-    draft = DFlashQwen3Draft(cfg)
-    load_safetensors(draft, write_checkpoint(a, tmp_path / "a.safetensors"))
-    draft.finalize_loading()
-    draft.refresh_derived_buffers()
+    draft = cold_load(DFlashQwen3Draft(cfg), write_checkpoint(a, tmp_path / "a.safetensors"))
     before = snapshot(draft)
     new = write_checkpoint(random_weights(cfg, 2), tmp_path / "new.safetensors").read_bytes()
     seen: list[int] = []

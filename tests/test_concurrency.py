@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 import torch
-from reference import assert_derived_current, assert_same, snapshot
 from structlog.testing import capture_logs
+from support.reference import assert_derived_current, assert_same, snapshot
 from torch import nn
 
 from lifecycle.errors import IllegalTransitionError, LifecycleError, NonFiniteWeightError, SessionStateError
 from lifecycle.loading import apply_bucket, load_safetensors, write_tensor
 from lifecycle.states import LifecycleState
+from lifecycle.testing import cold_load
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
 S = LifecycleState
@@ -117,11 +118,7 @@ def test_cold_load_from_threads_reaches_fully_loaded_exactly_once(tiny_cfg: DFla
 @pytest.mark.parametrize("round_", range(ROUNDS))
 def test_session_reload_from_threads_commits_in_place(tiny_cfg: DFlashConfig, ckpt_a: Path, ckpt_b: Path,
                                                       round_: int) -> None:
-    m = DFlashQwen3Draft(tiny_cfg, locked=True)
-    load_safetensors(m, ckpt_a)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
-    m.capture_graphs()
+    m = cold_load(DFlashQwen3Draft(tiny_cfg, locked=True), ckpt_a, capture_graphs=True)
     lc = m.lifecycle
     weights = random_weights(tiny_cfg, 1)  # what ckpt_b holds
     with capture_logs() as logs, m.reload_session(rollback=True) as s:
@@ -145,10 +142,7 @@ def test_abort_mid_threaded_reload_rolls_back_every_write(tiny_cfg: DFlashConfig
                                                           ) -> None:
     """One thread sends a NaN; the trainer aborts while the others are still writing. Writes in flight finish
     first and are rolled back; writes after the abort are refused; nothing of the reload survives."""
-    m = DFlashQwen3Draft(tiny_cfg, locked=True)
-    load_safetensors(m, ckpt_a)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
+    m = cold_load(DFlashQwen3Draft(tiny_cfg, locked=True), ckpt_a)
     before = snapshot(m)
     weights = random_weights(tiny_cfg, 1)
     poisoned_name = "layers.1.mlp.down_proj.weight"
@@ -184,10 +178,7 @@ def test_abort_mid_threaded_reload_rolls_back_every_write(tiny_cfg: DFlashConfig
 
 
 def test_abort_waits_for_a_write_in_flight_then_refuses_new_ones(tiny_cfg: DFlashConfig, ckpt_a: Path) -> None:
-    m = DFlashQwen3Draft(tiny_cfg, locked=True)
-    load_safetensors(m, ckpt_a)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
+    m = cold_load(DFlashQwen3Draft(tiny_cfg, locked=True), ckpt_a)
     before = snapshot(m)
     weights = random_weights(tiny_cfg, 1)
     inside, proceed, aborted = threading.Event(), threading.Event(), threading.Event()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import (
+from structlog.testing import capture_logs
+from support.family_helpers import (
     Fam,
     L,
     S,
@@ -29,7 +30,6 @@ from family_helpers import (
     snapshot,
     specs,
 )
-from structlog.testing import capture_logs
 from torch import nn
 
 from lifecycle import (
@@ -46,6 +46,7 @@ from lifecycle import (
 from lifecycle.hooks import collect_hooks
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.storage import count_allocations
+from lifecycle.testing import cold_load
 from models import FAMILIES
 
 
@@ -186,10 +187,8 @@ def reshaped(fam: Fam) -> tuple[dict[str, torch.Tensor], dict[str, torch.Size]]:
         try:
             cfg2 = dataclasses.replace(fam.cfg, **{field: 2 * getattr(fam.cfg, field)})
             w2 = fam.family.random_weights(cfg2, 5)
-            m2 = fam.family.build(cfg2, device="meta")
-            load_safetensors(m2, write_checkpoint(w2, fam.tmp / f"reshaped-{field}.safetensors"))
-            m2.finalize_loading()
-            m2.refresh_derived_buffers()
+            m2 = cold_load(fam.family.build(cfg2, device="meta"),
+                           write_checkpoint(w2, fam.tmp / f"reshaped-{field}.safetensors"))
         except Exception:  # a combination the family does not accept (heads not divisible, ...): next field
             continue
         if set(w2) != names:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import Fam
+from support.family_helpers import Fam
 
 from lifecycle.loading import load_safetensors
 from models.qwen3_dflash2 import grouped_conv, score_edges

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import Fam, reload
+from support.family_helpers import Fam, reload
 
 from lifecycle import LifecycleState, StorageIdentity, WeightShapeError
 from lifecycle.loading import load_safetensors, write_checkpoint

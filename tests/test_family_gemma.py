@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from family_helpers import Fam, L, reload
+from support.family_helpers import Fam, L, reload
 
 from lifecycle import LifecycleState, StorageDriftError, StorageIdentity
 from lifecycle.loading import load_safetensors

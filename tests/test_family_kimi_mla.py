@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from family_helpers import Fam, L, assert_unchanged, reload, snapshot
+from support.family_helpers import Fam, L, assert_unchanged, reload, snapshot
 from torch import nn
 
 from lifecycle import LifecycleState, Phase, StorageReallocationError

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from family_helpers import Fam, assert_unchanged, bit_equal, reload, snapshot
+from support.family_helpers import Fam, assert_unchanged, bit_equal, reload, snapshot
 
 from lifecycle import Phase, StorageDriftError
 from lifecycle.storage import StorageIdentity

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import FaultyDraft, Snap, assert_derived_current, assert_same, derived_names, snapshot
 from structlog.testing import capture_logs
+from support.reference import FaultyDraft, Snap, assert_derived_current, assert_same, derived_names, snapshot
 from torch import nn
 
 from lifecycle.errors import (
@@ -31,6 +31,7 @@ from lifecycle.errors import (
 from lifecycle.hooks import Phase
 from lifecycle.loading import apply_bucket, load_safetensors, write_checkpoint, write_tensor
 from lifecycle.states import LifecycleState
+from lifecycle.testing import cold_load, reload
 from models.qwen3_dflash import DFlashConfig, random_weights
 
 S = LifecycleState
@@ -40,13 +41,7 @@ ALIASES = {"_hidden_norm_weight", "_rope_cos_sin_cache"}
 @pytest.fixture(params=[False, True], ids=["refreshed", "captured"])
 def draft(request: pytest.FixtureRequest, tiny_cfg: DFlashConfig, ckpt_a: Path) -> FaultyDraft:
     """A FaultyDraft cold-loaded from A and refreshed; with graphs captured for the "captured" variant."""
-    m = FaultyDraft(tiny_cfg)
-    load_safetensors(m, ckpt_a)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
-    if request.param:
-        m.capture_graphs()
-    return m
+    return cold_load(FaultyDraft(tiny_cfg), ckpt_a, capture_graphs=request.param)
 
 
 def usable_state(m: FaultyDraft) -> LifecycleState:
@@ -136,9 +131,7 @@ def test_builder_raising_mid_refresh_quarantines_and_keeps_last_good_buffers(
 
 def test_builder_raising_outside_a_session_refuses_the_refresh_and_writes_nothing(
         draft: FaultyDraft, ckpt_b: Path) -> None:
-    draft.begin_reload()
-    load_safetensors(draft, ckpt_b)
-    draft.finalize_loading()
+    reload(draft, ckpt_b, refresh=False)
     after_load = snapshot(draft)
     draft.layers[2].builder_fault = True
     with capture_logs() as logs, pytest.raises(DerivedBuildError, match=r"layers\.2"):
@@ -390,11 +383,7 @@ def test_verify_catches_inf_produced_by_the_writer(draft: FaultyDraft, ckpt_b: P
 
 def test_storage_drift_found_by_verify_is_undone_by_the_rollback(tiny_cfg: DFlashConfig, ckpt_a: Path,
                                                                  ckpt_b: Path) -> None:
-    m = FaultyDraft(tiny_cfg)
-    load_safetensors(m, ckpt_a)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
-    m.capture_graphs()
+    m = cold_load(FaultyDraft(tiny_cfg), ckpt_a, capture_graphs=True)
     before = snapshot(m)
     with (
         pytest.raises(StorageDriftError, match=r"fc\.weight: data_ptr"),

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from family_helpers import Fam
+from support.family_helpers import Fam
 from torch import nn
 
-from lifecycle import DraftBackbone
+from lifecycle import DraftBackbone, testing
 from lifecycle.loading import load_safetensors, write_checkpoint
 from models import FAMILIES
 
@@ -72,10 +72,7 @@ def test_every_family_frees_its_weights_when_dropped_after_every_step(name: str,
     def served_after_reload_under_graphs() -> DraftBackbone:
         m = fam.cold("a")
         m.capture_graphs()
-        m.begin_reload()
-        load_safetensors(m, fam.ckpt["b"], bucket_by=3, shuffle=True, seed=2)
-        m.finalize_loading()
-        m.refresh_derived_buffers()
+        testing.reload(m, fam.ckpt["b"], bucket_by=3, shuffle=True, seed=2)
         fam.outputs(m)
         return m
 
@@ -99,23 +96,17 @@ def _refusals(fam: Fam, tmp: Path) -> dict[str, tuple[str, Callable[[DraftBackbo
         return step
 
     def finish_with_a_layer_missing(m: DraftBackbone) -> None:
-        m.begin_reload()
-        load_safetensors(m, fam.ckpt["b"], subset=[first])
-        m.finalize_loading()
+        testing.reload(m, fam.ckpt["b"], subset=[first], keep_untouched=False, refresh=False)
 
     def hook_raises(m: DraftBackbone) -> None:
         def broken(_: DraftBackbone) -> None:
             raise RuntimeError("a post-load hook failed")
         m.register_post_load_hook(broken, "reload")
-        m.begin_reload()
-        load_safetensors(m, fam.ckpt["b"])
-        m.finalize_loading()
+        testing.reload(m, fam.ckpt["b"], refresh=False)
 
     def storage_moved_under_graphs(m: DraftBackbone) -> None:
         m.capture_graphs()
-        m.begin_reload()
-        load_safetensors(m, fam.ckpt["b"])
-        m.finalize_loading()
+        testing.reload(m, fam.ckpt["b"], refresh=False)
         owner, leaf = m._tensor_slots[first]
         owner._parameters[leaf] = nn.Parameter(owner._parameters[leaf].detach().clone(), requires_grad=False)
         m.refresh_derived_buffers()
@@ -187,7 +178,8 @@ def test_the_first_dry_run_of_a_process_does_not_keep_the_draft(tmp_path: Path) 
         import gc, sys, weakref
         from pathlib import Path
         gc.disable()
-        from lifecycle.loading import load_safetensors, write_checkpoint
+        from lifecycle.loading import write_checkpoint
+        from lifecycle.testing import cold_load, reload
         from models import FAMILIES
         assert "torch._dynamo" not in sys.modules
         family = FAMILIES[{fam!r}]
@@ -195,14 +187,8 @@ def test_the_first_dry_run_of_a_process_does_not_keep_the_draft(tmp_path: Path) 
         path = write_checkpoint(family.random_weights(cfg, 0), Path({str(tmp_path)!r}) / "a.safetensors")
 
         def refreshed_twice():
-            m = family.build(cfg, device="meta")
-            load_safetensors(m, path)
-            m.finalize_loading()
-            m.refresh_derived_buffers()
-            m.begin_reload()
-            load_safetensors(m, path)
-            m.finalize_loading()
-            m.refresh_derived_buffers()  # the in-place writer's dry run: the first FakeTensorMode
+            m = cold_load(family.build(cfg, device="meta"), path)
+            reload(m, path)  # the in-place writer's dry run in the refresh: the first FakeTensorMode
             return weakref.ref(m)
 
         ref = refreshed_twice()

@@ -26,6 +26,7 @@ from lifecycle.errors import (
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.readiness import layer_of
 from lifecycle.states import LifecycleState
+from lifecycle.testing import reload
 from lifecycle.types import TensorSpec
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
@@ -233,10 +234,7 @@ def test_a_tensor_put_on_meta_after_the_loaders_write_stops_the_refresh(loaded: 
     assert ei.value.missing == {"layers.1": ("layers.1.mlp.down_proj.weight (META)",)}
     assert loaded.lifecycle.state is S.FINALIZED
     assert_derived_unchanged(loaded, snap, sources_rewritten=True)
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b)
-    loaded.finalize_loading()
-    loaded.refresh_derived_buffers()
+    reload(loaded, ckpt_b)
     assert not down.weight.is_meta and loaded.lifecycle.usable
 
 
@@ -283,9 +281,7 @@ def test_one_pass_meta_scan_agrees_with_resolving_each_name(loaded: DFlashQwen3D
 def test_reload_changing_a_derived_shape_is_refused(loaded: DFlashQwen3Draft, ckpt_b: Path) -> None:
     lc = loaded.lifecycle
     snap = snapshot_derived(loaded)
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b)
-    loaded.finalize_loading()
+    reload(loaded, ckpt_b, refresh=False)
     # the new weights give every layer a k_norm of another size (as a config change would), and the
     # backbone's declared layout follows them: the stacked buffer would need a new shape
     for i, layer in enumerate(loaded.layers):
@@ -305,9 +301,7 @@ def test_pinned_alias_whose_source_moved_is_refused(loaded: DFlashQwen3Draft, ck
     lc = loaded.lifecycle
     loaded.capture_graphs()
     snap = snapshot_derived(loaded)
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b)
-    loaded.finalize_loading()
+    reload(loaded, ckpt_b, refresh=False)
     # a loader that materialises a fresh tensor instead of copying into the captured one
     original = loaded.hidden_norm.weight
     moved = nn.Parameter(original.detach().clone(), requires_grad=False)
@@ -339,9 +333,7 @@ def test_pinned_alias_whose_source_moved_is_refused(loaded: DFlashQwen3Draft, ck
 def test_emptied_source_is_refused_and_nothing_is_written(loaded: DFlashQwen3Draft, ckpt_b: Path) -> None:
     lc = loaded.lifecycle
     snap = snapshot_derived(loaded)
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b)
-    loaded.finalize_loading()
+    reload(loaded, ckpt_b, refresh=False)
     attn = loaded.layers[1].self_attn
     packed_away = attn.qkv_proj.weight
     attn.qkv_proj.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # vLLM's CPU repack
@@ -484,9 +476,7 @@ def test_storage_drift_is_detected(loaded: DFlashQwen3Draft, ckpt_b: Path, what:
     assert ev["ok"] is False and ev["checked"] == len(lc.pinned)
 
     # a reload + refresh in that situation is refused BEFORE any write (fail closed), and stays pinned
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b)
-    loaded.finalize_loading()
+    reload(loaded, ckpt_b, refresh=False)
     snap = snapshot_derived(loaded)
     with capture_logs() as logs, pytest.raises(StorageDriftError) as ei:
         loaded.refresh_derived_buffers()
@@ -525,9 +515,7 @@ def test_alias_is_repointed_from_a_meta_placeholder_to_the_live_tensor(loaded: D
 def test_alias_source_still_meta_at_refresh_is_refused(loaded: DFlashQwen3Draft, ckpt_b: Path) -> None:
     lc = loaded.lifecycle
     snap = snapshot_derived(loaded)
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b)
-    loaded.finalize_loading()
+    reload(loaded, ckpt_b, refresh=False)
     loaded.hidden_norm._parameters["weight"] = meta_param(loaded.hidden_norm.weight)
     with pytest.raises(LayersNotReadyError) as ei:
         loaded.refresh_derived_buffers()
@@ -575,15 +563,11 @@ def test_quarantine_keeps_last_good_values_and_recovers(loaded: DFlashQwen3Draft
         loaded.refresh_derived_buffers()
     assert_derived_unchanged(loaded, snap, sources_rewritten=False)
 
-    loaded.begin_reload()
     if recovery == "full":
-        load_safetensors(loaded, ckpt_b)
-        loaded.finalize_loading()
+        reload(loaded, ckpt_b)
     else:
         # only layer 1 is sent again; layer 0 still holds what the aborted epoch wrote
-        load_safetensors(loaded, ckpt_b, subset=lambda n: n.startswith("layers.1."))
-        loaded.finalize_loading(keep_untouched=True)
-    loaded.refresh_derived_buffers()
+        reload(loaded, ckpt_b, subset=lambda n: n.startswith("layers.1."))
     assert lc.state is S.DERIVED_REFRESHED and lc.quarantine_reason is None
     assert_derived_current(loaded)  # includes the aborted epoch's layer-0 writes
     for name, (obj, _, ptr) in snap.items():
@@ -594,19 +578,13 @@ def test_epoch_without_refresh_leaves_its_writes_for_the_next_refresh(loaded: DF
                                                                       tiny_cfg: DFlashConfig, tmp_path: Path
                                                                       ) -> None:
     ckpt_c = write_checkpoint(random_weights(tiny_cfg, 2), tmp_path / "c.safetensors")
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b)
-    loaded.finalize_loading()
-    loaded.begin_reload()  # a second reload starts before anyone refreshed
-    load_safetensors(loaded, ckpt_c, subset=lambda n: n.startswith("layers.1."))
-    loaded.finalize_loading(keep_untouched=True)
+    reload(loaded, ckpt_b, refresh=False)
+    reload(loaded, ckpt_c, subset=lambda n: n.startswith("layers.1."), refresh=False)  # before anyone refreshed
     report = loaded.refresh_derived_buffers()
     assert report["_fused_kv_weight"].slices_written == 3
     assert_derived_current(loaded)
     # and once refreshed, a selective reload rewrites only its own slice
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b, subset=lambda n: n.startswith("layers.2."))
-    loaded.finalize_loading(keep_untouched=True)
+    reload(loaded, ckpt_b, subset=lambda n: n.startswith("layers.2."), refresh=False)
     report = loaded.refresh_derived_buffers()
     assert report["_fused_kv_weight"].slices_written == 1
     assert_derived_current(loaded)

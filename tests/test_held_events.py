@@ -31,9 +31,9 @@ from hypothesis import strategies as st
 
 from lifecycle import event_sink, events
 from lifecycle.events import configure_audit, read_events
-from lifecycle.loading import apply_bucket, load_safetensors, write_checkpoint
+from lifecycle.loading import apply_bucket, write_checkpoint
 from lifecycle.machine import BackboneLifecycle
-from lifecycle.testing import random_checkpoint
+from lifecycle.testing import cold_load, random_checkpoint
 from lifecycle.types import TensorSpec
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
@@ -80,8 +80,7 @@ def test_a_held_load_writes_the_same_events_in_order_in_fewer_writes(tmp_path: P
         m = _draft()
         writes.clear()
         monkeypatch.setattr(os, "write", counting_write)
-        load_safetensors(m, ckpt)
-        m.finalize_loading()
+        cold_load(m, ckpt, refresh=False)
         monkeypatch.setattr(os, "write", real_write)
         runs[held] = (read_events(log), sum(fd == sink._fd for fd in writes))
     (held_events, held_writes), (plain_events, plain_writes) = runs[True], runs[False]

@@ -12,6 +12,7 @@ from lifecycle.errors import IllegalTransitionError, StorageDriftError
 from lifecycle.hooks import Phase, collect_hooks, post_load_hook
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.states import LifecycleState
+from lifecycle.testing import reload
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
 S = LifecycleState
@@ -96,24 +97,15 @@ def test_one_time_conversion_is_never_replayed(tiny_cfg: DFlashConfig, ckpt_a: P
     # A reload delivers weights in the runtime layout (a trainer's state_dict): they are taken as they are.
     # A replayed conversion would double them again; untouched layers would be doubled too.
     runtime = write_checkpoint({n: t.detach() for n, t in m.state_dict().items()}, tmp_path / "runtime.safetensors")
-    m.begin_reload()
-    load_safetensors(m, runtime)
-    assert m.finalize_loading() == []
-    m.refresh_derived_buffers()
+    assert reload(m, runtime) == []
     assert all(torch.equal(w, c) for w, c in zip(_k_norms(m), converted, strict=True))
     assert torch.equal(m._k_norm_weights, torch.stack(converted))
 
-    m.begin_reload()
-    load_safetensors(m, runtime, subset=lambda n: n.startswith("layers.1."))
-    assert m.finalize_loading(keep_untouched=True) == []
-    m.refresh_derived_buffers()
+    assert reload(m, runtime, subset=lambda n: n.startswith("layers.1.")) == []
     assert all(torch.equal(w, c) for w, c in zip(_k_norms(m), converted, strict=True))
 
     # Reloading the raw checkpoint therefore gives the raw values: the reload is not converted again
-    m.begin_reload()
-    load_safetensors(m, ckpt_a)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
+    reload(m, ckpt_a)
     for i, w in enumerate(_k_norms(m)):
         assert torch.equal(w, raw[f"layers.{i}.self_attn.k_norm.weight"])
     assert torch.equal(m._k_norm_weights, torch.stack(_k_norms(m)))
@@ -134,9 +126,7 @@ def test_runtime_registered_hooks(tiny_cfg: DFlashConfig, ckpt_a: Path, ckpt_b: 
     load_safetensors(m, ckpt_a)
     assert m.finalize_loading() == ["init_rope_caches", "recompute_scales", "warm_cache"]
     m.refresh_derived_buffers()
-    m.begin_reload()
-    load_safetensors(m, ckpt_b)
-    assert m.finalize_loading() == ["recompute_scales"]
+    assert reload(m, ckpt_b, refresh=False) == ["recompute_scales"]
     assert calls == [("scales", 0), ("warm_cache", 0), ("scales", 1)]
     with pytest.raises(ValueError, match="at least one phase"):
         m.register_post_load_hook(warm_cache)
@@ -182,10 +172,7 @@ def test_rope_init_does_not_run_on_reload(loaded: DFlashQwen3Draft, ckpt_b: Path
     cache = loaded.layers[0].self_attn.rotary_emb.cos_sin_cache
     assert loaded._rope_cos_sin_cache is cache
     ptr, values = cache.data_ptr(), cache.clone()
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b)
-    assert loaded.finalize_loading() == []
-    loaded.refresh_derived_buffers()
+    assert reload(loaded, ckpt_b) == []
     assert lc.state is S.GRAPH_CAPTURED
     assert loaded._rope_cos_sin_cache is cache and loaded._rope_cos_sin_cache.data_ptr() == ptr
     assert loaded.layers[0].self_attn.rotary_emb.cos_sin_cache is cache
@@ -197,9 +184,7 @@ def test_replaying_rope_init_under_captured_graphs_would_be_refused(loaded: DFla
     lc = loaded.lifecycle
     loaded.capture_graphs()
     old_ptr = loaded._rope_cos_sin_cache.data_ptr()
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b)
-    loaded.finalize_loading()
+    reload(loaded, ckpt_b, refresh=False)
     loaded.init_rope_caches()  # the replay a phase-less hook system would do
     # the pinned table moved: refused before any write, naming the table and its old address
     with pytest.raises(StorageDriftError, match="cos_sin_cache: data_ptr") as ei:
@@ -214,19 +199,14 @@ def test_cold_hooks_run_when_an_aborted_cold_load_is_retried(tiny_cfg: DFlashCon
     m = DFlashQwen3Draft(tiny_cfg)
     load_safetensors(m, ckpt_a, subset=lambda n: n.startswith("layers.0."))
     m.abort_reload("cold load interrupted")
-    m.begin_reload()
-    load_safetensors(m, ckpt_a)
-    assert m.finalize_loading() == ["init_rope_caches"]  # the one-time initialisation never ran before
-    m.refresh_derived_buffers()
+    assert reload(m, ckpt_a) == ["init_rope_caches"]  # the one-time initialisation never ran before
     assert m.lifecycle.state is S.DERIVED_REFRESHED
     assert not m._rope_cos_sin_cache.is_meta
     ctx, pos = torch.randn(3, tiny_cfg.hidden_size), torch.arange(3)
     for fused, ref in zip(m.precompute_context_kv(ctx, pos), m.precompute_context_kv_reference(ctx, pos),
                           strict=True):
         torch.testing.assert_close(fused, ref)
-    m.begin_reload()
-    load_safetensors(m, ckpt_b)
-    assert m.finalize_loading() == []  # and never again
+    assert reload(m, ckpt_b, refresh=False) == []  # and never again
 
 
 def test_a_second_finalize_runs_no_hook_twice_in_one_epoch(tiny_cfg: DFlashConfig, ckpt_a: Path,

@@ -19,6 +19,7 @@ from lifecycle import LifecycleState, NonFiniteWeightError, WeightWriteError
 from lifecycle.events import configure_audit, read_events
 from lifecycle.loading import apply_bucket, load_safetensors, write_checkpoint
 from lifecycle.loading import write as loading_module
+from lifecycle.testing import cold_load
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
 S = LifecycleState
@@ -43,9 +44,7 @@ def _trail(evs: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 def _model(state: str, ckpt: Path) -> DFlashQwen3Draft:
     m = DFlashQwen3Draft(CFG, name="later")
     if state == "reload":
-        load_safetensors(m, ckpt)
-        m.finalize_loading()
-        m.refresh_derived_buffers()
+        cold_load(m, ckpt)
         m.begin_reload()
     return m
 

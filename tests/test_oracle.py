@@ -13,7 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import Fam, L, S, assert_same_model, bit_equal, everything, identities, reload, slice_bytes, specs
+from support.family_helpers import (
+    Fam,
+    L,
+    S,
+    assert_same_model,
+    bit_equal,
+    everything,
+    identities,
+    reload,
+    slice_bytes,
+    specs,
+)
 
 from lifecycle.storage import count_allocations
 from models import FAMILIES

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from lifecycle import DraftBackbone, alias, concat, custom, load_safetensors, stack, write_checkpoint
+from lifecycle import DraftBackbone, alias, concat, custom, stack, write_checkpoint
 from lifecycle.derived.backing import is_view_of
 from lifecycle.errors import LifecycleError
 from lifecycle.storage import count_allocations
-from lifecycle.testing import random_checkpoint
+from lifecycle.testing import cold_load, random_checkpoint
 
 L, HIDDEN, Q, KV = 4, 8, 8, 4
 calls: Counter[tuple[str, int]] = Counter()
@@ -81,10 +81,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def built(ckpt: Path, *, memory: bool) -> Draft:
-    m = Draft(memory=memory)
-    load_safetensors(m, ckpt)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
+    m = cold_load(Draft(memory=memory), ckpt)
     reload_layers(m, [])
     m.refresh_derived_buffers()  # a refresh of an existing buffer: what the next one may reuse
     return m
@@ -275,10 +272,7 @@ def test_a_backed_buffer_is_verified_by_the_observation_and_a_replaced_source_is
         ckpt: Path, mutation: str) -> None:
     twins = []
     for memory in (True, False):
-        m = BackedDraft(memory=memory)
-        load_safetensors(m, ckpt)
-        m.finalize_loading()
-        m.refresh_derived_buffers()
+        m = cold_load(BackedDraft(memory=memory), ckpt)
         reload_layers(m, [])
         m.refresh_derived_buffers()
         twins.append(m)

@@ -33,8 +33,8 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
-from reference import assert_derived_current
 from structlog.testing import capture_logs
+from support.reference import assert_derived_current
 
 from lifecycle.errors import (
     IllegalTransitionError,
@@ -493,6 +493,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, dic
     return out
 
 
+@pytest.mark.slow  # about 15-25 s on two cores (the ci profile's 300 runs)
 def test_lifecycle_state_machine(ckpts: dict[int, tuple[Path, dict[str, torch.Tensor]]]) -> None:
     DraftLifecycleMachine.ckpts = ckpts
     STATS.clear()

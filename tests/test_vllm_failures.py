@@ -9,7 +9,7 @@ device cpu is not on the expected device meta!", a correct retry was refused (`I
 `generate` raise QuarantinedError, after which the next `generate` on that engine hung. A checkpoint truncated
 under the reader killed the process (SIGBUS); one rewritten in place during a load was mixed into the draft.
 
-Two engines (tests/vllm_failure_scenarios.py): `failures` in the CPU layout (unquantized weights repacked, their
+Two engines (tests/support/vllm_failure_scenarios.py): `failures` in the CPU layout (unquantized weights repacked, their
 `weight` emptied), every case on one engine in sequence; `gpu_layout` with the weights kept after loading (as
 on CUDA), where a tensor sent in part can be completed with its last values.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_basic_scenarios import run_scenario
+from support.vllm_basic_scenarios import run_scenario
 
 from lifecycle.states import LifecycleState
 from lifecycle.vllm.worker import per_backbone
@@ -33,7 +33,7 @@ USABLE = S.GRAPH_CAPTURED.value  # the draft's storage was pinned at the start o
 
 @pytest.fixture(scope="module")
 def failures(vllm_workdir: Path) -> dict[str, Any]:
-    return run_scenario("failures", vllm_workdir, script="vllm_failure_scenarios.py",
+    return run_scenario("failures", vllm_workdir, script="vllm_failure_scenarios",
                         RELOAD_LIFECYCLE_PATH_ROOT=str(vllm_workdir),
                         RELOAD_LIFECYCLE_AUDIT_DIR=str(vllm_workdir / "audit-failures"))
 
@@ -43,7 +43,7 @@ def gpu_layout(tmp_path_factory: pytest.TempPathFactory, vllm_workdir: Path) -> 
     work = tmp_path_factory.mktemp("vllm-gpu-layout")
     for name in ("target", "draftA", "draftB"):
         (work / name).symlink_to(vllm_workdir / name)
-    return run_scenario("gpu_layout", work, script="vllm_failure_scenarios.py", RELOAD_LIFECYCLE_PARTIAL="keep")
+    return run_scenario("gpu_layout", work, script="vllm_failure_scenarios", RELOAD_LIFECYCLE_PARTIAL="keep")
 
 
 def triggers(case: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -1,6 +1,6 @@
 """Draft families the CPU build cannot start an engine with (Qwen3 DSpark and DFlash2 need Model Runner V2, which
 needs Triton; a Kimi K3 target's MLA does not run on CPU), driven in-process: vLLM's own draft classes, loader and
-reload functions under a CPU VllmConfig, no engine (tests/vllm_inprocess.py). For each family, on both weight
+reload functions under a CPU VllmConfig, no engine (tests/support/vllm_inprocess.py). For each family, on both weight
 layouts, a cold load of draft A, pinned, then every trainer path alternating A <-> B: after each, every derived
 buffer and every tracked tensor equals a cold load of that draft (sha256), no derived buffer moved, no pinned
 identity changed, and the fused path is usable. The drafts have every optional submodule their family can have
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_inprocess_runs import INPROCESS_FAMILIES, MEMORY_ONLY
-from vllm_trainer_paths import DRAFT_PATHS, PATHS
+from support.vllm_inprocess_runs import INPROCESS_FAMILIES, MEMORY_ONLY
+from support.vllm_trainer_paths import DRAFT_PATHS, PATHS
 
 from lifecycle.states import LifecycleState
 from lifecycle.vllm.families import family

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from quantized_drafts import QUANTIZED
-from vllm_basic_scenarios import run_scenario
+from support.quantized_drafts import QUANTIZED
+from support.vllm_basic_scenarios import run_scenario
 
 from lifecycle.states import LifecycleState
 from lifecycle.vllm.worker import per_backbone
@@ -33,7 +33,7 @@ assert set(RELOADABLE) | {"w8a8-int8"} == set(QUANTIZED)
 def _engine(name: str, tmp_path_factory: pytest.TempPathFactory, vllm_workdir: Path) -> dict[str, Any]:
     work = tmp_path_factory.mktemp(f"quantized-{name}")
     (work / "target").symlink_to(vllm_workdir / "target")
-    return run_scenario("quantized", work, script="quantized_drafts.py", QUANTIZED_DRAFT=name)
+    return run_scenario("quantized", work, script="quantized_drafts", QUANTIZED_DRAFT=name)
 
 
 @pytest.fixture(scope="module", params=sorted(RELOADABLE))

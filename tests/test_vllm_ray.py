@@ -3,7 +3,7 @@
 Needs Ray (requirements/ray.lock.txt): `make test-ray` installs it and runs this module, which `make test`
 leaves out (marker `ray`: four Ray engine starts and a single-rank cold engine, a few minutes on two cores).
 
-vLLM's CPU platform refuses Ray; the scenarios (tests/ray_scenarios.py) allow it in the test process and its Ray
+vLLM's CPU platform refuses Ray; the scenarios (tests/support/ray_scenarios.py) allow it in the test process and its Ray
 workers only, never through the plugin. Each scenario runs in its own process (one engine per process).
 """
 
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.needs import needs
+from support.vllm_runs import PYTHONPATH
 
 from lifecycle.audit.replay import audit_logs
 from lifecycle.states import LifecycleState
@@ -29,10 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 HOST = socket.gethostname()
 
 
+@needs("engine")
 def run(script: str, name: str, work: Path, arg: str = "") -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     env.pop("RELOAD_LIFECYCLE_AUDIT_DIR", None)  # each scenario sets its own, after Ray started
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / script), name, str(work), *([arg] if arg else [])],
+    proc = subprocess.run([sys.executable, "-m", f"support.{script}", name, str(work), *([arg] if arg else [])],
                           capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     for line in proc.stdout.splitlines():
         if line.startswith("SCENARIO_RESULT "):
@@ -56,12 +59,12 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cold_b(workdir: Path) -> dict[str, Any]:
     """A cold single-rank engine on draft B (its KV heads are replicated under TP=2: every rank derives the
     same buffers)."""
-    return run("vllm_basic_scenarios.py", "cold", workdir)
+    return run("vllm_basic_scenarios", "cold", workdir)
 
 
 @pytest.fixture(scope="module", params=["v1", "v2"])
 def tp2(request: pytest.FixtureRequest, workdir: Path) -> tuple[str, dict[str, Any]]:
-    return request.param, run("ray_scenarios.py", "tp2", workdir, request.param)
+    return request.param, run("ray_scenarios", "tp2", workdir, request.param)
 
 
 def test_each_rank_runs_the_plugin_and_reloads_in_place(tp2: tuple[str, dict[str, Any]]) -> None:
@@ -108,7 +111,7 @@ def test_every_worker_writes_an_audit_file_and_the_audit_is_clean(tp2: tuple[str
 def test_a_node_without_the_package_stops_the_engine_start_naming_the_node(workdir: Path, variant: str) -> None:
     """stock: the workers start with vLLM's own draft class, and the check after start refuses them; extension:
     a worker cannot import the lifecycle's worker extension, and the refusal explains vLLM's failure."""
-    start = run("ray_scenarios.py", "bad_node", workdir, variant)["start"]
+    start = run("ray_scenarios", "bad_node", workdir, variant)["start"]
     assert not start["ok"] and start["error"] == "NodeSetupError", start
     message = start["message"]
     assert "the vLLM plugin is not active on every node of this Ray engine" in message

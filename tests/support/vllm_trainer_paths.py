@@ -1,6 +1,6 @@
 """The ways RL trainers write new draft weights into vLLM, each written with vLLM's own functions only (what the
 trainer calls), for a live engine's worker (`run_in_worker`, through `collective_rpc`) and for an in-process
-draft (`tests/vllm_inprocess.py`):
+draft (`support/vllm_inprocess.py`):
 
   one_call                    (i)   initialize_layerwise_reload -> one load_weights -> finalize_layerwise_reload
   buckets_later_layers_first  (ii)  the same, one bucket per layer, the last layer first, the rest last

@@ -109,7 +109,7 @@ def make_quantized_draft(folder: str | Path, seed: int, fmt: str | None) -> Path
     return folder
 
 
-# ---- the engine scenario (python tests/quantized_drafts.py quantized WORKDIR, QUANTIZED_DRAFT=name) -------------
+# ---- the engine scenario (python -m support.quantized_drafts quantized WORKDIR, QUANTIZED_DRAFT=name) ------
 
 
 def scenario_quantized(work: Path) -> dict[str, Any]:
@@ -117,8 +117,8 @@ def scenario_quantized(work: Path) -> dict[str, Any]:
     warm B must equal the cold B."""
     import os
 
+    from support.vllm_basic_scenarios import _generate, _try, fingerprint
     from vllm import LLM
-    from vllm_basic_scenarios import _generate, _try, fingerprint
 
     from lifecycle.vllm.tiny import engine_kwargs
 
@@ -159,6 +159,6 @@ def scenario_quantized(work: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from vllm_basic_scenarios import main
+    from support.vllm_basic_scenarios import main
 
     main(globals())

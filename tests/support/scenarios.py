@@ -15,6 +15,7 @@ import pytest
 from lifecycle.errors import IllegalTransitionError, LayersNotReadyError
 from lifecycle.events import configure_audit
 from lifecycle.loading import apply_bucket, checkpoint_index, iter_buckets, load_safetensors, plan_buckets
+from lifecycle.testing import cold_load, reload
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 
@@ -26,14 +27,6 @@ def logging_to(path: Path, level: str = "info") -> Iterator[None]:
         yield
     finally:
         configure_audit(console=False)
-
-
-def cold_load(m: DFlashQwen3Draft, ckpt: Path, *, capture: bool = True) -> None:
-    load_safetensors(m, ckpt)  # one bucket per layer
-    m.finalize_loading()
-    m.refresh_derived_buffers()
-    if capture:
-        m.capture_graphs()
 
 
 def bucketed_reload(m: DFlashQwen3Draft, ckpt: Path, *, seed: int = 0, early_refresh: bool = True) -> None:
@@ -58,7 +51,7 @@ def multi_rank(out: Path, cfg: DFlashConfig, a: Path, b: Path, *, ranks: int = 3
     from A, then `reloads` bucketed reloads alternating B and A."""
     models = {r: DFlashQwen3Draft(cfg, name=name, rank=r) for r in range(ranks)}
     paths = {r: out / f"rank{r}.jsonl" for r in range(ranks)}
-    steps: list[Callable[[int, DFlashQwen3Draft], None]] = [lambda r, m: cold_load(m, a)]
+    steps: list[Callable[[int, DFlashQwen3Draft], None]] = [lambda r, m: cold_load(m, a, capture_graphs=True)]
     for k in range(reloads):
         ckpt = b if k % 2 == 0 else a
         steps.append(lambda r, m, ckpt=ckpt, k=k: bucketed_reload(m, ckpt, seed=10 * k + r))
@@ -82,49 +75,38 @@ def mixed_backbones(path: Path, cfg: DFlashConfig, a: Path, b: Path) -> Path:
         m.finalize_loading()
         m.refresh_derived_buffers()
 
-        m = DFlashQwen3Draft(cfg, name="aborted", rank=1)
-        cold_load(m, a)
+        m = cold_load(DFlashQwen3Draft(cfg, name="aborted", rank=1), a, capture_graphs=True)
         m.begin_reload()
         load_safetensors(m, b, subset=lambda n: n.startswith("layers.0."))
         m.abort_reload("weight transfer timed out")
         bucketed_reload(m, b, early_refresh=False)
 
-        m = DFlashQwen3Draft(cfg, name="quarantined")
-        cold_load(m, a, capture=False)
+        m = cold_load(DFlashQwen3Draft(cfg, name="quarantined"), a)
         m.begin_reload()
         load_safetensors(m, b, subset=lambda n: n.startswith("layers.1."))
         m.abort_reload("rank 1 lost")
 
-        m = DFlashQwen3Draft(cfg, name="rebuilt")
-        cold_load(m, a)
+        m = cold_load(DFlashQwen3Draft(cfg, name="rebuilt"), a, capture_graphs=True)
         m.release_graphs()
-        m.begin_reload()
-        load_safetensors(m, b)
-        m.finalize_loading()
-        m.refresh_derived_buffers(rebuild=True)
+        reload(m, b, rebuild=True)
         m.capture_graphs()
 
-        m = DFlashQwen3Draft(cfg, name="recovered", rank=1)  # an aborted session rolled back, then recovered
-        cold_load(m, a)
+        # an aborted session rolled back, then recovered
+        m = cold_load(DFlashQwen3Draft(cfg, name="recovered", rank=1), a, capture_graphs=True)
         with m.reload_session(rollback=True) as session:
             session.load(b, subset=lambda n: n.startswith("layers.0."))
             session.abort("trainer cancelled the update")
         m.recover()
 
-        m = DFlashQwen3Draft(cfg, name="selective", rank=2)
-        cold_load(m, a)
-        m.begin_reload()
-        load_safetensors(m, b, subset=lambda n: n.startswith("layers.1."))
-        m.finalize_loading(keep_untouched=True)
-        m.refresh_derived_buffers()
+        m = cold_load(DFlashQwen3Draft(cfg, name="selective", rank=2), a, capture_graphs=True)
+        reload(m, b, subset=lambda n: n.startswith("layers.1."))
     return path
 
 
 def debug_level(path: Path, cfg: DFlashConfig, a: Path, b: Path) -> Path:
     """A log written at debug level (per-bucket loader events, which carry no `seq`)."""
     with logging_to(path, level="debug"):
-        m = DFlashQwen3Draft(cfg, name="debugged")
-        cold_load(m, a)
+        m = cold_load(DFlashQwen3Draft(cfg, name="debugged"), a, capture_graphs=True)
         bucketed_reload(m, b, early_refresh=False)
     return path
 

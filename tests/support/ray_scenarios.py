@@ -1,6 +1,6 @@
 """Engine scenarios under vLLM's Ray executors, for tests/test_vllm_ray.py, each in its own process:
 
-    python tests/ray_scenarios.py SCENARIO WORKDIR ARG   -> prints one line: SCENARIO_RESULT {json}
+    PYTHONPATH=.:tests python -m support.ray_scenarios SCENARIO WORKDIR ARG   -> prints one line: SCENARIO_RESULT {json}
 
 `tp2 WORKDIR v1|v2`: two tensor-parallel ranks under the V1 (`RayDistributedExecutor`) or V2 (`RayExecutorV2`)
 Ray executor; a bucketed draft reload on both ranks. `bad_node WORKDIR stock|extension`: the same engine, with
@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_basic_scenarios import _try, pinned_reload_on_every_rank  # this script's folder is on sys.path
+from support.needs import refuse_engines
+from support.vllm_basic_scenarios import _try, pinned_reload_on_every_rank
 
 
 def allow_ray_on_cpu() -> None:
@@ -95,6 +96,7 @@ def scenario_bad_node(work: Path, variant: str) -> dict[str, Any]:
 
 def main() -> None:
     scenario, work, arg = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    refuse_engines()
     from lifecycle.vllm.tiny import ENGINE_ENV
 
     for k, v in ENGINE_ENV.items():

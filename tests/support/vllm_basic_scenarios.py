@@ -1,10 +1,10 @@
-"""The engine basics the failure, quantized-draft and Ray scenarios share (tests/vllm_failure_scenarios.py,
-tests/quantized_drafts.py, tests/ray_scenarios.py): one engine on the tiny DFlash target and drafts (`target`,
+"""The engine basics the failure, quantized-draft and Ray scenarios share (support/vllm_failure_scenarios.py,
+support/quantized_drafts.py, support/ray_scenarios.py): one engine on the tiny DFlash target and drafts (`target`,
 `draftA`, `draftB`, made by conftest's `vllm_workdir`), greedy tokens for one prompt, a fingerprint of the draft as
 the model computes with it, and the cold engine on draft B (`cold_b`) they compare with. Each script runs in its own
 process:
 
-    python tests/vllm_basic_scenarios.py SCENARIO WORKDIR      -> prints one JSON line: {"scenario": ..., ...}
+    PYTHONPATH=.:tests python -m support.vllm_basic_scenarios SCENARIO WORKDIR   -> prints one JSON line
 
 vLLM is imported inside the functions only: importing this module needs nothing but the standard library.
 """
@@ -18,21 +18,17 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from support.needs import needs, refuse_engines
+
 PROMPT = [1, 5, 7, 9, 11]
-HERE = Path(__file__).resolve().parent
 
 
-def run_scenario(name: str, work: Path, *, script: str = "vllm_basic_scenarios.py", **env: str) -> dict[str, Any]:
-    """Run one scenario of `script` (tests/) in its own process (one engine) and return its JSON result."""
-    import subprocess
+@needs("engine")
+def run_scenario(name: str, work: Path, *, script: str = "vllm_basic_scenarios", **env: str) -> dict[str, Any]:
+    """Run one scenario of `support/SCRIPT.py` in its own process (one engine) and return its JSON result."""
+    from support.vllm_runs import run_script
 
-    full_env = {**os.environ, **env, "PYTHONPATH": str(HERE.parent)}
-    proc = subprocess.run([sys.executable, str(HERE / script), name, str(work)], capture_output=True, text=True,
-                          env=full_env, timeout=900, cwd=HERE.parent)
-    for line in proc.stdout.splitlines():
-        if line.startswith("SCENARIO_RESULT "):
-            return json.loads(line.removeprefix("SCENARIO_RESULT "))
-    raise AssertionError(f"scenario {name} printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return run_script(script, name, work, **env)
 
 
 def _engine(work: Path, draft: str, *, plugin: bool = True) -> Any:
@@ -61,7 +57,7 @@ def _try(fn: Any) -> dict[str, Any]:
 
 def pinned_reload_on_every_rank(llm: Any, work: Path) -> dict[str, Any]:
     """Generate, pin, a shuffled bucketed reload of draft B on every rank, then states, pins, digests and
-    generate again (tests/ray_scenarios.py runs it under Ray)."""
+    generate again (support/ray_scenarios.py runs it under Ray)."""
     out: dict[str, Any] = {"generate_before": _try(lambda: _generate(llm))}
     out["pinned"] = llm.collective_rpc("lifecycle_pin")
     out["reload"] = _try(lambda: llm.collective_rpc(
@@ -109,6 +105,7 @@ def fingerprint(worker: Any) -> dict[str, str]:
 
 def main(namespace: dict[str, Any] | None = None) -> None:
     scenario, work = sys.argv[1], Path(sys.argv[2])
+    refuse_engines()  # started by a test not marked `engine`: no engine may start here
     from lifecycle.vllm.tiny import ENGINE_ENV
 
     for k, v in ENGINE_ENV.items():

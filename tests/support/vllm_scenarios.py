@@ -1,7 +1,7 @@
 """Engine scenarios for tests/test_vllm_engine.py, each run in its own process (vLLM's global state is per
 process; several engines run one after the other inside one scenario):
 
-    python tests/vllm_scenarios.py SCENARIO WORKDIR [FAMILY]   -> prints one JSON line: {"scenario": ..., ...}
+    PYTHONPATH=.:tests python -m support.vllm_scenarios SCENARIO WORKDIR [FAMILY]   -> prints one JSON line
 
 The checkpoints (target, each family's drafts A and B) are made in WORKDIR by the test. vLLM is imported inside
 the functions only: importing this module needs nothing but the standard library.
@@ -18,7 +18,8 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from vllm_trainer_paths import attempt
+from support.needs import refuse_engines
+from support.vllm_trainer_paths import attempt
 
 PROMPTS = ([1, 5, 7, 9, 11], [3, 3, 3, 3], [200, 17, 4, 99, 100, 101], [7] * 10)
 MAX_TOKENS = 16
@@ -29,7 +30,7 @@ SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_token
 @contextmanager
 def layout(name: str) -> Iterator[None]:
     """`cpu`: vLLM's CPU build as it is; `gpu`: linear layers keep their weight after loading, as on CUDA."""
-    from vllm_inprocess import gpu_weight_layout
+    from support.vllm_inprocess import gpu_weight_layout
 
     with gpu_weight_layout() if name == "gpu" else nullcontext():
         yield
@@ -118,7 +119,7 @@ def _observe(llm: Any) -> dict[str, Any]:
 
 def _memory_probe(worker: Any) -> dict[str, Any]:
     """What the draft holds (`vllm_inprocess.memory`): bytes, K/V shadows, those that are views of a buffer."""
-    from vllm_inprocess import memory
+    from support.vllm_inprocess import memory
 
     from lifecycle.vllm.worker import draft_model_of
 
@@ -128,7 +129,7 @@ def _memory_probe(worker: Any) -> dict[str, Any]:
 
 def _fused_layers(draft: Any) -> list[str]:
     """sha256 of each layer's slice of the fused K/V buffer (an empty list for a family without one)."""
-    from vllm_inprocess import digest
+    from support.vllm_inprocess import digest
 
     from lifecycle.vllm.owners import backbones_in
 
@@ -141,7 +142,7 @@ def _fused_layers(draft: Any) -> list[str]:
 def _structure_probe(worker: Any) -> dict[str, Any]:
     """The draft's optional submodules: what its first load froze, what it holds now, the storage and sha256 of
     their tensors (each one the lifecycle tracks)."""
-    from vllm_inprocess import digest
+    from support.vllm_inprocess import digest
 
     from lifecycle.vllm.owners import backbones_in
     from lifecycle.vllm.structure import observe
@@ -164,7 +165,7 @@ def _lifecycle(llm: Any) -> dict[str, Any]:
 
 def _paths(llm: Any, work: Path, drafts: str, start: str = "A") -> list[dict[str, Any]]:
     """Every trainer path in turn, alternating the draft A -> B -> A ..., observed after each."""
-    from vllm_trainer_paths import DRAFT_PATHS, PATHS, run_in_worker
+    from support.vllm_trainer_paths import DRAFT_PATHS, PATHS, run_in_worker
 
     runs, cur = [], start
     for path in PATHS:
@@ -183,7 +184,7 @@ def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu", drafts: s
     submodules, and a plain load_weights that is never finished. `drafts`: the checkpoints' folder prefix
     (`{drafts}A`, `{drafts}B`; the family's name by default). With `dummy`, between the two: an engine started
     as veRL starts it, then the trainer's first syncs (`_dummy_start`)."""
-    from vllm_inprocess import CASES
+    from support.vllm_inprocess import CASES
 
     from lifecycle.events import configure_audit
 
@@ -223,7 +224,7 @@ def _dummy_start(work: Path, drafts: str, method: str) -> dict[str, Any]:
     the same with partial='keep' (the plugin's RPC); every tensor, the embeddings and lm_head included (the
     proposer gave the draft the target's: vLLM decides that from the dummy state); then the target's sync; then
     every tensor the draft may take."""
-    from vllm_trainer_paths import run_in_worker, sync_target_in_worker
+    from support.vllm_trainer_paths import run_in_worker, sync_target_in_worker
 
     started = attempt(lambda: _engine(work, f"{drafts}B", method=method, load_format="dummy"))
     if not started["ok"]:  # what the plugin did before: LayersNotReadyError at the draft's cold processing
@@ -276,7 +277,7 @@ def _unfinished(llm: Any, work: Path, family: str, cur: str, last: bool) -> dict
     """A plain load_weights of every bucket, no process_weights_after_loading: the draft refuses to draft; the
     next process_weights_after_loading (imported from model_loader.utils) finishes the epoch. With `last`, a
     second unfinished write is then left open and `generate` must be refused (the engine is not reused after)."""
-    from vllm_trainer_paths import run_in_worker
+    from support.vllm_trainer_paths import run_in_worker
 
     dest = {"A": "B", "B": "A"}[cur]
     out: dict[str, Any] = {"draft": dest}
@@ -318,7 +319,7 @@ def _finish_with_process_weights_after_loading(worker: Any) -> str:
 def scenario_noplugin(work: Path) -> dict[str, Any]:
     """Stock vLLM: a bucketed layerwise draft reload breaks (CPU layout); a plain load_weights reload on the GPU
     layout generates, but rebuilds the fused buffer in new storage (what a captured graph would not see)."""
-    from vllm_trainer_paths import run_in_worker
+    from support.vllm_trainer_paths import run_in_worker
 
     def fused_ptr(worker: Any) -> list[Any]:
         inner = worker.model_runner.drafter.model.model
@@ -367,7 +368,7 @@ def _observe_ranks(llm: Any) -> dict[str, Any]:
 
 
 def _tp_paths(llm: Any, work: Path) -> list[dict[str, Any]]:
-    from vllm_trainer_paths import DRAFT_PATHS, PATHS, run_in_worker
+    from support.vllm_trainer_paths import DRAFT_PATHS, PATHS, run_in_worker
 
     runs, cur = [], "A"
     for path in PATHS:
@@ -380,12 +381,13 @@ def _tp_paths(llm: Any, work: Path) -> list[dict[str, Any]]:
 
 def main() -> None:
     scenario, work, *rest = sys.argv[1:]
-    from vllm_inprocess import ENV
+    refuse_engines()  # started by a test not marked `engine` (the in-process scenario): no engine may start here
+    from support.vllm_inprocess import ENV
 
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if scenario.startswith("inprocess"):
-        from vllm_inprocess_runs import run_inprocess
+        from support.vllm_inprocess_runs import run_inprocess
 
         result = run_inprocess(Path(work), *rest)
     else:

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from lifecycle import DraftBackbone, LifecycleState
+from lifecycle import DraftBackbone, LifecycleState, testing
 from lifecycle.derived import DerivedSpec, current_buffer
-from lifecycle.loading import load_safetensors, write_checkpoint
+from lifecycle.loading import write_checkpoint
 from lifecycle.storage import StorageIdentity
 from models import FAMILIES, DraftFamily
 
@@ -49,10 +49,7 @@ class Fam:
 
     def cold(self, which: str | Path) -> Any:
         """A backbone cold-loaded from checkpoint `which` ("a", "b" or a path), finalized and refreshed."""
-        m = self.build()
-        load_safetensors(m, self.ckpt[which] if isinstance(which, str) else which)
-        m.finalize_loading()
-        m.refresh_derived_buffers()
+        m = testing.cold_load(self.build, self.ckpt[which] if isinstance(which, str) else which)
         assert m.lifecycle.state is S.DERIVED_REFRESHED
         return m
 
@@ -72,11 +69,9 @@ class Fam:
 
 
 def reload(m: DraftBackbone, path: Path, **kw: Any) -> list[str]:
-    """begin_reload, load (any strategy), finalize; a `subset` reload keeps untouched layers. Returns the hooks
-    that ran."""
-    m.begin_reload()
-    load_safetensors(m, path, **kw)
-    return m.finalize_loading(keep_untouched="subset" in kw)
+    """begin_reload, load (any strategy), finalize, no refresh (`lifecycle.testing.reload`); a `subset` reload keeps
+    untouched layers. Returns the hooks that ran."""
+    return testing.reload(m, path, refresh=False, **kw)
 
 
 def specs(m: DraftBackbone, *kinds: str) -> list[DerivedSpec]:

@@ -1,7 +1,7 @@
 """In-process runs about the optional submodules of vLLM's drafts (`lifecycle/vllm/structure.py`): what the first
 load froze, reloads that leave those modules out or send each in its own bucket, tensors for modules the draft
 does not have, and what stock vLLM does with the same calls. Part of the in-process scenario
-(`tests/vllm_inprocess_runs.py`); vLLM is imported by the functions only.
+(`support/vllm_inprocess_runs.py`); vLLM is imported by the functions only.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm_inprocess import (
+from support.vllm_inprocess import (
     CASES,
     backbone,
     build,
@@ -21,7 +21,7 @@ from vllm_inprocess import (
     share_target,
     weight_digests,
 )
-from vllm_trainer_paths import attempt, buckets, read, write_draft
+from support.vllm_trainer_paths import attempt, buckets, read, write_draft
 
 from lifecycle.vllm.tiny import HIDDEN, VOCAB
 

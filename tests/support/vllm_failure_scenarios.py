@@ -1,6 +1,6 @@
 """Engine failure scenarios for tests/test_vllm_failures.py, one engine per scenario, every case on that engine:
 
-    python tests/vllm_failure_scenarios.py SCENARIO WORKDIR      -> prints one JSON line
+    PYTHONPATH=.:tests python -m support.vllm_failure_scenarios SCENARIO WORKDIR   -> prints one JSON line
 
 Each case makes a reload fail at one point (arguments, before the first bucket, mid-bucket, a checkpoint that
 changes while read, in finalize, in the refresh, a partial payload), then records the draft's state, a
@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vllm_basic_scenarios import _generate, _try, fingerprint, main
+from support.vllm_basic_scenarios import _generate, _try, fingerprint, main
 
 LAYER1 = "layers.1."
 NOT_LAYER1 = ["layers.0.", "fc.", "hidden_norm.", "norm."]

@@ -1,6 +1,6 @@
-"""The in-process scenario (`python tests/vllm_scenarios.py inprocess WORKDIR [FAMILIES] [LAYOUTS]`): for each
+"""The in-process scenario (`python -m support.vllm_scenarios inprocess WORKDIR [FAMILIES] [LAYOUTS]`): for each
 family the CPU build cannot start an engine with, vLLM's own classes, loader and reload functions
-(`tests/vllm_inprocess.py`), every trainer path (`tests/vllm_trainer_paths.py`), on both weight layouts.
+(`support/vllm_inprocess.py`), every trainer path (`support/vllm_trainer_paths.py`), on both weight layouts.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm_inprocess import (
+from support.vllm_inprocess import (
     CASES,
     HEAD,
     DraftCase,
@@ -32,8 +32,8 @@ from vllm_inprocess import (
     vllm_builder_values,
     weight_digests,
 )
-from vllm_structure_runs import frozen_absent, optional_runs, structure_of
-from vllm_trainer_paths import DRAFT_PATHS, PATHS, attempt, buckets, read, write_draft
+from support.vllm_structure_runs import frozen_absent, optional_runs, structure_of
+from support.vllm_trainer_paths import DRAFT_PATHS, PATHS, attempt, buckets, read, write_draft
 
 __all__ = ["INPROCESS_FAMILIES", "MEMORY_ONLY", "make_checkpoints", "run_inprocess"]
 
@@ -251,7 +251,7 @@ def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
             n for n, t in after.items() if n not in before or before[n].data_ptr() != t.data_ptr())
         del before, after
     if case.family == "kimi_k3_dspark":  # built once after the cold load, never rebuilt: compare with B's norms
-        from vllm_trainer_paths import read as read_tensors
+        from support.vllm_trainer_paths import read as read_tensors
 
         tb = dict(read_tensors(_draft_dir(work, case, "B")))
         n = len(stock.model.layers)

@@ -4,7 +4,7 @@
 Each draft is built under a CPU `VllmConfig` (a tiny Qwen3 target's engine config with the speculative config
 attached afterwards, as `../shared/context/VLLM_ON_CPU.md` describes), loaded by vLLM's own loader (`get_model`:
 `initialize_model` -> `load_weights` -> `process_weights_after_loading`) and reloaded through vLLM's own reload
-functions (`tests/vllm_trainer_paths.py`). The plugin is active, so the classes are the lifecycle-enabled ones;
+functions (`support/vllm_trainer_paths.py`). The plugin is active, so the classes are the lifecycle-enabled ones;
 `stock=True` builds vLLM's class itself, to show what the lifecycle guards against.
 
 Reusable per family: `setup()` once per process, then `make_draft(case, folder, seed)`, `build(case, ...)`.
