@@ -68,9 +68,8 @@ def measure(fam: str, layout: str, work: Path) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = common.parser(NAME, __doc__.splitlines()[0], repeats=1).parse_args(argv)
     common.setup_run(args, default_repeats=1)
-    from support.vllm_inprocess import setup
-
     from lifecycle.vllm.tiny import make_target
+    from support.vllm_inprocess import setup
 
     info = common.machine_info()
     run = "quick" if args.quick else "full"

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.marking import markers_for
-from support.needs import running_test
-from support.scenarios import debug_level, mixed_backbones, multi_rank
-from support.vllm_basic_scenarios import run_scenario
 
 from lifecycle.events import configure_audit
 from lifecycle.loading import write_checkpoint
 from lifecycle.testing import cold_load
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+from support.marking import markers_for
+from support.needs import running_test
+from support.scenarios import debug_level, mixed_backbones, multi_rank
+from support.vllm_basic_scenarios import run_scenario
 
 # Tiny tensors gain nothing from intra-op threads, and on a shared machine OpenMP's barriers cost tens of ms per
 # op (a 4x8x32 attention: ~30 ms with 2 threads under load, ~0.03 ms with 1). Results do not depend on it.

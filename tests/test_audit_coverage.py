@@ -9,11 +9,11 @@ import socket
 from pathlib import Path
 
 import pytest
-from support.scenarios import read_lines, write_lines
 
 from lifecycle.audit.replay import Auditor, audit_logs
 from lifecycle.audit.report import write_report
 from lifecycle.cli import main
+from support.scenarios import read_lines, write_lines
 
 
 @pytest.fixture

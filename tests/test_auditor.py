@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.scenarios import bucketed_reload, index_of, logging_to, read_lines, write_lines
 
 from lifecycle.audit.logstream import LogEvent, read_stream
 from lifecycle.audit.replay import (
@@ -38,6 +37,7 @@ from lifecycle.states import (
 )
 from lifecycle.testing import cold_load, reload, write_synthetic
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
+from support.scenarios import bucketed_reload, index_of, logging_to, read_lines, write_lines
 
 S = LifecycleState
 

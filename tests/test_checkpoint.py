@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.reference import assert_same, snapshot
 
 from lifecycle.checkpoint import checkpoint_files, checkpoint_index, iter_buckets
 from lifecycle.errors import CheckpointError
@@ -29,6 +28,7 @@ from lifecycle.readiness import layer_of
 from lifecycle.states import LifecycleState
 from lifecycle.testing import cold_load
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+from support.reference import assert_same, snapshot
 
 S = LifecycleState
 

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 from structlog.testing import capture_logs
-from support.reference import assert_derived_current, assert_same, snapshot
 from torch import nn
 
 from lifecycle.errors import IllegalTransitionError, LifecycleError, NonFiniteWeightError, SessionStateError
@@ -26,6 +25,7 @@ from lifecycle.loading import apply_bucket, load_safetensors, write_tensor
 from lifecycle.states import LifecycleState
 from lifecycle.testing import cold_load
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+from support.reference import assert_derived_current, assert_same, snapshot
 
 S = LifecycleState
 ROUNDS = 20

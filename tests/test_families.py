@@ -16,20 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 from structlog.testing import capture_logs
-from support.family_helpers import (
-    Fam,
-    L,
-    S,
-    assert_unchanged,
-    bit_equal,
-    derived,
-    identities,
-    layer_slices,
-    reload,
-    slice_bytes,
-    snapshot,
-    specs,
-)
 from torch import nn
 
 from lifecycle import (
@@ -48,6 +34,20 @@ from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.storage import count_allocations
 from lifecycle.testing import cold_load
 from models import FAMILIES
+from support.family_helpers import (
+    Fam,
+    L,
+    S,
+    assert_unchanged,
+    bit_equal,
+    derived,
+    identities,
+    layer_slices,
+    reload,
+    slice_bytes,
+    snapshot,
+    specs,
+)
 
 
 @pytest.fixture(params=list(FAMILIES))

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.family_helpers import Fam
 
 from lifecycle.loading import load_safetensors
 from models.qwen3_dflash2 import grouped_conv, score_edges
+from support.family_helpers import Fam
 
 
 def naive_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.family_helpers import Fam, reload
 
 from lifecycle import LifecycleState, StorageIdentity, WeightShapeError
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.storage import count_allocations
 from models import FAMILIES
 from models.qwen3_dspark import DSparkConfig, Qwen3DSparkDraft, random_weights
+from support.family_helpers import Fam, reload
 
 S = LifecycleState
 TABLE = "_markov_confidence_logits"

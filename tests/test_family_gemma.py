@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from support.family_helpers import Fam, L, reload
 
 from lifecycle import LifecycleState, StorageDriftError, StorageIdentity
 from lifecycle.loading import load_safetensors
 from models.gemma_dspark import GemmaDSparkConfig, GemmaDSparkDraft
 from models.layers import rms_norm
+from support.family_helpers import Fam, L, reload
 
 S = LifecycleState
 CFG = GemmaDSparkConfig(num_hidden_layers=L)

@@ -13,13 +13,13 @@ from collections import Counter
 
 import pytest
 import torch
-from support.family_helpers import Fam, L, assert_unchanged, reload, snapshot
 from torch import nn
 
 from lifecycle import LifecycleState, Phase, StorageReallocationError
 from lifecycle.loading import load_safetensors
 from lifecycle.types import TensorSpec
 from models.kimi_k3_mla_dspark import K3DSparkConfig, K3DSparkDraft
+from support.family_helpers import Fam, L, assert_unchanged, reload, snapshot
 
 S = LifecycleState
 CFG = K3DSparkConfig(num_hidden_layers=L)

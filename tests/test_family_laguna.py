@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from support.family_helpers import Fam, assert_unchanged, bit_equal, reload, snapshot
 
 from lifecycle import Phase, StorageDriftError
 from lifecycle.storage import StorageIdentity
 from models.laguna_dflash import DFlashLagunaDraft, LagunaDFlashConfig
 from models.layers import apply_rope
+from support.family_helpers import Fam, assert_unchanged, bit_equal, reload, snapshot
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from structlog.testing import capture_logs
-from support.reference import FaultyDraft, Snap, assert_derived_current, assert_same, derived_names, snapshot
 from torch import nn
 
 from lifecycle.errors import (
@@ -33,6 +32,7 @@ from lifecycle.loading import apply_bucket, load_safetensors, write_checkpoint, 
 from lifecycle.states import LifecycleState
 from lifecycle.testing import cold_load, reload
 from models.qwen3_dflash import DFlashConfig, random_weights
+from support.reference import FaultyDraft, Snap, assert_derived_current, assert_same, derived_names, snapshot
 
 S = LifecycleState
 ALIASES = {"_hidden_norm_weight", "_rope_cos_sin_cache"}

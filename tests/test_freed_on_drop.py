@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from support.family_helpers import Fam
 from torch import nn
 
 from lifecycle import DraftBackbone, testing
 from lifecycle.loading import load_safetensors, write_checkpoint
 from models import FAMILIES
+from support.family_helpers import Fam
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from lifecycle.testing import cold_load
 from support import browser
 from support.marking import needs_in
 from support.needs import (
@@ -25,8 +27,6 @@ from support.needs import (
 )
 from support.vllm_basic_scenarios import run_scenario
 from support.vllm_runs import ROOT, run_inprocess
-
-from lifecycle.testing import cold_load
 
 
 def _starts_an_engine_two_calls_down() -> None:

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from lifecycle.storage import count_allocations
+from models import FAMILIES
 from support.family_helpers import (
     Fam,
     L,
@@ -25,9 +28,6 @@ from support.family_helpers import (
     slice_bytes,
     specs,
 )
-
-from lifecycle.storage import count_allocations
-from models import FAMILIES
 
 
 @pytest.fixture(params=list(FAMILIES))

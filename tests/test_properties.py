@@ -34,7 +34,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from structlog.testing import capture_logs
-from support.reference import assert_derived_current
 
 from lifecycle.errors import (
     IllegalTransitionError,
@@ -51,6 +50,7 @@ from lifecycle.readiness import layer_of
 from lifecycle.states import LifecycleState, possible_destinations
 from lifecycle.storage import StorageIdentity
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+from support.reference import assert_derived_current
 
 S = LifecycleState
 CFG = DFlashConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, head_dim=16,

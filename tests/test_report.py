@@ -13,14 +13,14 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from support.browser import chromium
-from support.scenarios import index_of, read_lines, write_lines
 
 from lifecycle.audit.report import collect, write_report
 from lifecycle.audit.svg import state_diagram_svg
 from lifecycle.cli import main
 from lifecycle.states import TRANSITIONS, TRIGGERS
 from lifecycle.testing import write_synthetic
+from support.browser import chromium
+from support.scenarios import index_of, read_lines, write_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "lifecycle" / "audit" / "assets"

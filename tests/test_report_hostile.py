@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.browser import chromium
-from support.scenarios import read_lines, write_lines
 from test_report import Elements
 
 from lifecycle.cli import main
+from support.browser import chromium
+from support.scenarios import read_lines, write_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 TITLE = "reload-lifecycle report"

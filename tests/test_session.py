@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 from structlog.testing import capture_logs
-from support.reference import assert_derived_current, assert_same, snapshot
 
 from lifecycle import ReloadSession
 from lifecycle.errors import IllegalTransitionError, QuarantinedError, RecoveryError, SessionStateError
@@ -16,6 +15,7 @@ from lifecycle.states import LifecycleState
 from lifecycle.storage import count_allocations
 from lifecycle.testing import cold_load, reload
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
+from support.reference import assert_derived_current, assert_same, snapshot
 
 S = LifecycleState
 

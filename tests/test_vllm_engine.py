@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.vllm_runs import run_scenario
-from support.vllm_trainer_paths import DRAFT_PATHS, PATHS
 
 from lifecycle.states import LifecycleState
 from lifecycle.vllm.worker import per_backbone
+from support.vllm_runs import run_scenario
+from support.vllm_trainer_paths import DRAFT_PATHS, PATHS
 
 GRAPH_CAPTURED = LifecycleState.GRAPH_CAPTURED.value
 LAYOUTS = ("cpu", "gpu")

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 import torch
-from support.vllm_basic_scenarios import run_scenario
 
 from lifecycle.states import LifecycleState
 from lifecycle.vllm.worker import per_backbone
+from support.vllm_basic_scenarios import run_scenario
 
 S = LifecycleState
 USABLE = S.GRAPH_CAPTURED.value  # the draft's storage was pinned at the start of each scenario

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.vllm_inprocess_runs import INPROCESS_FAMILIES, MEMORY_ONLY
-from support.vllm_trainer_paths import DRAFT_PATHS, PATHS
 
 from lifecycle.states import LifecycleState
 from lifecycle.vllm.families import family
+from support.vllm_inprocess_runs import INPROCESS_FAMILIES, MEMORY_ONLY
+from support.vllm_trainer_paths import DRAFT_PATHS, PATHS
 
 FAMILIES = INPROCESS_FAMILIES.split(",")
 LAYOUTS = ("cpu", "gpu")

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.quantized_drafts import QUANTIZED
-from support.vllm_basic_scenarios import run_scenario
 
 from lifecycle.states import LifecycleState
 from lifecycle.vllm.worker import per_backbone
+from support.quantized_drafts import QUANTIZED
+from support.vllm_basic_scenarios import run_scenario
 
 RELOADABLE = {"fp8_per_channel": "Fp8PtpcOnlineLinearMethod", "w4a16": "CompressedTensorsLinearMethod",
               "w8a8-fp8": "CompressedTensorsLinearMethod", "awq": "AutoAWQMarlinLinearMethod"}

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.needs import needs
-from support.vllm_runs import PYTHONPATH
 
 from lifecycle.audit.replay import audit_logs
 from lifecycle.states import LifecycleState
 from lifecycle.vllm.worker import per_backbone
+from support.needs import needs
+from support.vllm_runs import PYTHONPATH
 
 pytestmark = pytest.mark.ray
 

@@ -117,10 +117,10 @@ def scenario_quantized(work: Path) -> dict[str, Any]:
     warm B must equal the cold B."""
     import os
 
-    from support.vllm_basic_scenarios import _generate, _try, fingerprint
     from vllm import LLM
 
     from lifecycle.vllm.tiny import engine_kwargs
+    from support.vllm_basic_scenarios import _generate, _try, fingerprint
 
     name = os.environ["QUANTIZED_DRAFT"]
     fmt, online = QUANTIZED[name]

@@ -119,9 +119,8 @@ def _observe(llm: Any) -> dict[str, Any]:
 
 def _memory_probe(worker: Any) -> dict[str, Any]:
     """What the draft holds (`vllm_inprocess.memory`): bytes, K/V shadows, those that are views of a buffer."""
-    from support.vllm_inprocess import memory
-
     from lifecycle.vllm.worker import draft_model_of
+    from support.vllm_inprocess import memory
 
     draft = draft_model_of(worker.model_runner)
     return {**memory(draft, draft.lifecycle_family), "fused_layers": _fused_layers(draft)}
@@ -129,9 +128,8 @@ def _memory_probe(worker: Any) -> dict[str, Any]:
 
 def _fused_layers(draft: Any) -> list[str]:
     """sha256 of each layer's slice of the fused K/V buffer (an empty list for a family without one)."""
-    from support.vllm_inprocess import digest
-
     from lifecycle.vllm.owners import backbones_in
+    from support.vllm_inprocess import digest
 
     (b,) = backbones_in(draft)
     fused = next((t for n in b.derived_buffer_names() if "kv" in n and (t := b._buffers.get(n)) is not None
@@ -142,11 +140,10 @@ def _fused_layers(draft: Any) -> list[str]:
 def _structure_probe(worker: Any) -> dict[str, Any]:
     """The draft's optional submodules: what its first load froze, what it holds now, the storage and sha256 of
     their tensors (each one the lifecycle tracks)."""
-    from support.vllm_inprocess import digest
-
     from lifecycle.vllm.owners import backbones_in
     from lifecycle.vllm.structure import observe
     from lifecycle.vllm.worker import draft_model_of
+    from support.vllm_inprocess import digest
 
     draft = draft_model_of(worker.model_runner)
     (b,) = backbones_in(draft)
@@ -184,9 +181,8 @@ def scenario_family(work: Path, family: str, layouts: str = "cpu,gpu", drafts: s
     submodules, and a plain load_weights that is never finished. `drafts`: the checkpoints' folder prefix
     (`{drafts}A`, `{drafts}B`; the family's name by default). With `dummy`, between the two: an engine started
     as veRL starts it, then the trainer's first syncs (`_dummy_start`)."""
-    from support.vllm_inprocess import CASES
-
     from lifecycle.events import configure_audit
+    from support.vllm_inprocess import CASES
 
     method = CASES[family].method
     drafts = drafts or family

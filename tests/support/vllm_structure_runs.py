@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lifecycle.vllm.tiny import HIDDEN, VOCAB
 from support.vllm_inprocess import (
     CASES,
     backbone,
@@ -22,8 +24,6 @@ from support.vllm_inprocess import (
     weight_digests,
 )
 from support.vllm_trainer_paths import attempt, buckets, read, write_draft
-
-from lifecycle.vllm.tiny import HIDDEN, VOCAB
 
 __all__ = ["frozen_absent", "optional_buckets", "optional_runs", "structure_of"]
 
