@@ -98,7 +98,9 @@ __all__ = [
 LOGGER_NAME = "reload_lifecycle"
 #: The levels `configure_audit` and `emit` accept, lowest first.
 LEVELS = ("debug", "info", "warning", "error", "critical")
-_LEVEL_NUMBERS = {name: logging.getLevelNamesMapping()[name.upper()] for name in LEVELS}
+# named one by one: `logging.getLevelNamesMapping` is new in Python 3.11 (tests/test_python310.py)
+_LEVEL_NUMBERS = dict(zip(LEVELS, (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL),
+                          strict=True))
 
 
 # ---- configuration ------------------------------------------------------------------------------------------------
