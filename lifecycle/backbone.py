@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from operator import attrgetter
-from typing import Any, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 from torch import nn
@@ -66,8 +66,7 @@ def _weakly(method: Callable[..., R]) -> Callable[..., R]:
 class DraftBackbone(nn.Module):
     """Mixin for draft backbones whose derived buffers must follow a guarded reload lifecycle."""
 
-    # declared by the class; `init_lifecycle` narrows it per instance to the buffers `enabled=` accepts
-    derived_buffers: tuple[DerivedSpec, ...] = ()
+    derived_buffers: ClassVar[tuple[DerivedSpec, ...]] = ()
 
     def init_lifecycle(self, name: str | None = None, *, rank: int = 0, locked: bool = False,
                        tensors: Mapping[str, torch.Tensor] | None = None,
@@ -77,7 +76,8 @@ class DraftBackbone(nn.Module):
         `tensors` when the caller knows better (vLLM drafts share their embeddings with the target). `slots`:
         name -> (module, attribute) of tracked tensors held outside this module (a vLLM draft's lm_head)."""
         # the class declares every buffer; this backbone keeps those its `enabled=` predicates accept
-        self.derived_buffers = tuple(s for s in self.derived_buffers if s.is_enabled(self))
+        self.derived_buffers = tuple(  # type: ignore[misc]  # the class's declarations, narrowed for this instance
+            s for s in self.derived_buffers if s.is_enabled(self))
         for spec in self.derived_buffers:
             self.register_buffer(spec.name, None, persistent=False)
         tracked = self.state_dict(keep_vars=True) if tensors is None else tensors
