@@ -327,8 +327,8 @@ def _read_tensor(f: _OpenFile, entry: IndexEntry, into: torch.Tensor | None = No
     # the only allocation: the tensor's own bytes (or none: `into`, a slice of `iter_buckets`' reused buffer)
     raw = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into
     if entry.nbytes:
-        # numpy's stubs give ndarray `__buffer__` on Python >= 3.12 only (the buffer protocol is older)
-        _read_exact(f.fd, memoryview(raw.numpy()), entry.start, f.path)  # type: ignore[arg-type]
+        # (numpy's stubs give ndarray `__buffer__` only where typing has it, Python >= 3.12)
+        _read_exact(f.fd, memoryview(raw.numpy()), entry.start, f.path)  # type: ignore[arg-type]  # numpy's stubs
     return raw.view(entry.dtype).reshape(entry.shape)
 
 

@@ -30,6 +30,7 @@ def test_audit_levels_without_python_311_logging(tmp_path: Path) -> None:
         assert [e["event"] for e in events.read_events(sys.argv[1])] == ["hello"]
         print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "audit.jsonl")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "audit.jsonl")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
