@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, TypeGuard, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -132,18 +132,15 @@ def parts_of(spec: DerivedSpec, i: int, context: Mapping[str, str], layer: nn.Mo
     except Exception as e:
         raise DerivedBuildError(spec.name, f"per_layer for {spec.layers_attr}.{i}", e,
                                 backbone=context.get("backbone", "?"), state=context.get("state", "?")) from e
-    parts: list[object] = (
+    # what the user's function returned, checked here: every part a tensor before it is returned
+    parts: list[Any] = (
         [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (list, tuple)) else [out])
-    if not parts or not _all_tensors(parts):
+    if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
         what = "no parts" if not parts else ", ".join(type(p).__name__ for p in parts)
         raise DerivedBuildError(spec.name, f"per_layer for {spec.layers_attr}.{i}",
                                 TypeError(f"returned {what}, not a tensor or a sequence of tensors"),
                                 backbone=context.get("backbone", "?"), state=context.get("state", "?"))
     return parts
-
-
-def _all_tensors(parts: list[object]) -> TypeGuard[list[torch.Tensor]]:
-    return all(isinstance(p, torch.Tensor) for p in parts)
 
 
 def of_a_parameter(p: torch.Tensor) -> bool:
