@@ -58,7 +58,8 @@ class _Model:
     """What `transitions` binds to: it holds `state` and the trigger methods, nothing else."""
 
     state: LifecycleState
-    trigger: Callable[..., bool]  # bound by `transitions` (declared only: it binds no name the model has)
+    # bound by `transitions` on the model: annotated, not assigned (it skips a name the model already has)
+    trigger: Callable[..., bool]
 
 
 class TableMachine(AuditTrail):
