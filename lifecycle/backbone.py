@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from operator import attrgetter
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ def _weakly(method: Callable[..., R]) -> Callable[..., R]:
     """`method` (bound to a backbone), called through a weak reference to the backbone: what the backbone owns
     (its lifecycle, its slot table) must not refer back to it, or dropping the backbone would leave a cycle that
     holds every weight until the cyclic collector happens to run (rarely, in a trainer's large heap)."""
-    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+    ref = weakref.WeakMethod(method)
     what = method.__qualname__  # the name, not the method: the closure must not hold the backbone either
 
     def call(*args: Any) -> R:
@@ -76,7 +76,8 @@ class DraftBackbone(nn.Module):
         `tensors` when the caller knows better (vLLM drafts share their embeddings with the target). `slots`:
         name -> (module, attribute) of tracked tensors held outside this module (a vLLM draft's lm_head)."""
         # the class declares every buffer; this backbone keeps those its `enabled=` predicates accept
-        self.derived_buffers = tuple(s for s in self.derived_buffers if s.is_enabled(self))
+        self.derived_buffers = tuple(  # type: ignore[misc]  # the class's declarations, narrowed for this instance
+            s for s in self.derived_buffers if s.is_enabled(self))
         for spec in self.derived_buffers:
             self.register_buffer(spec.name, None, persistent=False)
         tracked = self.state_dict(keep_vars=True) if tensors is None else tensors
@@ -86,7 +87,7 @@ class DraftBackbone(nn.Module):
         # are pinned separately: either moving is drift).
         # The backbone's own tensors are reached through a weak proxy: a table it owns that named it would be a
         # cycle (see `_weakly`).
-        owner = weakref.proxy(self)
+        owner = cast(DraftBackbone, weakref.proxy(self))  # stands for the backbone, attribute for attribute
         self._tensor_slots: dict[str, tuple[nn.Module, str]] = {
             f"{mod_name}.{leaf}" if mod_name else leaf: (owner if mod is self else mod, leaf)
             for mod_name, mod in self.named_modules(remove_duplicate=False)
@@ -152,15 +153,17 @@ class DraftBackbone(nn.Module):
                    for _, mod, leaf in self._checkpoint_slots if mod is not None]
         if not slotted or len(slotted) != len(self._checkpoint_slots):
             return None
-        return tuple(map(list, zip(*slotted, strict=True)))  # type: ignore[return-value]
+        modules, tables, leaves = zip(*slotted, strict=True)
+        return list(modules), list(tables), list(leaves)
 
     # ---- accessors --------------------------------------------------------------------------------------------
     @property
     def lifecycle(self) -> BackboneLifecycle:
         try:
-            return self.__dict__["_lifecycle"]
+            lc: BackboneLifecycle = self.__dict__["_lifecycle"]
         except KeyError:
             raise AttributeError(f"{type(self).__name__} did not call init_lifecycle() in __init__") from None
+        return lc
 
     @property
     def derived_fallbacks(self) -> dict[str, str]:
@@ -226,8 +229,8 @@ class DraftBackbone(nn.Module):
         """Add a hook at run time (besides methods decorated with `@post_load_hook`)."""
         if not phases:
             raise ValueError("register_post_load_hook needs at least one phase (cold_load and/or reload)")
-        self._runtime_hooks.append(Hook(name or getattr(fn, "__name__", repr(fn)),
-                                        frozenset(Phase(p) for p in phases), fn))
+        label: str = getattr(fn, "__name__", repr(fn))
+        self._runtime_hooks.append(Hook(name or label, frozenset(Phase(p) for p in phases), fn))
 
     def post_load_hooks(self, phase: Phase) -> list[Hook]:
         return collect_hooks(type(self), phase) + [h for h in self._runtime_hooks if phase in h.phases]
@@ -242,7 +245,8 @@ class DraftBackbone(nn.Module):
         """Run this phase's hooks that have not completed yet: a `cold_load` hook once ever, a `reload` hook once
         per epoch. A hook that raises stops the run (audited); the hooks before it stay completed."""
         lc = self.lifecycle
-        done: dict[tuple[str, Any], int] = self.__dict__.setdefault("_hooks_done", {})  # hook -> epoch completed
+        # (phase, hook name, hook function) -> the epoch it completed in
+        done: dict[tuple[str, str, Callable[..., Any]], int] = self.__dict__.setdefault("_hooks_done", {})
         ran = []
         for hook in self.post_load_hooks(phase):
             key = (phase.value, hook.name, hook.fn)
@@ -320,7 +324,8 @@ class DraftBackbone(nn.Module):
                     self._derived_fallbacks[b.name] = b.reason
                 elif b.mode != "skipped":
                     self._derived_fallbacks.pop(b.name, None)
-            lc.audit_event("refresh", **report.audit_fields(), duration_ms=round(report.duration_ms, 3))
+            fields = cast("dict[str, Any]", report.audit_fields())  # event fields: none named `level`
+            lc.audit_event("refresh", **fields, duration_ms=round(report.duration_ms, 3))
             return report
 
         return lc.refresh_derived(refresh)

@@ -37,11 +37,11 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -179,10 +179,11 @@ def _read_header(path: Path) -> tuple[dict[str, IndexEntry], bytes]:
         os.close(fd)
 
 
-def _entry(path: Path, name: str, meta: object, data_start: int, data_size: int, identity: FileIdentity
+def _entry(path: Path, name: str, meta: Any, data_start: int, data_size: int, identity: FileIdentity
            ) -> IndexEntry:
+    """`meta`: the header's JSON for the tensor, of any shape (what is not an entry is refused below)."""
     try:
-        dtype_code, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]  # type: ignore[index]
+        dtype_code, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
         shape = tuple(map(int, shape))
         begin, end = int(begin), int(end)
     except (KeyError, TypeError, ValueError) as e:
@@ -281,7 +282,7 @@ def _padded(nbytes: int) -> int:
 
 
 def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]], *, reuse: bool = False
-                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                 ) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
     """Stream the buckets from disk: only one bucket's tensors are in memory at a time. Each file is opened
     once, when a bucket first needs it; it must be the file the index describes, and it is checked again
     after each bucket's reads, before the bucket is handed out (see the module docstring).
@@ -326,7 +327,8 @@ def _read_tensor(f: _OpenFile, entry: IndexEntry, into: torch.Tensor | None = No
     # the only allocation: the tensor's own bytes (or none: `into`, a slice of `iter_buckets`' reused buffer)
     raw = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into
     if entry.nbytes:
-        _read_exact(f.fd, memoryview(raw.numpy()), entry.start, f.path)
+        # (numpy's stubs give ndarray `__buffer__` only where typing has it, Python >= 3.12)
+        _read_exact(f.fd, memoryview(raw.numpy()), entry.start, f.path)  # type: ignore[arg-type]  # numpy's stubs
     return raw.view(entry.dtype).reshape(entry.shape)
 
 

@@ -70,11 +70,11 @@ def _bound_value(key: str, value: Any, out: MutableMapping[str, Any], depth: int
         if len(value) > cap:
             out[f"{key}_more"] = out.get(f"{key}_more", 0) + len(value) - cap
             value = value[:cap]
-        items: list[Any] = []
+        bounded: list[Any] = []
         for v in value:
             cut: dict[str, Any] = {}  # what bounding the item cut (dropped: a list item has no fields beside it)
-            items.append(_bound_value(key, v, cut, depth + 1))
-        return items
+            bounded.append(_bound_value(key, v, cut, depth + 1))
+        return bounded
     if isinstance(value, (bool, int, float, str)):  # a subclass (an enum, a numpy scalar): its plain value
         plain = next(t for t in (bool, int, float, str) if isinstance(value, t))
         return _bound_value(key, plain.__str__(value) if plain is str else plain(value), out, depth)

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +200,8 @@ class JsonLinesSink:
         if line is not None:
             self._write(line.encode())
 
-    def write_held(self, records: list[Mapping[str, Any]], times_ns: list[int], level: str, node: str) -> None:
+    def write_held(self, records: Sequence[Mapping[str, Any]], times_ns: Sequence[int], level: str, node: str
+                   ) -> None:
         """Write records a lifecycle held back (per-bucket events, `events.hold_events`), each with the time it was
         made, as `write_record` would, in one `write(2)`: a failure loses these lines only."""
         lines = [line for record, now_ns in zip(records, times_ns, strict=True)

@@ -17,7 +17,7 @@ import contextlib
 import re
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 from . import events
 from .events import HOLD_KEEP, HOLD_NONE, HOLD_WRITE, LIST_CAP
@@ -58,8 +58,8 @@ class AuditTrail:
         # ... and then, its names being strings, its line in a JSON file is formatted from the tuple held
         # (`_held_lines`), with the fields every such event of a kind begins with encoded once
         self._line_prefixes: dict[str, str] | None = (
-            {} if self._plain_layer_events and isinstance(name, str)
-            and all(isinstance(layer, str) for layer in readiness.tensors_of_layer) else None)
+            {} if self._plain_layer_events
+            and all(isinstance(n, str) for n in (name, *readiness.tensors_of_layer)) else None)
         # ... and its layer names written between quotes as they are, when the JSON encoder would write them so
         # (printable ASCII, no quote or backslash: `layers.12`), else each encoded (`events.encode_string`)
         self._layers_as_is = self._line_prefixes is not None and all(
@@ -74,7 +74,7 @@ class AuditTrail:
             self.flush_events()
         if self._unbuilt:
             self._build_kept()
-        return self._recent  # type: ignore[return-value]  # every entry a record now
+        return cast("deque[dict[str, Any]]", self._recent)  # every entry a record now
 
     def _build_kept(self) -> None:
         """Replace the held events kept as tuples by their records, in place (the deque stays the same object,
@@ -198,12 +198,12 @@ class AuditTrail:
         """The held events' lines in a JSON file (`events.emit_held_lines`): each one's record as the JSON encoder
         writes it, formatted from the tuple. Only for plain events (`_line_prefixes`): every value is an int or a
         name within the bounds, written as is."""
-        prefixes: dict[str, str] = self._line_prefixes  # type: ignore[assignment]
+        prefixes = cast("dict[str, str]", self._line_prefixes)  # plain events only: not None
         encode, as_is = events.encode_string, self._layers_as_is
         lines = []
         for (event, seq, epoch, shown, count, tensors, ready, total, _), stamp in zip(
                 held, events.timestamps([item[-1] for item in held]), strict=True):
-            prefix = prefixes.get(event) or self._line_prefix(event)
+            prefix = prefixes.get(event) or self._line_prefix(prefixes, event)
             if len(shown) == 1:  # the common case: the bucket completed one layer
                 layers = f'"{shown[0]}"' if as_is else encode(shown[0])
             else:
@@ -217,10 +217,11 @@ class AuditTrail:
                              f'{middle}{stamp}{end}')
         return "".join(lines)
 
-    def _line_prefix(self, event: str) -> str:
-        """The fields a held `event`'s line begins with, up to its epoch, encoded (and kept for the next ones)."""
+    def _line_prefix(self, prefixes: dict[str, str], event: str) -> str:
+        """The fields a held `event`'s line begins with, up to its epoch, encoded (and kept in `prefixes`, the
+        `_line_prefixes`, for the next ones)."""
         encode = events.encode_string
-        prefix = self._line_prefixes[event] = (  # type: ignore[index]
+        prefix = prefixes[event] = (
             f'"event":{encode(event)},"backbone":{encode(self.name)},"rank":{self.rank},"epoch":')
         return prefix
 

@@ -38,7 +38,7 @@ import socket
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -98,7 +98,9 @@ __all__ = [
 LOGGER_NAME = "reload_lifecycle"
 #: The levels `configure_audit` and `emit` accept, lowest first.
 LEVELS = ("debug", "info", "warning", "error", "critical")
-_LEVEL_NUMBERS = {name: logging.getLevelNamesMapping()[name.upper()] for name in LEVELS}
+# named one by one: `logging.getLevelNamesMapping` is new in Python 3.11 (tests/test_python310.py)
+_LEVEL_NUMBERS = dict(zip(LEVELS, (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL),
+                          strict=True))
 
 
 # ---- configuration ------------------------------------------------------------------------------------------------
@@ -112,7 +114,7 @@ class _Route:
     sink: JsonLinesSink | None
     level: int
     failed_once: list[bool]  # a failure outside the sink (the console) was reported already
-    json_only: bool = False  # a JSON file and no console: records go straight to the sink (`write_record`)
+    json_sink: JsonLinesSink | None = None  # `sink` when it is the only output: records go straight to it
     node: str = ""  # what every written event carries as `node` (the chain binds it; `write_record` is told)
 
 
@@ -148,7 +150,7 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
         raise TypeError(f"configure_audit: console must be True or False, got {console!r:.80}")
     if stream is not None and not callable(getattr(stream, "write", None)):
         raise TypeError(f"configure_audit: stream must be a text stream with write(), got {type(stream).__name__}")
-    if node is not None and (not isinstance(node, str) or not node or len(node) > STR_CAP):
+    if node is not None and not _is_node_name(node):
         raise ValueError(f"configure_audit: node must be a non-empty name of at most {STR_CAP} characters, "
                          f"got {node!r:.80}")
     node_name = node or host_name()
@@ -165,9 +167,10 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
             if sink is not None:
                 processors.append(sink)
             processors.append(structlog.dev.ConsoleRenderer(colors=_isatty(out)) if console else _drop)
-            logger = structlog.make_filtering_bound_logger(number)(
-                structlog.PrintLogger(out), processors=processors, context={"node": node_name})
-        old, _route = _route, _Route(logger, sink, number, [False], json_only=sink is not None and not console,
+            # a class of structlog's BoundLoggerBase (logger, processors, context), typed as the protocol it meets
+            bound_logger: Callable[..., Any] = structlog.make_filtering_bound_logger(number)
+            logger = bound_logger(structlog.PrintLogger(out), processors=processors, context={"node": node_name})
+        old, _route = _route, _Route(logger, sink, number, [False], json_sink=None if console else sink,
                                      node=node_name)
     if old.sink is not None:
         try:
@@ -176,6 +179,11 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
             _say(f"closing the previous audit sink {old.sink.path} failed ({type(e).__name__}: {e}); "
                  "the new route is in force")
     return sink
+
+
+def _is_node_name(node: object) -> bool:
+    """Whether `node` (as a caller gave it: of any type) is a name `configure_audit` takes."""
+    return isinstance(node, str) and 0 < len(node) <= STR_CAP
 
 
 def _drop(_logger: Any, _name: str, _event_dict: MutableMapping[str, Any]) -> str:
@@ -239,7 +247,7 @@ def hold_events() -> int:
     route = _route
     if _capture_chain() is not None:
         return HOLD_NONE
-    return HOLD_WRITE if route.json_only else HOLD_KEEP if route.logger is None else HOLD_NONE
+    return HOLD_WRITE if route.json_sink is not None else HOLD_KEEP if route.logger is None else HOLD_NONE
 
 
 def register_holder(holder: Any) -> None:
@@ -256,7 +264,7 @@ def flush_holders() -> None:
 atexit.register(flush_holders)
 
 
-def emit_held(records: list[Mapping[str, Any]], times_ns: list[int], level: str = "info") -> None:
+def emit_held(records: Sequence[Mapping[str, Any]], times_ns: Sequence[int], level: str = "info") -> None:
     """Send records held back (bounded already), each with the time it was made: one write to a JSON file
     alone; through `emit_record` (stamped now) on any other route the holder did not expect. Never raises."""
     route = _route
@@ -265,12 +273,13 @@ def emit_held(records: list[Mapping[str, Any]], times_ns: list[int], level: str 
     capture = _capture_chain()
     if capture is None and route.logger is None:
         return  # audit off: the holder keeps them, nothing is written
-    if capture is not None or not route.json_only:
+    sink = route.json_sink
+    if capture is not None or sink is None:
         for record in records:
             emit_record(record, level)  # the console, or a capture_logs block
         return
     try:
-        route.sink.write_held(records, times_ns, level, route.node)  # type: ignore[union-attr]
+        sink.write_held(records, times_ns, level, route.node)
     except Exception as e:  # as in emit_record: an output failure must not reach the lifecycle
         _output_failed(route, e)
 
@@ -280,11 +289,12 @@ def emit_held_lines(lines: Callable[[str, str, str], str], level: str = "info") 
     JSON file alone (written if `level` is): True. On any other route nothing is sent and the answer is False:
     the holder sends the records themselves (`emit_held`). Never raises for a failed write."""
     route = _route
-    if not route.json_only or _capture_chain() is not None:
+    sink = route.json_sink
+    if sink is None or _capture_chain() is not None:
         return False
     if _LEVEL_NUMBERS[level] >= route.level:
         try:
-            route.sink.write_held_lines(lines, level, route.node)  # type: ignore[union-attr]
+            sink.write_held_lines(lines, level, route.node)
         except Exception as e:  # as in emit_record: an output failure must not reach the lifecycle
             _output_failed(route, e)
     return True
@@ -314,8 +324,8 @@ def emit_record(record: Mapping[str, Any], level: str = "info") -> None:
             event_dict: Any = dict(record)
             for processor in capture:
                 event_dict = processor(None, level, event_dict)
-        elif route.json_only:
-            route.sink.write_record(record, level, route.node)  # type: ignore[union-attr]
+        elif (sink := route.json_sink) is not None:
+            sink.write_record(record, level, route.node)
         else:
             getattr(route.logger, level)(**record)
     except structlog.DropEvent:

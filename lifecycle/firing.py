@@ -13,8 +13,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from transitions import Machine, MachineError
 from transitions.extensions import LockedMachine
@@ -57,6 +58,8 @@ class _Model:
     """What `transitions` binds to: it holds `state` and the trigger methods, nothing else."""
 
     state: LifecycleState
+    # bound by `transitions` on the model: annotated, not assigned (it skips a name the model already has)
+    trigger: Callable[..., bool]
 
 
 class TableMachine(AuditTrail):
@@ -89,9 +92,12 @@ class TableMachine(AuditTrail):
         self._lock = threading.RLock()
         self._locked = locked
         self._model = _Model()
-        table = dict(model=self._model, states=LifecycleState, initial=INITIAL_STATE,
-                     transitions=[self._machine_row(t) for t in TRANSITIONS], auto_transitions=False, send_event=True)
-        self._machine = LockedMachine(**table, machine_context=[self._lock]) if locked else Machine(**table)
+        table: dict[str, Any] = dict(
+            model=self._model, states=LifecycleState, initial=INITIAL_STATE,
+            transitions=[self._machine_row(t) for t in TRANSITIONS], auto_transitions=False, send_event=True)
+        # transitions' stubs want a context manager whose `__enter__` returns None; an RLock's returns True
+        lock = cast("AbstractContextManager[None]", self._lock)
+        self._machine = LockedMachine(**table, machine_context=[lock]) if locked else Machine(**table)
 
     def _machine_row(self, t: Transition) -> dict[str, Any]:
         """One row for `transitions`: its guards (then the trigger's effect) run before the state changes; its
@@ -171,6 +177,12 @@ class TableMachine(AuditTrail):
         return self.pinned.changes(self._pinned_tensors())
 
     # ---- firing -----------------------------------------------------------------------------------------------
+    @overload
+    def _fire(self, trigger: str, effect: Callable[[], T], **log: Any) -> T: ...
+
+    @overload
+    def _fire(self, trigger: str, effect: None = None, **log: Any) -> None: ...
+
     def _fire(self, trigger: str, effect: Callable[[], T] | None = None, **log: Any) -> T | None:
         """Fire `trigger`: guards, then `effect`, then the state change; one audit event either way."""
         src = self.state
@@ -181,7 +193,7 @@ class TableMachine(AuditTrail):
                 raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
                                              allowed_from=[s.value for s in allowed_sources(trigger)])
             try:
-                fired = self._model.trigger(trigger, effect_call=effect_call)  # type: ignore[attr-defined]
+                fired = self._model.trigger(trigger, effect_call=effect_call)
             except MachineError as e:  # the table check above should make this unreachable
                 raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
                                              allowed_from=[s.value for s in allowed_sources(trigger)]) from e
@@ -264,7 +276,7 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 3)
 
 
-def _missing_fields(e: Exception) -> dict[str, Any]:
+def _missing_fields(e: BaseException) -> dict[str, Any]:
     if not isinstance(e, LayersNotReadyError):
         return {}
     shown, more = capped((n for names in e.missing.values() for n in names), events.LIST_CAP)

@@ -10,8 +10,6 @@ nothing would wait for them).
 from __future__ import annotations
 
 import threading
-from contextlib import AbstractContextManager
-from typing import Any
 
 __all__ = ["WriteLeases"]
 
@@ -19,8 +17,8 @@ __all__ = ["WriteLeases"]
 class WriteLeases:
     """Leases per thread (a thread may nest them). Every method is called holding the lifecycle's lock."""
 
-    def __init__(self, lock: AbstractContextManager[Any], *, locked: bool) -> None:
-        self._cond: threading.Condition | None = threading.Condition(lock) if locked else None  # type: ignore[arg-type]
+    def __init__(self, lock: threading.RLock, *, locked: bool) -> None:
+        self._cond: threading.Condition | None = threading.Condition(lock) if locked else None
         self._writers: dict[int, int] = {}  # thread id -> depth
 
     def acquire(self) -> int:

@@ -207,7 +207,7 @@ class BackboneLifecycle(LoadTracking):
             self.torn_buffers = frozenset()  # and every buffer an interrupted refresh touched was rewritten
             # the follow-ups verify pinned identities: their event says how many are pinned
             self._fire_follow_ups("refresh_derived", pinned=len(self.pinned) if self.pinned is not None else 0)
-            return result  # type: ignore[return-value]
+            return result
 
     def capture_graphs(self) -> int:
         """Pin the storage identity of everything graphs read. Returns how many tensors were pinned."""

@@ -132,9 +132,10 @@ class WeightSnapshot:
         """Put every captured tensor back: the original object in its slot, its saved bits in its storage."""
         with self._lock:
             for s in self._saved.values():
-                slots = s.owner._parameters if s.is_param else s.owner._buffers
+                # the table the original came from (a parameter back among the parameters)
+                slots: dict[str, Any] = s.owner._parameters if s.is_param else s.owner._buffers
                 if slots.get(s.leaf) is not s.original:
-                    slots[s.leaf] = s.original  # type: ignore[assignment]
+                    slots[s.leaf] = s.original
                 if s.values is not None:
                     s.original.copy_(s.values)
             return list(self._saved)

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 from types import MappingProxyType
+from typing import Any, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -44,8 +45,9 @@ class StorageIdentity:
     @classmethod
     def of(cls, t: torch.Tensor) -> StorageIdentity:
         # objects, not strings: this runs for every pinned tensor at every check
-        return cls(0 if t.is_meta else t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-                   t.device)
+        return cls(0 if t.is_meta else t.data_ptr(),
+                   t.storage_offset(),  # type: ignore[arg-type]  # torch's stubs: int | SymInt; a real tensor's: int
+                   tuple(t.shape), t.stride(), t.dtype, t.device)
 
     def matches(self, t: torch.Tensor) -> bool:
         """Whether `t` has exactly this identity: `StorageIdentity.of(t) == self` without building one (the
@@ -112,9 +114,11 @@ class IdentityColumns:
     def same(self, tensors: Sequence[torch.Tensor | None]) -> bool:
         """Whether every tensor has exactly the identity in its place (False for a None, or a tensor without
         storage: the caller's per-tensor check says what)."""
+        # a None among `tensors` raises in a reader (TypeError, AttributeError): the answer is False
+        present = cast("Sequence[torch.Tensor]", tensors)
         try:
-            return (array("Q", map(torch.Tensor.data_ptr, tensors)) == self._ptrs  # type: ignore[arg-type]
-                    and all(list(map(read, tensors)) == column
+            return (array("Q", map(torch.Tensor.data_ptr, present)) == self._ptrs
+                    and all(list(map(read, present)) == column
                             for read, column in zip(self._READERS, self._rest, strict=True)))
         except (AttributeError, TypeError, RuntimeError, OverflowError):
             return False
@@ -201,12 +205,13 @@ class _CountNewStorages(TorchDispatchMode):
     each bucket, hid a rollback snapshot's copies)."""
 
     def __init__(self, log: AllocationLog) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode has no annotations
         self.log = log
         self._seen: set[int] = set()
         self._held: list[torch.UntypedStorage] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         inputs = {
             t.untyped_storage().data_ptr()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import torch
 import torch.nn.modules.module as _module
@@ -55,7 +56,7 @@ def _apply(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
             _apply_one(backbone, bp, report, before, plan.context, deferred)
         if deferred is not None:  # every report is final: its audit record is built while the caches are warm
             report.audit_fields()
-        for bp, pairs in sorted(deferred or (), key=lambda d: d[0].existing.nbytes):  # type: ignore[union-attr]
+        for bp, pairs in sorted(deferred or (), key=lambda d: d[0].existing.nbytes):
             touched.append(bp.spec.name)
             for dst, src in pairs:
                 dst.copy_(src)
@@ -64,8 +65,10 @@ def _apply(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
         raise RefreshInterruptedError(bp.spec.name, touched, e, backbone=plan.context.get("backbone", "?"),
                                       state=plan.context.get("state", "?")) from e
 
-    drift = [line for name, old in before.items() if not old.matches(buf := backbone._buffers[name])  # type: ignore[arg-type]
-             for line in describe_changes(name, old, StorageIdentity.of(buf))]  # type: ignore[arg-type]
+    # `before` names the buffers written in place: registered, so none is None (were one dropped, `matches` raises)
+    buffers = cast("dict[str, torch.Tensor]", backbone._buffers)
+    drift = [line for name, old in before.items() if not old.matches(buf := buffers[name])
+             for line in describe_changes(name, old, StorageIdentity.of(buf))]
     if drift:
         raise StorageDriftError(drift, backbone=plan.context.get("backbone", "?"),
                                 state=plan.context.get("state", "?"))
@@ -116,9 +119,10 @@ def _write_in_place(backbone: nn.Module, bp: BufferPlan, rep: BufferReport, cont
     assert buf is not None
     rep.slices_written = len({c.layer for c in bp.copies}) if spec.kind != "custom" else 0
     if deferred is not None:  # plain copies (`_plain`): their places now, the copies once every buffer is ready
-        pairs = [(destination(spec, buf, c), c.src) for c in bp.copies]
+        # `_plain`: every copy has its source (none is a computed slice)
+        pairs = cast("list[tuple[torch.Tensor, torch.Tensor]]", [(destination(spec, buf, c), c.src) for c in bp.copies])
         rep.elements_written = sum(dst.numel() for dst, _ in pairs)
-        deferred.append((bp, pairs))  # type: ignore[arg-type]
+        deferred.append((bp, pairs))
         return
     if spec.kind == "custom" and spec.into is not None:
         with count_allocations() as log:  # what the writer allocates on the way, counted exactly

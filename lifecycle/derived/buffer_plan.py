@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -132,7 +132,9 @@ def parts_of(spec: DerivedSpec, i: int, context: Mapping[str, str], layer: nn.Mo
     except Exception as e:
         raise DerivedBuildError(spec.name, f"per_layer for {spec.layers_attr}.{i}", e,
                                 backbone=context.get("backbone", "?"), state=context.get("state", "?")) from e
-    parts = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (list, tuple)) else [out]
+    # what the user's function returned, checked here: every part a tensor before it is returned
+    parts: list[Any] = (
+        [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (list, tuple)) else [out])
     if not parts or not all(isinstance(p, torch.Tensor) for p in parts):
         what = "no parts" if not parts else ", ".join(type(p).__name__ for p in parts)
         raise DerivedBuildError(spec.name, f"per_layer for {spec.layers_attr}.{i}",
@@ -194,9 +196,9 @@ def layer_copies(spec: DerivedSpec, i: int, start: int, parts: Sequence[torch.Te
 def write_parts(spec: DerivedSpec, buf: torch.Tensor, i: int, start: int, parts: Sequence[torch.Tensor]) -> int:
     """Copy layer `i`'s parts into their places in `buf`; returns the elements written."""
     n = 0
-    for c in layer_copies(spec, i, start, parts):
+    for c, part in zip(layer_copies(spec, i, start, parts), parts, strict=True):  # a copy per part, in order
         dst = destination(spec, buf, c)
-        dst.copy_(c.src)
+        dst.copy_(part)
         n += dst.numel()
     return n
 

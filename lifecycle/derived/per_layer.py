@@ -102,20 +102,22 @@ def plan_per_layer(r: Request) -> Planned:
 
         bp.new_tensor = built(spec, spec.kind, r.context, assemble, None)
         if spec.backed:  # every source becomes a view of its place once the buffer is registered
-            bp.backs = [(c.src, c) for i, ps in enumerate(parts) for c in layer_copies(spec, i, starts[i], ps)]
+            bp.backs = [(p, c) for i, ps in enumerate(parts)
+                        for c, p in zip(layer_copies(spec, i, starts[i], ps), ps, strict=True)]
         return bp
-    problem = rebuild_problem(spec, layout, r.existing)
-    if problem:
-        return problem
+    misfit = rebuild_problem(spec, layout, r.existing)
+    if misfit:
+        return misfit
     bp.existing = r.existing
     copies = [layer_copies(spec, i, starts[i], ps) for i, ps in enumerate(parts)]
     bp.places = [[(SliceCopy(c.layer, c.start, c.length, None), (tuple(c.src.shape), c.src.dtype, c.src.device))
                   for c in cs if c.src is not None] for cs in copies]
     if spec.backed:  # nothing to copy where a source is the view of its place: only verified
-        for c in (c for cs in copies for c in cs):
-            if not still_backed(spec, r.existing, c):  # replaced: copy in, view again
-                bp.copies.append(c)
-                bp.backs.append((c.src, c))
+        for cs, ps in zip(copies, parts, strict=True):
+            for c, p in zip(cs, ps, strict=True):  # a copy per part
+                if not still_backed(spec, r.existing, c):  # replaced: copy in, view again
+                    bp.copies.append(c)
+                    bp.backs.append((p, c))
         if bp.backs and (problem_text := _backing_problem(r, parts, sorted({c.layer for _, c in bp.backs}))):
             return Problem("layout", problem_text)
         bp.mode = "in_place" if bp.copies else "backed"
@@ -163,9 +165,9 @@ def plan_computed_stack(r: Request) -> Planned:
         return bp
     if layouts:
         (((shape, dt, dev), _),) = layouts.items()
-        problem = rebuild_problem(spec, ((n, *shape), dt, dev), existing)
-        if problem:
-            return problem
+        misfit = rebuild_problem(spec, ((n, *shape), dt, dev), existing)
+        if misfit:
+            return misfit
     bp.copies = [SliceCopy(i, 0, None, None) for i in written]
     bp.mode = "in_place" if bp.copies else "skipped"
     return bp

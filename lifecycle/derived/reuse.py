@@ -29,6 +29,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -150,9 +151,10 @@ class PlanMemory:
                 kept.append(_Kept(i, at, first, [tuple(names[k:k + per]) for k in range(0, len(names), per)],
                                   bp.places, bp.backed_sources))
         if kept:  # the identities as columns, and no tensor held: a replaced source or buffer is freed as before
+            sources = cast("Sequence[torch.Tensor]", look.sources)  # no None among them: returned above
+            buffers = cast("list[torch.Tensor]", look.buffers)
             self._last = _Remembered(dataclasses.replace(look, sources=(), buffers=[]),
-                                     IdentityColumns.of(look.sources),  # type: ignore[arg-type]
-                                     IdentityColumns.of(look.buffers), kept)  # type: ignore[arg-type]
+                                     IdentityColumns.of(sources), IdentityColumns.of(buffers), kept)
 
 
 def _layer_modules(backbone: nn.Module, attrs: Sequence[str]) -> list[list[nn.Module]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import nn
@@ -14,15 +14,18 @@ __all__ = ["DependsOn", "DerivedSpec", "Into", "Kind", "PerLayer", "alias", "con
 
 Kind = Literal["concat", "stack", "alias", "custom"]
 T = TypeVar("T")
+# The functions a declaration takes are given the user's own modules (a layer, the backbone): typed `Any`, since
+# torch types every attribute of a plain `nn.Module` as `Tensor | Module`, and a lambda cannot name its class.
 #: A layer's slice: one tensor, or several parts (separate K and V weights) laid out one after the other.
-PerLayer = Callable[[nn.Module], "torch.Tensor | Sequence[torch.Tensor]"]
-Enabled = Callable[[nn.Module], bool]
+PerLayer = Callable[[Any], "torch.Tensor | Sequence[torch.Tensor]"]
+Enabled = Callable[[Any], bool]
+Build = Callable[[Any], torch.Tensor]
 #: `custom(depends_on=)`: names (absolute, or with `*` for every index of a module list: `layers.*.mlp.w`), or a
 #: function of the backbone returning names (for what its config decides).
-DependsOn = Sequence[str] | Callable[[nn.Module], Iterable[str]]
+DependsOn = Sequence[str] | Callable[[Any], Iterable[str]]
 #: `custom(into=)`: writes the value into `out` and returns it; given `out=None` (the cold build, when there is no
 #: `build`), returns a new tensor. `torch` ops with an `out=` argument do both: `torch.mm(a, b, out=out)`.
-Into = Callable[[nn.Module, "torch.Tensor | None"], torch.Tensor]
+Into = Callable[[Any, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -54,14 +57,14 @@ class DerivedSpec:
     kind: Kind
     sources: tuple[str, ...]
     per_layer: PerLayer | None = None
-    build: Callable[[nn.Module], torch.Tensor] | None = None
+    build: Build | None = None
     dim: int = 0
     layers_attr: str = "layers"
     fallback: str | None = None
     computed: bool = False
     into: Into | None = None
     enabled: Enabled | None = None
-    depends_fn: Callable[[nn.Module], Iterable[str]] | None = None
+    depends_fn: Callable[[Any], Iterable[str]] | None = None
     backed: bool = False
 
     def __post_init__(self) -> None:
@@ -144,7 +147,7 @@ def alias(name: str, *, source: str, enabled: Enabled | None = None) -> DerivedS
     return DerivedSpec(name, "alias", (source,), enabled=enabled)
 
 
-def custom(name: str, *, build: Callable[[nn.Module], torch.Tensor] | None = None, depends_on: DependsOn = (),
+def custom(name: str, *, build: Build | None = None, depends_on: DependsOn = (),
            fallback: str | None = None, into: Into | None = None, enabled: Enabled | None = None) -> DerivedSpec:
     """Any computation from the tensors `depends_on` names. `build(backbone)` makes the cold value.
 
@@ -166,7 +169,7 @@ def custom(name: str, *, build: Callable[[nn.Module], torch.Tensor] | None = Non
     """
     if callable(depends_on):
         names: tuple[str, ...] = ()
-        fn: Callable[[nn.Module], Iterable[str]] | None = depends_on
+        fn: Callable[[Any], Iterable[str]] | None = depends_on
     else:
         if isinstance(depends_on, str):
             raise TypeError(f"{name}: depends_on takes a sequence of names, not the string {depends_on!r}")
@@ -190,7 +193,7 @@ def _layers(backbone: nn.Module, attr: str) -> Sequence[nn.Module]:
     mod: object = backbone
     for part in attr.split("."):
         mod = getattr(mod, part)
-    return mod  # type: ignore[return-value]
+    return cast("Sequence[nn.Module]", mod)  # what the declaration names: a ModuleList (a wrong name fails in use)
 
 
 def resolve_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -200,7 +203,7 @@ def resolve_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
         owner = module.get_submodule(path) if path else module
     except AttributeError:
         return None
-    t = owner._parameters.get(leaf)
+    t: torch.Tensor | None = owner._parameters.get(leaf)
     if t is None:
         t = owner._buffers.get(leaf)
     return t

@@ -169,9 +169,9 @@ def load_safetensors(
     lc.ensure_loading_allowed()
     buckets = plan_buckets(names, lc.readiness.layer_of_name.__getitem__, bucket_by=bucket_by,
                            shuffle=shuffle, seed=seed, duplicates=duplicates)
-    single = isinstance(paths, (str, PathLike))  # one file: the report's file list needs no look at the names
-    report = LoadReport(files=[str(Path(paths))] if single and names else file_list(index, names), _index=index,
-                        _plan=buckets)
+    # one file: the report's file list needs no look at the names
+    report = LoadReport(files=[str(Path(paths))] if isinstance(paths, (str, PathLike)) and names
+                        else file_list(index, names), _index=index, _plan=buckets)
     if (writer is None and before_write is None and progress is None and not lc.locked
             and not events.enabled("debug")):
         # the plan by layer of every tracked tensor (the names are the specs': validated, and as many): each

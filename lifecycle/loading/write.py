@@ -142,8 +142,8 @@ def write_bucket(backbone: LoadTarget, names: list[str], bucket: list[tuple[str,
     done = 0
     try:
         for name, value in bucket:
-            # a LoadTarget is an nn.Module, which a protocol cannot say
-            write(backbone, name, value, device)  # type: ignore[arg-type]
+            # no protocol can say a LoadTarget is an nn.Module; a cast would be a call per tensor
+            write(backbone, name, value, device)  # type: ignore[arg-type]  # a LoadTarget is an nn.Module
             done += 1
     except Exception as e:
         if before_failure is not None:

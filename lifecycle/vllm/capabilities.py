@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 from ..errors import UnsupportedVLLMError
 from .families import FAMILIES, VLLMDraftFamily
@@ -55,7 +56,8 @@ def series_tuple(version: str) -> tuple[int, int] | None:
 def active_families(version: str | None) -> tuple[VLLMDraftFamily, ...]:
     """The families a vLLM release has: those from its series or earlier (all of them for an unparsable one)."""
     have = series_tuple(version) if version else None
-    return tuple(f for f in FAMILIES if have is None or series_tuple(f.since) <= have)  # type: ignore[operator]
+    # every family's `since` is a series ("0.32"): never None
+    return tuple(f for f in FAMILIES if have is None or cast("tuple[int, int]", series_tuple(f.since)) <= have)
 
 
 def requirements(version: str | None = None) -> list[Requirement]:

@@ -60,7 +60,7 @@ def run_vllm_demo(out_dir: str | Path | None = None, *, bucket_size: int = 5, se
 
     import lifecycle.vllm.plugin as plugin
 
-    llm = LLM(**engine_kwargs(out / "target", out / "draftA"))  # type: ignore[arg-type]
+    llm = LLM(**engine_kwargs(out / "target", out / "draftA"))
     params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
 
     def generate() -> list[int]:

@@ -54,7 +54,9 @@ LOADER_VALUES = ("holds what vLLM's loader put there without load_weights (load_
 
 def layerwise_function(name: str) -> Callable[..., Any]:
     """vLLM's layerwise reload function `name`, looked up now (so the plugin's wrapper, once installed)."""
-    return getattr(importlib.import_module("vllm.model_executor.model_loader.reload.layerwise"), name)
+    function: Callable[..., Any] = getattr(
+        importlib.import_module("vllm.model_executor.model_loader.reload.layerwise"), name)
+    return function
 
 
 class LifecycleDraftModel(VLLMDraftBackbone):
@@ -66,7 +68,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         (`MODULE_OWNERS`) and guard each one's processing."""
         family = self._family
         plan = plan_shadows(self)  # the fused K/V buffer: live weight rows, backed shadows, or vLLM's non-fused path
-        self.derived_buffers = plan.derived
+        self.derived_buffers = plan.derived  # type: ignore[misc]  # the class's declarations, as planned for this draft
         # attention layers' own parameters (quantized KV-cache scales) are vLLM's to process, and it deletes
         # them once consumed: no derived buffer reads them, so they are not checkpoint tensors of the lifecycle
         untracked = family.untracked_prefixes + attention_prefixes(self)
@@ -101,14 +103,15 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         """What each declared builder does instead of vLLM's: set the non-tensor precompute metadata."""
         self._family.set_metadata(self)
 
-    def precompute_and_store_context_kv(self, *args: Any, **kwargs: Any) -> None:
+    def precompute_and_store_context_kv(self, *args: Any, **kwargs: Any) -> Any:
         slots = args[2] if len(args) > 2 else kwargs.get("context_slot_mapping")
         if slots is None and self.lifecycle.quarantined:
             # a dummy run stores nothing (vLLM runs one on data-parallel ranks whose drafter it skipped, to
             # keep them in step): skip it instead of failing the engine step
             return None
         self.require_usable("precompute_and_store_context_kv")  # quarantined or stale: refuse, never garbage
-        return super().precompute_and_store_context_kv(*args, **kwargs)  # type: ignore[misc]
+        # vLLM's method, after this mixin in the class `classes.py` makes
+        return super().precompute_and_store_context_kv(*args, **kwargs)  # type: ignore[misc]  # not in a base mypy sees
 
     # ---- driven by the draft's load_weights and the patched vLLM entry points -------------------------------
     def before_write(self) -> None:
@@ -166,7 +169,8 @@ class LifecycleDraftModel(VLLMDraftBackbone):
     # ---- the frozen structure (`structure.py`): optional submodules decided by the first load --------------------
     @property
     def _structure(self) -> DraftStructure:
-        return self.__dict__["_structure"]  # set by the class's __init__ before the lifecycle is enabled
+        structure: DraftStructure = self.__dict__["_structure"]  # set by the class's __init__ before the lifecycle
+        return structure
 
     def init_lifecycle(self, name: str | None = None, **kwargs: Any) -> Any:
         """Track the optional modules' tensors too (those outside this module through slots), until the first

@@ -14,12 +14,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..derived import DerivedSpec, alias, concat, custom, stack
 
 __all__ = ["FAMILIES", "SHADOW", "OptionalModule", "Read", "Shadow", "VLLMDraftFamily", "WholeCheckpointCheck",
            "family"]
+
+#: A module of vLLM's (a draft's ForCausalLM or inner model, a layer, an attention, a linear): vLLM is read as Any
+#: (pyproject.toml's [tool.mypy]), and so are the attributes the declarations read on its modules (`q_size`,
+#: `quant_method`, `layers`), which torch would type `Tensor | Module`.
+VLLMModule = Any
 
 #: The per-layer buffer holding a source's rows in checkpoint layout, captured before post-processing.
 SHADOW = "ckpt_kv_weight"
@@ -29,7 +33,7 @@ SHADOW = "ckpt_kv_weight"
 class Read:
     """One value vLLM's builder computes from the draft's modules, declared with the attribute names it reads."""
 
-    get: Callable[[nn.Module], Any]
+    get: Callable[[VLLMModule], Any]
     attrs: tuple[str, ...] = ()
 
 
@@ -54,10 +58,10 @@ class Shadow:
     """Which rows of which linear a fused buffer reads, captured in checkpoint layout before post-processing."""
 
     linear: str  # the attention's attribute holding the linear layer
-    rows: Callable[[nn.Module], slice] = lambda attn: slice(None)  # attention -> rows of linear.weight
+    rows: Callable[[VLLMModule], slice] = lambda attn: slice(None)  # attention -> rows of linear.weight
     attrs: tuple[str, ...] = ()  # what `rows` reads
 
-    def of(self, attn: nn.Module) -> tuple[nn.Module, slice]:
+    def of(self, attn: VLLMModule) -> tuple[VLLMModule, slice]:
         return getattr(attn, self.linear), self.rows(attn)
 
     def live(self, spec: DerivedSpec) -> DerivedSpec:
@@ -66,9 +70,10 @@ class Shadow:
         if not any(src.endswith(SHADOW) for src in spec.sources):
             return spec
 
-        def rows(layer: nn.Module) -> torch.Tensor:
+        def rows(layer: VLLMModule) -> torch.Tensor:
             linear, r = self.of(layer.self_attn)
-            return linear.weight[r]
+            weight_rows: torch.Tensor = linear.weight[r]
+            return weight_rows
 
         return replace(spec, sources=(f"self_attn.{self.linear}.weight",), per_layer=rows, backed=False)
 
@@ -95,7 +100,7 @@ class WholeCheckpointCheck:
 
     message: str  # vLLM's text, word for word (the capability check finds it in vLLM's load_weights)
     needs: str  # the optional module the checkpoint must include
-    applies: Callable[[nn.Module], bool]  # on the ForCausalLM: does the rule hold for this draft?
+    applies: Callable[[VLLMModule], bool]  # on the ForCausalLM: does the rule hold for this draft?
 
 
 CONFIDENCE_HEAD = OptionalModule("confidence_head", "confidence_head", "model.confidence_head")
@@ -124,7 +129,7 @@ class VLLMDraftFamily:
     checks: tuple[WholeCheckpointCheck, ...] = ()  # vLLM's per-call validations that need a whole checkpoint
     # what the ForCausalLM shows vLLM's load_weights during a call, so its per-call `checks` pass (they run once
     # per epoch at finalize); None: vLLM's checks cannot be suspended (they read the call's names)
-    check_view: Callable[[nn.Module], Mapping[str, Any]] | None = None
+    check_view: Callable[[VLLMModule], Mapping[str, Any]] | None = None
     check_reads: tuple[str, ...] = ()  # the attribute names vLLM's load_weights reads for its checks
     since: str = "0.32"  # the first vLLM release series that has this family
     inner_model_attr: str = "model"
@@ -153,7 +158,7 @@ class VLLMDraftFamily:
                 names.update(p for p in src.split(".") if not p.isdigit() and p != SHADOW)
         return frozenset(names)
 
-    def set_metadata(self, model: nn.Module) -> None:
+    def set_metadata(self, model: VLLMModule) -> None:
         for name, read in self.metadata.items():
             setattr(model, name, read.get(model))
 
@@ -225,7 +230,7 @@ def _k3_derived() -> tuple[DerivedSpec, ...]:
                   per_layer=lambda layer: layer.self_attn.kv_a_layernorm.weight),)
 
 
-def _k3_kv_scales(model: nn.Module) -> torch.Tensor | None:
+def _k3_kv_scales(model: VLLMModule) -> torch.Tensor | None:
     """As vLLM: the per-layer K scales of a quantized KV cache (None for an unquantized one)."""
     attns = [layer.self_attn for layer in model.layers]
     if not str(attns[0].kv_cache_dtype).startswith("fp8"):
@@ -268,8 +273,9 @@ _DFLASH_BUILDER = ("_build_fused_kv_buffers",)
 _EAGLE_HEADS = (EMBED_TOKENS, LM_HEAD)  # process_eagle_weight: has_own_* set by the names of each call
 
 
-def _reduced_vocab(m: nn.Module) -> bool:
-    return m.config.draft_vocab_size < m.target_vocab_size
+def _reduced_vocab(m: VLLMModule) -> bool:
+    reduced: bool = m.config.draft_vocab_size < m.target_vocab_size
+    return reduced
 
 
 class _VocabView:

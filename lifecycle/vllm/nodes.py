@@ -32,6 +32,8 @@ DISTRIBUTION = "reload-lifecycle"
 #: Seconds to wait for the probes of a failed start (they only explain the failure; vLLM's error is raised anyway).
 PROBE_TIMEOUT_S = 60.0
 _MARK = "__reload_lifecycle_node_check__"
+#: the wrapper's attribute holding what it wraps (set with setattr: a function's own attributes are untyped)
+_ORIGINAL = "__wrapped_original__"
 # The module name the probe claims: not importable anywhere, so cloudpickle sends the function by value.
 _PROBE_MODULE = "reload_lifecycle_node_probe"
 
@@ -225,5 +227,5 @@ def install() -> None:
             _check_started(self)
 
     setattr(__init__, _MARK, True)
-    __init__.__wrapped_original__ = original  # type: ignore[attr-defined]
-    Executor.__init__ = __init__  # type: ignore[method-assign]
+    setattr(__init__, _ORIGINAL, original)
+    Executor.__init__ = __init__

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
@@ -33,6 +33,8 @@ class VLLMDraftBackbone(DraftBackbone):
     are implemented by the mixin, `drafts.LifecycleDraftModel`, the only subclass."""
 
     _family: ClassVar[VLLMDraftFamily]
+    #: vLLM's decoder layers (the inner model's own `nn.ModuleList`, of vLLM's modules: read as Any)
+    layers: Any
     #: this reload's partial policy when the caller chose one (an RPC's `partial=`); None: the engine setting
     reload_partial: PartialPolicy | None = None
     #: steps the engine has served without this draft since it stopped being usable (None: drafting)

@@ -48,6 +48,8 @@ from .serving import drafting_allowed
 __all__ = ["ENGINE_NAMES", "PATCH_POINTS", "install"]
 
 _MARK = "__reload_lifecycle_wrapped__"
+#: the wrapper's attribute holding what it wraps (set with setattr: a function's own attributes are untyped)
+_ORIGINAL = "__wrapped_original__"
 
 
 def _wrap(module_name: str, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
@@ -64,7 +66,7 @@ def _wrap(module_name: str, attr: str, make: Callable[[Callable[..., Any]], Call
         return True
     wrapper = functools.wraps(original)(make(original))
     setattr(wrapper, _MARK, True)
-    wrapper.__wrapped_original__ = original  # type: ignore[attr-defined]
+    setattr(wrapper, _ORIGINAL, original)
     setattr(owner, name, wrapper)
     return True
 

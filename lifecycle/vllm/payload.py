@@ -21,13 +21,15 @@ from collections.abc import Iterable
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ..checkpoint import IndexEntry, checkpoint_index, iter_buckets
 from ..errors import CheckpointError
 from . import settings
 
 __all__ = ["Payload", "check_bucket_size", "check_path", "check_prefixes", "feed", "plan_payload"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,13 @@ def check_prefixes(value: object, what: str = "exclude_prefixes") -> tuple[str, 
         raise TypeError(f"{what} must be a list of name prefixes, not one string: {value!r} would be read as its "
                         f"characters and leave out nearly every tensor; pass [{value!r}]")
     try:
-        items = tuple(value)  # type: ignore[arg-type]
+        items = tuple(cast("Iterable[object]", value))  # of any type: one not iterable raises the TypeError
     except TypeError:
         raise TypeError(f"{what} must be a list of name prefixes, got {type(value).__name__}") from None
     bad = [x for x in items if not isinstance(x, str) or not x]
     if bad:
         raise TypeError(f"{what} must hold non-empty strings; got {bad!r}")
-    return items
+    return cast("tuple[str, ...]", items)  # every item a non-empty str: nothing `bad`
 
 
 def check_bucket_size(value: object) -> int | None:
@@ -82,26 +84,27 @@ def check_bucket_size(value: object) -> int | None:
     return value
 
 
-def _check_type(value: object, kind: type, what: str) -> None:
-    ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
-    if not ok:
-        raise TypeError(f"{what} must be {kind.__name__}, got {value!r}")
+def _checked(value: object, kind: type[T], what: str) -> T:
+    """`value`, when it is a `kind` (a bool is no int here), else a TypeError naming `what`."""
+    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    raise TypeError(f"{what} must be {kind.__name__}, got {value!r}")
 
 
 def plan_payload(path: object, *, bucket_size: object = None, shuffle: object = False, seed: object = 0,
                  exclude_prefixes: Iterable[str] | object = (), what: str = "weights_path") -> Payload:
     """Validate the arguments and the checkpoint's headers; plan the buckets. Touches no model."""
     size = check_bucket_size(bucket_size)
-    _check_type(shuffle, bool, "shuffle")
-    _check_type(seed, int, "seed")
+    shuffled = _checked(shuffle, bool, "shuffle")
+    seed_value = _checked(seed, int, "seed")
     prefixes = check_prefixes(exclude_prefixes)
     index = checkpoint_index(check_path(path, what))
     names = [n for n in index if not n.startswith(prefixes)]
     if not names:
         raise CheckpointError(f"nothing to load: {path} holds {len(index)} tensor(s) and exclude_prefixes "
                               f"{list(prefixes)} leaves out every one", backbone=None)
-    if shuffle:
-        random.Random(seed).shuffle(names)
+    if shuffled:
+        random.Random(seed_value).shuffle(names)
     size = size or len(names)
     return Payload(index, [names[i:i + size] for i in range(0, len(names), size)])
 

@@ -19,9 +19,9 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 if TYPE_CHECKING:
+    from .families import VLLMModule
     from .owners import VLLMDraftBackbone
     from .shadows import Capture
 
@@ -32,7 +32,7 @@ IN_VLLM_RELOAD: contextvars.ContextVar[bool] = contextvars.ContextVar("reload_li
                                                                       default=False)
 
 
-def guard_processing(backbone: VLLMDraftBackbone, module: nn.Module, capture: Capture | None) -> None:
+def guard_processing(backbone: VLLMDraftBackbone, module: VLLMModule, capture: Capture | None) -> None:
     """Wrap `module`'s quant method's `process_weights_after_loading` (the very object, wherever vLLM moves the
     parameters meanwhile): capture the shadowed rows before processing, skip processing that comes from outside
     vLLM's reload machinery while a reload is open. A module without such a method is left as it is."""
@@ -43,7 +43,7 @@ def guard_processing(backbone: VLLMDraftBackbone, module: nn.Module, capture: Ca
     # such as a test's simulated GPU layout, then applies to this layer too)
     instance_method = quant_method.__dict__.get("process_weights_after_loading")
 
-    def vllm_processing(layer: nn.Module) -> Any:
+    def vllm_processing(layer: VLLMModule) -> Any:
         if instance_method is not None:
             return instance_method(layer)
         return type(quant_method).process_weights_after_loading(quant_method, layer)
@@ -51,7 +51,7 @@ def guard_processing(backbone: VLLMDraftBackbone, module: nn.Module, capture: Ca
     backbone_ref = weakref.ref(backbone)  # the module's quant method must not hold its backbone (a cycle)
     del backbone
 
-    def process_weights_after_loading(layer: nn.Module) -> Any:
+    def process_weights_after_loading(layer: VLLMModule) -> Any:
         backbone = backbone_ref()
         if backbone is None:  # the draft was dropped: vLLM's processing as it is
             return vllm_processing(layer)

@@ -30,7 +30,8 @@ _BACKBONES: weakref.WeakKeyDictionary[nn.Module, list[VLLMDraftBackbone]] = weak
 def _draft_model(runner: Any) -> nn.Module | None:
     get = getattr(runner, "get_draft_model", None)
     if callable(get):
-        return get()
+        model: nn.Module | None = get()
+        return model
     drafter = getattr(runner, "drafter", None)
     return getattr(drafter, "model", None)
 

@@ -43,7 +43,7 @@ def check_partial(value: object, what: str = "partial") -> PartialPolicy:
     if value not in PARTIAL_POLICIES:
         raise ValueError(f"{what}={value!r}: expected one of {', '.join(map(repr, PARTIAL_POLICIES))} or None "
                          f"(the engine-wide {PARTIAL_ENV}, default 'refuse')")
-    return cast(PartialPolicy, value)
+    return value
 
 
 def partial_policy() -> PartialPolicy:

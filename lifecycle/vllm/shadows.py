@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from ..derived import DerivedSpec
-from .families import SHADOW
+from .families import SHADOW, VLLMModule
 from .quantized import checkpoint_layout_readable, quantized_fallback
 
 if TYPE_CHECKING:
+    from ..backbone import DraftBackbone
     from .owners import VLLMDraftBackbone
 
 __all__ = ["SHADOW_OF", "ShadowPlan", "plan_shadows", "processing_keeps_weight", "shadow_bytes_apart"]
@@ -48,7 +49,7 @@ class ShadowPlan:
         self.captures: dict[nn.Module, Capture] = {}  # linear -> its capture
 
 
-def processing_keeps_weight(linear: nn.Module) -> bool:
+def processing_keeps_weight(linear: VLLMModule) -> bool:
     """Whether `linear`'s quant method leaves its weight in checkpoint layout after processing (same shape and
     dtype, still a tensor): asked of a probe layer, so a platform's choice (or a process-wide replacement of the
     method, such as the tests' simulated GPU layout) decides, not a guess from the platform's name."""
@@ -56,11 +57,11 @@ def processing_keeps_weight(linear: nn.Module) -> bool:
     if weight is None or weight.is_meta or weight.dim() != 2:
         return False  # nothing to probe with: a shadow is always correct
     quant_method = linear.quant_method
-    probe = nn.Module()
+    probe: VLLMModule = nn.Module()  # a linear layer to vLLM's quant method, which may set any attribute on it
     probe.weight = nn.Parameter(torch.zeros_like(weight), requires_grad=False)
     probe.register_parameter("bias", None)
     if getattr(linear, "_cpu_skip_gemm_dispatch", False):
-        probe._cpu_skip_gemm_dispatch = True  # type: ignore[assignment]
+        probe._cpu_skip_gemm_dispatch = True
     try:
         type(quant_method).process_weights_after_loading(quant_method, probe)
     except Exception:
@@ -100,7 +101,7 @@ def plan_shadows(backbone: VLLMDraftBackbone) -> ShadowPlan:
     return plan
 
 
-def shadow_bytes_apart(backbone: nn.Module) -> int:
+def shadow_bytes_apart(backbone: DraftBackbone) -> int:
     """Bytes of the storages behind the backbone's K/V shadows that are not one of its derived buffers' storage:
     what the shadows cost beyond stock vLLM's own fused buffers (0 when they are views of the buffer, or absent)."""
     derived = {t.untyped_storage().data_ptr() for n in backbone.derived_buffer_names()

@@ -137,7 +137,8 @@ class SourceIndex:
         visit(cls)
         return out
 
-    def method(self, cls: ClassRef, name: str, *, after: str | None = None) -> tuple[ClassRef, ast.FunctionDef] | None:
+    def method(self, cls: ClassRef, name: str, *, after: str | None = None
+               ) -> tuple[ClassRef, ast.FunctionDef | ast.AsyncFunctionDef] | None:
         chain = self.mro(cls)
         if after is not None:  # super(): start past the class that calls it
             names = [c.name for c in chain]
@@ -145,7 +146,7 @@ class SourceIndex:
         for c in chain:
             for node in c.node.body:
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                    return c, node  # type: ignore[return-value]
+                    return c, node
         return None
 
     def has_attribute(self, cls: ClassRef, name: str) -> bool:

@@ -32,7 +32,8 @@ def dflash_draft_tensors(seed: int, layers: int = 2, target_features: int = 2) -
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+        scaled: torch.Tensor = torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+        return scaled
 
     def norm(n: int) -> torch.Tensor:
         return 1 + 0.1 * torch.randn(n, generator=g)

@@ -39,7 +39,8 @@ def engine_class() -> type:
     from .payload import feed, plan_payload
     from .settings import check_partial
 
-    class SafetensorsFileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
+    class SafetensorsFileWeightTransferEngine(
+            WeightTransferEngine[FileInitInfo, FileUpdateInfo]):  # type: ignore[misc]  # vLLM's class: read as Any
         init_info_cls = FileInitInfo
         update_info_cls = FileUpdateInfo
         supports_draft_weight_update = True

@@ -36,9 +36,14 @@ def per_backbone(answer: dict[str, Any]) -> dict[str, Any]:
 class LifecycleWorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker."""
 
+    # what the worker this is mixed into has (vLLM's `WorkerBase`): declared for the type checker only
+    model_runner: Any
+    rank: int
+    vllm_config: Any
+
     # ---- discovery ----------------------------------------------------------------------------------------
     def _lifecycle_models(self) -> dict[str, Any]:
-        runner = self.model_runner  # type: ignore[attr-defined]
+        runner = self.model_runner
         models = {"target": runner.get_model()}
         draft = draft_model_of(runner)
         if draft is not None:
@@ -50,7 +55,7 @@ class LifecycleWorkerExtension:
 
     def _lifecycle_worker(self) -> dict[str, Any]:
         """Which worker answers: its global rank (vLLM's `WorkerBase.rank`) and its node's host name."""
-        return {"rank": self.rank, "node": host_name()}  # type: ignore[attr-defined]
+        return {"rank": self.rank, "node": host_name()}
 
     # ---- RPCs ---------------------------------------------------------------------------------------------
     def lifecycle_states(self) -> list[dict[str, Any]]:
@@ -139,7 +144,7 @@ class LifecycleWorkerExtension:
         policy = check_partial(partial)
         payload = plan_payload(weights_path, bucket_size=bucket_size, shuffle=shuffle, seed=seed,
                                exclude_prefixes=exclude_prefixes)
-        config = self.vllm_config.speculative_config.draft_model_config  # type: ignore[attr-defined]
+        config = self.vllm_config.speculative_config.draft_model_config
         initialize_layerwise_reload(draft)  # the model is touched from here on
         try:
             for backbone in backbones_in(draft):
