@@ -44,7 +44,7 @@ def _ts(i: int) -> str:
 
 
 def _line(**fields: Any) -> str:
-    return json.dumps({"schema": 4, "level": "info", **fields}, separators=(",", ":")) + "\n"
+    return json.dumps({"schema": 5, "level": "info", **fields}, separators=(",", ":")) + "\n"
 
 
 def distinct_backbones(out: Path, n: int) -> None:
@@ -87,7 +87,7 @@ def _cold_load(rank: int, layers: int = 4) -> Iterator[str]:
         yield _line(event="transition", backbone="draft", rank=rank, epoch=0, seq=seq, trigger="weights_loaded",
                     src=state, dst=dst, layers_ready=k + 1, layers_total=layers, ts=_ts(seq))
         state = dst
-    for trigger, src, dst in (("finish_loading", "FULLY_LOADED", "FINALIZED"),
+    for trigger, src, dst in (("finalize_loading", "FULLY_LOADED", "FINALIZED"),
                               ("refresh_derived", "FINALIZED", "DERIVED_REFRESHED"),
                               ("capture_graphs", "DERIVED_REFRESHED", "GRAPH_CAPTURED")):
         seq += 1

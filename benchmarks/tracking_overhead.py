@@ -215,7 +215,7 @@ def layer_completion(tmp: Path, quick: bool) -> list[dict[str, Any]]:
         def begin() -> None:
             if lc.can("weights_loaded"):  # the previous round's load: complete it
                 lc.weights_loaded(per_layer[-1])
-                lc.finish_loading()
+                lc.finalize_loading()
             lc.begin_reload()
             lc.weights_loaded(per_layer[0])
 
@@ -257,7 +257,7 @@ def event_costs(tmp: Path, quick: bool) -> list[dict[str, Any]]:
             "fired per load step (begin, first bucket, last layer, finish), never per bucket")
 
     lc = DFlashQwen3Draft(DFlashConfig(num_hidden_layers=2), name="events").lifecycle
-    fields = {"trigger": "finish_loading", "src": "FULLY_LOADED", "dst": "FINALIZED", "layers_ready": 3,
+    fields = {"trigger": "finalize_loading", "src": "FULLY_LOADED", "dst": "FINALIZED", "layers_ready": 3,
               "layers_total": 9, "duration_ms": 0.02}
     configure_audit(json_path=tmp / "events.jsonl", console=False)
     add("lifecycle event -> JSON-lines file", common.per_call_us(lambda: lc.audit_event("transition", **fields),

@@ -282,7 +282,7 @@ class DraftBackbone(nn.Module):
             if phase is Phase.COLD_LOAD:
                 self._cold_load_epoch = lc.epoch
 
-        lc.finish_loading(keep_untouched=keep_untouched, effect=run_hooks)
+        lc.finalize_loading(keep_untouched=keep_untouched, effect=run_hooks)
         return ran
 
     def weights_unchanged(self, names: Iterable[str]) -> None:

@@ -35,10 +35,11 @@ __all__ = [
 ]
 
 #: Version of the event schema (the `schema` field). 2: `seq`, fixed-width timestamps, `_more`/`_truncated` counts;
-#: 3: the FINALIZED state (finish_loading ends there, refresh_derived starts there; hooks run inside finish_loading);
+#: 3: the FINALIZED state (the finish ends there, refresh_derived starts there; hooks run inside the finish);
 #: 4: one `layer_ready` event per bucket, listing the layers it completed (`layers`, `layers_more`, `tensors`), and
-#: no `transition` event for a bucket that leaves PARTIALLY_LOADED as it is.
-SCHEMA_VERSION = 4
+#: no `transition` event for a bucket that leaves PARTIALLY_LOADED as it is; 5: the finishing trigger is named as the
+#: method that fires it, `finalize_loading` (was `finish_loading`).
+SCHEMA_VERSION = 5
 #: UTC, always with microseconds: fixed width, so timestamps of one log also sort as strings.
 TS_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
 

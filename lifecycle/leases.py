@@ -1,7 +1,7 @@
 """Write leases: which threads are between their "may I write?" check and their `weights_loaded` report.
 
 A loader holds a lease while it writes and reports one bucket (`BackboneLifecycle.loading()`). With a locked
-lifecycle, the transitions that end or abort loading (`begin_reload`, `finish_loading`, `refresh_derived`,
+lifecycle, the transitions that end or abort loading (`begin_reload`, `finalize_loading`, `refresh_derived`,
 `abort_reload`) first wait until no other thread holds one, so a write is either reported before such a
 transition or refused after it, never lost in between. An unlocked lifecycle takes none (it is not thread-safe:
 nothing would wait for them).

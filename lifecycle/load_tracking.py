@@ -150,7 +150,7 @@ class LoadTracking(TableMachine):
     def acquire_write_lease(self) -> int:
         """Raise (audited) unless weights may be written now, else take a write lease (`leases.py`) for this
         thread and return its token for `release_write_lease`. With `locked=True`, `begin_reload`,
-        `finish_loading`, `refresh_derived` and `abort_reload` wait until no other thread holds a lease."""
+        `finalize_loading`, `refresh_derived` and `abort_reload` wait until no other thread holds a lease."""
         with self._lock:
             if "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]:
                 self._fire("weights_loaded")  # raises IllegalTransitionError and records the refusal

@@ -141,7 +141,7 @@ class BackboneLifecycle(LoadTracking):
             self._fire("begin_reload", pinned=self.graphs_pinned, from_state=src.value)
             return self.epoch
 
-    def finish_loading(self, *, keep_untouched: bool = False, effect: Callable[[], Any] | None = None) -> None:
+    def finalize_loading(self, *, keep_untouched: bool = False, effect: Callable[[], Any] | None = None) -> None:
         """The loader is done. Every layer must be ready; with `keep_untouched`, layers that received nothing
         in this reload are declared unchanged first (a selective reload; never a layer an aborted reload left
         partly written). LayersNotReadyError otherwise. `effect` (the backbone's post-load hooks) runs once the
@@ -149,19 +149,19 @@ class BackboneLifecycle(LoadTracking):
         unchanged are unmarked again."""
         with self._lock:
             self._leases.wait_until_idle()
-            self._require_allowed_audited("finish_loading")
+            self._require_allowed_audited("finalize_loading")
             declared: list[str] = []
             if keep_untouched and self.in_reload:
                 untouched = [la for la in self.readiness.untouched_layers()
                              if la not in self.readiness.partly_written]
                 names = [n for layer in untouched for n in self.readiness.tensors_of_layer[layer]]
-                self._refuse_if_still_missing("finish_loading", set(untouched))  # before marking anything
+                self._refuse_if_still_missing("finalize_loading", set(untouched))  # before marking anything
                 if names:
                     declared = names
                     self._meta_possible = True
                     self._audit_unchanged(self.readiness.mark_unchanged(names))
             try:
-                self._fire("finish_loading", effect, keep_untouched=keep_untouched)
+                self._fire("finalize_loading", effect, keep_untouched=keep_untouched)
             except BaseException:
                 if declared:
                     self.readiness.unmark(declared)

@@ -112,7 +112,7 @@ TRANSITIONS: tuple[Transition, ...] = (
         doc="a new reload epoch starts; storage stays pinned if graphs were captured",
     ),
     Transition(
-        "finish_loading", (S.PARTIALLY_LOADED, S.FULLY_LOADED, S.FINALIZED), S.FINALIZED,
+        "finalize_loading", (S.PARTIALLY_LOADED, S.FULLY_LOADED, S.FINALIZED), S.FINALIZED,
         guards=(Guard.ALL_LAYERS_READY,),
         doc="the loader is done; every layer must be ready (LayersNotReadyError otherwise), then the hooks of the "
             "epoch's phase run, each at most once per epoch (a hook that raises refuses the finish)",

@@ -47,8 +47,8 @@ def test_cold_load_and_reload_transition_path(tiny_cfg: DFlashConfig, ckpt_a: Pa
     assert states == ["META", "PARTIALLY_LOADED", "FULLY_LOADED", "FINALIZED", "DERIVED_REFRESHED", "GRAPH_CAPTURED",
                       "PARTIALLY_LOADED", "FULLY_LOADED", "FINALIZED", "DERIVED_REFRESHED", "GRAPH_CAPTURED"]
     triggers = [k for k, _ in groupby(e["trigger"] for e in transitions)]
-    assert triggers == ["weights_loaded", "finish_loading", "refresh_derived", "capture_graphs", "begin_reload",
-                        "weights_loaded", "finish_loading", "refresh_derived", "graphs_verified"]
+    assert triggers == ["weights_loaded", "finalize_loading", "refresh_derived", "capture_graphs", "begin_reload",
+                        "weights_loaded", "finalize_loading", "refresh_derived", "graphs_verified"]
     # weights_loaded fires where the state changes (the first bucket, the last layer), never per tensor; each
     # bucket that completed layers says so in one layer_ready event
     n_layers = m.lifecycle.readiness.layers_total

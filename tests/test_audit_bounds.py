@@ -30,7 +30,7 @@ def _ts(i: int) -> str:
 
 
 def _event(**fields: Any) -> str:
-    return json.dumps({"rank": 0, "epoch": 0, "schema": 4, **fields}, separators=(",", ":")) + "\n"
+    return json.dumps({"rank": 0, "epoch": 0, "schema": 5, **fields}, separators=(",", ":")) + "\n"
 
 
 def backbones_log(path: Path, n: int) -> Path:

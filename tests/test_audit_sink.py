@@ -155,7 +155,7 @@ def test_configure_audit_can_always_replace_a_broken_sink(tiny_cfg: DFlashConfig
     good = tmp_path / "second.jsonl"
     assert configure_audit(json_path=good, console=False) is not None
     m.finalize_loading()
-    assert [e.get("trigger") for e in read_events(good) if e["event"] == "transition"] == ["finish_loading"]
+    assert [e.get("trigger") for e in read_events(good) if e["event"] == "transition"] == ["finalize_loading"]
 
     # a reconfigure that fails (its folder is a file) raises, names the path, and leaves the current route alone
     (tmp_path / "a-file").write_text("")

@@ -189,7 +189,7 @@ def test_changed_dst_is_an_illegal_transition(logs: Path, capsys: pytest.Capture
 def test_changed_src_is_a_state_mismatch(logs: Path) -> None:
     path = logs / "rank1.jsonl"
     ev = read_lines(path)
-    i = index_of(ev, trigger="finish_loading", epoch=1)
+    i = index_of(ev, trigger="finalize_loading", epoch=1)
     ev[i]["src"] = "PARTIALLY_LOADED"  # a legal row, but not where the backbone was
     write_lines(path, ev)
     result = audit_logs([logs])
@@ -491,9 +491,9 @@ def test_recover_after_an_abort_that_was_not_rolled_back_is_a_violation(real_log
 
 
 def test_the_auditor_reads_the_writers_schema_and_refuses_another_by_name(tmp_path: Path) -> None:
-    """Schema 3 added FINALIZED, 4 made layer_ready per bucket: a schema-2 log's refresh from FULLY_LOADED, or a
-    schema-3 layer_ready with its one `layer`, must not read as a violation, nor pass as clean; each is an input
-    problem that names the version (exit 2)."""
+    """Schema 3 added FINALIZED, 4 made layer_ready per bucket, 5 renamed finish_loading: a schema-2 log's refresh
+    from FULLY_LOADED, a schema-3 layer_ready with its one `layer`, or a schema-4 `finish_loading`, must not read
+    as a violation, nor pass as clean; each is an input problem that names the version (exit 2)."""
     from lifecycle.audit.replay import audit_logs
     from lifecycle.audit.schema import SCHEMA_READ
     from lifecycle.events import SCHEMA_VERSION
@@ -501,7 +501,7 @@ def test_the_auditor_reads_the_writers_schema_and_refuses_another_by_name(tmp_pa
     assert SCHEMA_READ == SCHEMA_VERSION
     line = {"event": "transition", "backbone": "d", "rank": 0, "epoch": 0, "seq": 1, "trigger": "weights_loaded",
             "src": "META", "dst": "PARTIALLY_LOADED", "ts": "2026-01-01T00:00:00.000001Z"}
-    for version in (2, 3):
+    for version in (2, 3, 4):
         old = tmp_path / f"old{version}.jsonl"
         old.write_text(json.dumps({**line, "schema": version}) + "\n")
         result = audit_logs([old])

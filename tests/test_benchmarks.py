@@ -64,7 +64,7 @@ def test_tracking_overhead_quick(tmp_path, capsys):
     assert {r["shape"]: r["tensors"] for r in rows} == {"many-tensor": 31, "dflash-deep": 35, "dflash-8x4k": 19}
     reload_on = [r for r in rows if r["mode"] == "reload" and r["arm"] == "lifecycle, audit on"]
     # per reload: begin_reload, one layer_ready per layer's bucket, the last layer's weights_loaded (FULLY_LOADED),
-    # finish_loading; never a transition per bucket
+    # finalize_loading; never a transition per bucket
     assert {r["shape"]: r["audit_events_per_load"] for r in reload_on} == {
         "many-tensor": 3 + 3, "dflash-deep": 7 + 3, "dflash-8x4k": 5 + 3}
     assert {s: k["layer_ready"] for s, k in data["event_kinds_per_load"].items()} == {

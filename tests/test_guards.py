@@ -167,7 +167,7 @@ def test_tensor_reported_loaded_but_still_meta_is_never_ready(tiny_cfg: DFlashCo
     assert lc.readiness.counts_complete()
     assert lc.state is S.PARTIALLY_LOADED  # the FULLY_LOADED row's condition saw the META tensors
     with pytest.raises(LayersNotReadyError, match=r"\(META\)") as ei:
-        lc.finish_loading()
+        lc.finalize_loading()
     assert ei.value.missing == {layer: tuple(f"{n} (META)" for n in ns)
                                 for layer, ns in grouped(names, names).items()}
     with pytest.raises(LayersNotReadyError, match=r"\(META\)"):
@@ -530,7 +530,7 @@ def test_alias_to_an_untracked_meta_buffer_is_refused(tiny_cfg: DFlashConfig, ck
     is META when the cold_load hooks were skipped, and a META source is never ready."""
     m = DFlashQwen3Draft(tiny_cfg)
     load_safetensors(m, ckpt_a)
-    m.lifecycle.finish_loading()  # the loader is done, but the phase hooks never ran
+    m.lifecycle.finalize_loading()  # the loader is done, but the phase hooks never ran
     with pytest.raises(LayersNotReadyError) as ei:
         m.refresh_derived_buffers()
     assert ei.value.missing == {"layers.0": ("layers.0.self_attn.rotary_emb.cos_sin_cache (META)",)}
@@ -603,4 +603,4 @@ def test_refused_selective_finish_marks_nothing(loaded: DFlashQwen3Draft, ckpt_b
     assert list(ei.value.missing) == ["layers.0"]  # the untouched layers are not what blocks it
     assert lc.missing() == missing and lc.readiness.untouched_layers() == untouched
     assert lc.state is S.PARTIALLY_LOADED
-    assert [(e["event"], e["trigger"]) for e in logs] == [("refused", "finish_loading")]
+    assert [(e["event"], e["trigger"]) for e in logs] == [("refused", "finalize_loading")]

@@ -176,7 +176,7 @@ def test_with_nothing_written_the_kept_events_are_those_of_an_unheld_run(monkeyp
 
 NODE = 'n\u00f6de "1"\\'  # the node is encoded into every line too
 AWKWARD = ['q"uote', "back\\slash", "caf\u00e9 \u4e2d \U0001f600", "ctl\n\t\x00\x1f\x7f", "line\u2028sep",
-           "lone\ud800surrogate", '","ts":"2026-01-01T00:00:00.000000Z","schema":4}', ""]
+           "lone\ud800surrogate", '","ts":"2026-01-01T00:00:00.000000Z","schema":5}', ""]
 TS = re.compile(r'"level":"info","ts":"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z","schema":')
 DURATION = re.compile(r',"duration_ms":[-+.e0-9]+,')  # a transition's own: it differs between runs
 
@@ -224,7 +224,7 @@ def _run_reload_script(name: str, layers: list[str], rank: Any, log: Path | None
     first_kept = {e["seq"]: e for e in seen}
     for layer in layers[events.LIST_CAP + 5:]:
         lc.weights_loaded(of([layer]))
-    lc.finish_loading()
+    lc.finalize_loading()
     lc.begin_reload()
     lc.weights_unchanged(of(layers[:half]))
     lc.weights_loaded([f"t{half}.0"])  # half a layer: no event
@@ -232,7 +232,7 @@ def _run_reload_script(name: str, layers: list[str], rank: Any, log: Path | None
     for layer in layers[half + 1:]:
         lc.weights_loaded(of([layer]))
     lc.weights_unchanged([])
-    lc.finish_loading()
+    lc.finalize_loading()
     lc.refresh_derived(lambda: None)
     kept = lc.recent_events
     assert kept is seen and all(first_kept[e["seq"]] is e for e in kept if e["seq"] in first_kept)

@@ -232,7 +232,7 @@ def test_a_second_finalize_runs_no_hook_twice_in_one_epoch(tiny_cfg: DFlashConfi
 
 def test_a_failing_hook_refuses_the_finish_and_the_retry_runs_only_what_did_not_complete(
         tiny_cfg: DFlashConfig, ckpt_a: Path) -> None:
-    """A hook that raises refuses `finish_loading` (the state stays, no refresh is possible); the retry runs the
+    """A hook that raises refuses `finalize_loading` (the state stays, no refresh is possible); the retry runs the
     hooks that have not completed, never one that did (a one-time conversion is not applied twice)."""
     m = HookedDraft(tiny_cfg)
     failures = [RuntimeError("scale table missing")]
@@ -256,7 +256,7 @@ def test_skipping_finalize_is_refused_so_cold_hooks_cannot_be_skipped(tiny_cfg: 
     """Issue 14, friction 2. The old table allowed `refresh_derived` straight from FULLY_LOADED: skipping
     `finalize_loading()` skipped the cold_load hooks (GRAPH_CAPTURED with none run), and they then ran at the next
     reload's finalize, on reloaded weights. The table now allows a refresh only from FINALIZED, which only
-    `finish_loading` reaches."""
+    `finalize_loading` reaches."""
     m = HookedDraft(tiny_cfg)
     load_safetensors(m, ckpt_a)
     with capture_logs() as logs, pytest.raises(IllegalTransitionError, match=r"finalize_loading\(\) first") as ei:

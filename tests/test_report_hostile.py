@@ -150,7 +150,7 @@ def test_html_is_written_only_through_the_escaping_templates(module: str) -> Non
 
 # ---- crafted lines: input problems (exit 2, file:line), never a traceback ------------------------------------------
 
-GOOD = {"backbone": "d", "rank": 0, "epoch": 0, "seq": 1, "ts": "2026-01-01T00:00:00.000001Z", "schema": 4}
+GOOD = {"backbone": "d", "rank": 0, "epoch": 0, "seq": 1, "ts": "2026-01-01T00:00:00.000001Z", "schema": 5}
 CRAFTED: dict[str, str] = {
     "nested 50,000 deep": '{"event":"transition","pad":' + "[" * 50_000 + "]" * 50_000 + "}",
     "nested objects 50,000 deep": '{"event":"refresh","buffers":' + '{"a":' * 50_000 + "1" + "}" * 50_001,
@@ -264,8 +264,8 @@ def test_what_held_before_still_holds(tmp_path: Path, monkeypatch: pytest.Monkey
         b'{"event":"hook_run","backbone":"d","rank":0,"epoch":0,"ts":"2026-01-01T00:00:01Z","seq":2,"pad":NaN}',
         b'{"event":"hook_run","event":"layer_ready","layers":["l"],"backbone":"d","rank":0,"epoch":0,"seq":3,'
         b'"ts":"2026-01-01T00:00:02Z"}',
-        json.dumps({**GOOD, "seq": 4, "ts": "2026-01-01T00:00:03Z", "event": "transition", "trigger": "finish_loading",
-                    "src": "NOWHERE", "dst": "ELSEWHERE"}).encode(), b""]))
+        json.dumps({**GOOD, "seq": 4, "ts": "2026-01-01T00:00:03Z", "event": "transition",
+                    "trigger": "finalize_loading", "src": "NOWHERE", "dst": "ELSEWHERE"}).encode(), b""]))
     os.mkfifo(tmp_path / "fifo.jsonl")
     (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")
     result = audit_logs([log, tmp_path / "fifo.jsonl", tmp_path / "loop.jsonl"])

@@ -85,7 +85,7 @@ def test_the_predicates_mean_the_checks_they_replaced(state: LifecycleState) -> 
     assert lc.quarantined is (state is S.QUARANTINED)
     assert lc.unloaded is (state is S.META)
     assert lc.awaiting_weights is (state in (S.META, S.PARTIALLY_LOADED, S.FULLY_LOADED))
-    assert lc.can("finish_loading") is lc.can("abort_reload") is (state in (S.PARTIALLY_LOADED, S.FULLY_LOADED,
+    assert lc.can("finalize_loading") is lc.can("abort_reload") is (state in (S.PARTIALLY_LOADED, S.FULLY_LOADED,
                                                                            S.FINALIZED))
     assert lc.can("weights_loaded") is (state in (S.META, S.PARTIALLY_LOADED, S.FULLY_LOADED))
     assert lc.can("capture_graphs") is (state is S.DERIVED_REFRESHED)

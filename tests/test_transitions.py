@@ -94,7 +94,7 @@ class LifecycleHarness:
         self.load_all()
 
     def finish(self, keep_untouched: bool) -> None:
-        self.lc.finish_loading(keep_untouched=keep_untouched)
+        self.lc.finalize_loading(keep_untouched=keep_untouched)
 
     def refresh(self) -> None:
         def effect() -> None:
@@ -279,7 +279,7 @@ INTERNAL_TRIGGERS = {"graphs_verified": "refresh"}
 RECIPES: dict[str, list[Callable[[Any], None]]] = {
     "weights_loaded": [lambda h: h.fire_weights_loaded()],
     "begin_reload": [lambda h: h.begin_reload()],
-    "finish_loading": [lambda h: h.finish(False), lambda h: h.finish(True)],
+    "finalize_loading": [lambda h: h.finish(False), lambda h: h.finish(True)],
     "refresh_derived": [lambda h: h.refresh()],
     # fired by the lifecycle itself after a refresh under captured graphs; fired here through its dispatcher
     "graphs_verified": [lambda h: h.lc._fire("graphs_verified")],
@@ -495,9 +495,9 @@ def test_a_last_layer_still_on_meta_fires_the_self_loop_for_real() -> None:
     assert [(e["src"], e["dst"]) for e in logs if e["event"] == "transition"] == [
         ("META", "PARTIALLY_LOADED"), ("PARTIALLY_LOADED", "PARTIALLY_LOADED")]
     with pytest.raises(LayersNotReadyError, match=r"layers\.1\.a \(META\)"):
-        lc.finish_loading()
+        lc.finalize_loading()
     meta.clear()  # materialised behind the loader's back: the finish sees every layer ready now
-    lc.finish_loading()
+    lc.finalize_loading()
     assert lc.state is S.FINALIZED
 
 

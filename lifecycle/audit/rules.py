@@ -67,7 +67,7 @@ CONDITION_CHECKS: Mapping[Condition, Check] = MappingProxyType({
 # Triggers whose effect beyond the state the replay replays (a new epoch, pinning, unpinning, the abort's verdict),
 # and those that emit the events it checks (refresh; layer_ready and layers_unchanged; the end of loading).
 BEGIN, CAPTURE, RELEASE, ABORT = "begin_reload", "capture_graphs", "release_graphs", "abort_reload"
-REFRESH, WEIGHTS, FINISH = "refresh_derived", "weights_loaded", "finish_loading"
+REFRESH, WEIGHTS, FINISH = "refresh_derived", "weights_loaded", "finalize_loading"
 REPLAYED_TRIGGERS = (BEGIN, CAPTURE, RELEASE, ABORT, REFRESH, WEIGHTS, FINISH)
 
 
@@ -114,7 +114,7 @@ ROW_CHECKS: Mapping[tuple[str, str, str], frozenset[Check]] = MappingProxyType(_
 
 STATE_NAMES: Mapping[str, LifecycleState] = MappingProxyType({s.value: s for s in LifecycleState})
 INITIAL = INITIAL_STATE.value
-#: States in which a load is still going on (`finish_loading` may fire); the events that only the trigger emitting
+#: States in which a load is still going on (`finalize_loading` may fire); the events that only the trigger emitting
 #: them may explain must come in a state that allows it.
 LOADING_STATES = frozenset(s.value for s in allowed_sources(FINISH))
 WEIGHTS_STATES = frozenset(s.value for s in allowed_sources(WEIGHTS))

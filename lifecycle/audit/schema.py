@@ -1,4 +1,4 @@
-"""The event schema the auditor and the report read (schema 4), checked on every line before anything uses it.
+"""The event schema the auditor and the report read (schema 5), checked on every line before anything uses it.
 
 Every event has `event`, `backbone`, `rank`, `epoch` and `ts`; each kind the tools read declares the type of
 every field they read of it (`FIELDS`). A field nothing reads is left alone (a newer writer may add fields); a
@@ -25,8 +25,9 @@ __all__ = ["FIELDS", "LIST_CAP", "MAX_COUNT", "MAX_DEPTH", "NAME_CAP", "REQUIRED
 #: The event schema this auditor reads (`lifecycle.events.SCHEMA_VERSION` of the writer). A line of another
 #: version is an input problem: its transitions follow another table or its events another shape (3 added the
 #: FINALIZED state, so a schema-2 log's `refresh_derived` from FULLY_LOADED would read as illegal; 4 made
-#: `layer_ready` one event per bucket with a list of layers). A line without the field is read as this one.
-SCHEMA_READ = 4
+#: `layer_ready` one event per bucket with a list of layers; 5 renamed `finish_loading` to `finalize_loading`). A
+#: line without the field is read as this one.
+SCHEMA_READ = 5
 #: Characters in a name (backbone, layer, buffer, trigger, state, ...) and in a text (a reason, an error) at most:
 #: the writer cuts every string at 4096 (`lifecycle.events.STR_CAP`), so anything longer was not written by it.
 NAME_CAP = TEXT_CAP = 4096
@@ -169,9 +170,9 @@ def problem(fields: dict[str, Any]) -> str | None:
     """What is wrong with a decoded line as an event, or None when it is one."""
     version = fields.get("schema", SCHEMA_READ)
     if version != SCHEMA_READ or type(version) is not int:
-        return (f"written with event schema {describe(version)}; this auditor reads schema {SCHEMA_READ} (schema 4 "
-                "made layer_ready one event per bucket, 3 added the FINALIZED state): audit it with the "
-                "reload-lifecycle release that wrote it")
+        return (f"written with event schema {describe(version)}; this auditor reads schema {SCHEMA_READ} (schema 5 "
+                "renamed finish_loading to finalize_loading, 4 made layer_ready one event per bucket, 3 added the "
+                "FINALIZED state): audit it with the reload-lifecycle release that wrote it")
     for key in REQUIRED:
         if key not in fields:
             bad = _fields_problem(fields, _REQUIRED_FIELDS)  # a bad rank is named before a missing timestamp

@@ -146,7 +146,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         lc = self.lifecycle
         if lc.epoch == 0 and lc.awaiting_weights and not self.__dict__.get("_cold_load_written"):
             self._adopt_loader_values()
-        if lc.epoch == 0 and lc.can("finish_loading"):
+        if lc.epoch == 0 and lc.can("finalize_loading"):
             self.finalize_loading()
             self.refresh_derived_buffers()
 

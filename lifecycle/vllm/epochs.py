@@ -158,7 +158,7 @@ def finish_epoch(backbone: VLLMDraftBackbone, outcome: PartialOutcome | None = N
     nothing count as unchanged), run the reload hooks and refresh in place. Any failure quarantines the draft (its
     last good derived buffers kept) and is raised. Nothing to do when no load of the draft is in progress."""
     lc = backbone.lifecycle
-    if not lc.can("finish_loading"):
+    if not lc.can("finalize_loading"):
         return
     try:
         if outcome is not None and outcome.unfilled:
@@ -186,9 +186,9 @@ def _partly_sent(backbone: VLLMDraftBackbone, outcome: PartialOutcome, policy: P
     missing: dict[str, list[str]] = {}
     for name, why in outcome.unfilled.items():
         missing.setdefault(lc.readiness.layer_of_name[name], []).append(f"{name} ({why})")
-    err = LayersNotReadyError(f"finish_loading (partial={policy!r})", missing, backbone=lc.name,
+    err = LayersNotReadyError(f"finalize_loading (partial={policy!r})", missing, backbone=lc.name,
                               state=lc.state.value)
-    lc.record_refusal("finish_loading", err)
+    lc.record_refusal("finalize_loading", err)
     return err
 
 

@@ -44,7 +44,7 @@ class VLLMDraftBackbone(DraftBackbone):
     def reload_open(self) -> bool:
         """A reload epoch has begun and is not finished yet (weights may be mid-write)."""
         lc = self.lifecycle
-        return lc.in_reload and lc.can("finish_loading")
+        return lc.in_reload and lc.can("finalize_loading")
 
     # ---- the hooks vLLM's load paths drive (the draft class's load_weights and the patched entry points) -------
     def before_write(self) -> None:
