@@ -24,7 +24,10 @@ from .owners import VLLMDraftBackbone, backbones_in
 
 __all__ = ["drafting_allowed"]
 
-_BACKBONES: weakref.WeakKeyDictionary[nn.Module, list[VLLMDraftBackbone]] = weakref.WeakKeyDictionary()
+#: draft model -> its lifecycle drafts, held weakly: each backbone holds its model (`_structure`), so a strong value
+#: would keep its own key alive and the draft, weights and all, would never be freed.
+_BACKBONES: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[VLLMDraftBackbone], ...]] = (
+    weakref.WeakKeyDictionary())
 
 
 def _draft_model(runner: Any) -> nn.Module | None:
@@ -41,9 +44,11 @@ def drafting_allowed(runner: Any) -> bool:
     model = _draft_model(runner)
     if model is None:
         return True
-    backbones = _BACKBONES.get(model)
-    if backbones is None:
-        backbones = _BACKBONES[model] = backbones_in(model)
+    refs = _BACKBONES.get(model)
+    backbones = [b for r in refs if (b := r()) is not None] if refs is not None else []
+    if refs is None or len(backbones) != len(refs):
+        backbones = backbones_in(model)
+        _BACKBONES[model] = tuple(weakref.ref(b) for b in backbones)
     allowed = True
     for backbone in backbones:
         lc = backbone.lifecycle

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lifecycle.vllm.serving import drafting_allowed
 from support.vllm_inprocess import (
     CASES,
     HEAD,
@@ -104,12 +105,23 @@ def _draft_dir(work: Path, case: DraftCase, which: str) -> Path:
     return work / f"{case.family}{which}"
 
 
+class _Runner:
+    """What the drafting gate reads of vLLM's model runner."""
+
+    def __init__(self, draft: Any) -> None:
+        self._draft = weakref.ref(draft)
+
+    def get_draft_model(self) -> Any:
+        return self._draft()
+
+
 def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
     target = build_target(work / "target")
     ref, cold_drafts = {}, []
     for which in "AB":
         cold = build(case, _draft_dir(work, case, which), work / "target")
         cold_drafts.append(weakref.ref(cold))
+        drafting_allowed(_Runner(cold))  # the gate of every step: it must not keep the draft either
         ref[which] = {"derived": derived_digests(cold), "weights": weight_digests(cold)}
     warm = build(case, _draft_dir(work, case, "A"), work / "target")
     share_target(warm, target)
@@ -141,8 +153,9 @@ def _family(case: DraftCase, work: Path, layout: str) -> dict[str, Any]:
     res["unfinished"] = _unfinished(warm, work, case, ref, pinned)
     res["optional"] = optional_runs(warm, work, case.family, ref, pinned, res["unfinished"]["draft"], _observe)
     res["dummy"] = attempt(lambda: _dummy_start(case, work, ref["B"]))
-    # the cold drafts, cold-loaded by vLLM's loader and dropped: freed once the cyclic collector ran (vLLM's
-    # modules have cycles of their own); the plugin's per-module table kept every draft before. (A draft that went
+    # the cold drafts, cold-loaded by vLLM's loader, passed through the drafting gate and dropped: freed once the
+    # cyclic collector ran (vLLM's modules have cycles of their own); the plugin's per-module table kept every
+    # draft before, and so did the gate's table of backbones. (A draft that went
     # through vLLM's layerwise reload is kept by vLLM itself: its module-level table of reload infos holds
     # parameters whose weight loaders hold the model.)
     del cold
