@@ -24,6 +24,12 @@ trusted beyond what was checked:
   naming the file and what changed, raised before the bucket that saw it is handed out: a load never mixes two
   versions of a file. (The check relies on the file system's mtime granularity for same-size rewrites.)
 - A folder is read file by file; `iter_buckets` holds one bucket's tensors at a time.
+- With a `root` (`RELOAD_LIFECYCLE_PATH_ROOT` for the vLLM plugin's paths) every file is confined, not only the
+  path given: the path and each link in a folder it names are resolved and must lie beneath the root, and each
+  file is then opened by its resolved path beneath a descriptor of the root without following any link
+  (`lifecycle.confined`), for its header and again for its data. A link swapped in after the check is refused,
+  never followed. A refusal (`PathConfinementError`) says nothing of the refused file: not its bytes, its size,
+  nor where a link points.
 - A tensor that appears in two files is refused, naming both.
 
 `write_checkpoint` writes one file (tests, demos, benchmarks, a trainer's own checkpoints): the format the readers
@@ -46,6 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors.torch import save_file
 
+from .confined import confined_files, open_confined
 from .errors import CheckpointError
 
 __all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "check_paths", "checkpoint_files",
@@ -99,19 +106,23 @@ class CheckpointIndex(dict[str, IndexEntry]):
     push of one model), so what was checked against one holds for the other (`loading.validate_index` keeps the
     headers it checked in full and skips the per-tensor check when they come again)."""
 
-    __slots__ = ("headers",)
+    __slots__ = ("headers", "root")
 
     def __init__(self) -> None:
         super().__init__()
         self.headers: tuple[bytes, ...] = ()
+        self.root: Path | None = None  # every file is opened beneath it (`checkpoint_index(root=)`)
 
 
 def _error(path: Path | str, what: str) -> CheckpointError:
     return CheckpointError(f"cannot read checkpoint {path}: {what}", backbone=None)
 
 
-def _open_regular(path: Path) -> tuple[int, FileIdentity]:
-    """An open descriptor on a regular file and its identity; anything else is refused without blocking."""
+def _open_regular(path: Path, root: Path | None = None) -> tuple[int, FileIdentity]:
+    """An open descriptor on a regular file and its identity; anything else is refused without blocking. With a
+    `root`, `path` is resolved and opened beneath it without following links (`lifecycle.confined`)."""
+    if root is not None:
+        return _checked_regular(open_confined(path, root, _OPEN_FLAGS), path)
     try:
         st = os.stat(path)
     except OSError as e:
@@ -122,6 +133,10 @@ def _open_regular(path: Path) -> tuple[int, FileIdentity]:
         fd = os.open(path, _OPEN_FLAGS)  # non-blocking: a file swapped for a FIFO meanwhile cannot hang us
     except OSError as e:
         raise _error(path, f"{e.strerror or e}") from e
+    return _checked_regular(fd, path)
+
+
+def _checked_regular(fd: int, path: Path) -> tuple[int, FileIdentity]:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -147,8 +162,8 @@ def _read_exact(fd: int, out: memoryview, offset: int, path: Path) -> None:
         done += n
 
 
-def _read_header(path: Path) -> tuple[dict[str, IndexEntry], bytes]:
-    fd, identity = _open_regular(path)
+def _read_header(path: Path, root: Path | None = None) -> tuple[dict[str, IndexEntry], bytes]:
+    fd, identity = _open_regular(path, root)
     try:
         if identity.size < 8:
             raise _error(path, f"{identity.size} bytes, shorter than a safetensors header")
@@ -211,17 +226,20 @@ def check_paths(paths: object) -> None:
                     f"{type(paths).__name__} {paths!r:.80}")
 
 
-def checkpoint_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
+def checkpoint_files(paths: str | Path | Sequence[str | Path], *, root: Path | None = None) -> list[Path]:
     """The files a checkpoint argument names: a file, a folder (its `*.safetensors`, sorted), or a list of
     either; a file named twice is read once. An empty folder or list is a `CheckpointError`; a path of another
-    type (bytes, None, ...) a `TypeError` naming it."""
+    type (bytes, None, ...) a `TypeError` naming it. With a `root` (absolute, resolved): the files' resolved
+    paths, each beneath it (`confined.confined_files`)."""
     check_paths(paths)
     given = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not given:
         raise CheckpointError("no checkpoint file given", backbone=None)
     files: list[Path] = []
     for p in map(Path, given):
-        if p.is_dir():
+        if root is not None:
+            files.extend(confined_files(p, root))
+        elif p.is_dir():
             found = sorted(p.glob("*.safetensors"))
             if not found:
                 raise _error(p, "the folder holds no *.safetensors file")
@@ -231,14 +249,16 @@ def checkpoint_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     return list({f.resolve(): f for f in reversed(files)}.values())[::-1]  # first mention kept, in order
 
 
-def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> CheckpointIndex:
+def checkpoint_index(paths: str | Path | Sequence[str | Path], *, root: Path | None = None) -> CheckpointIndex:
     """Name -> (file, shape, dtype, byte range) from the headers alone; no tensor data is read. Refused
     (`CheckpointError` naming the file): a path that is missing or not a regular file, a header that is
-    corrupt, a dtype not supported, a byte range past the end of the file, a tensor in two files."""
+    corrupt, a dtype not supported, a byte range past the end of the file, a tensor in two files. `root`: every
+    file confined beneath that folder (absolute, resolved; see the module doc), for its header and its data."""
     index = CheckpointIndex()
+    index.root = root
     headers = []
-    for p in checkpoint_files(paths):
-        entries, header = _read_header(p)
+    for p in checkpoint_files(paths, root=root):
+        entries, header = _read_header(p, root)
         headers.append(header)
         for name, entry in entries.items():
             if name in index:
@@ -250,9 +270,10 @@ def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> CheckpointInde
 
 
 class _OpenFile:
-    def __init__(self, path: Path, expected: FileIdentity | None) -> None:
+    def __init__(self, path: Path, expected: FileIdentity | None, root: Path | None = None) -> None:
         self.path = path
-        self.fd, self.identity = _open_regular(path)
+        self.root = root
+        self.fd, self.identity = _open_regular(path, root)
         self.expected = expected or self.identity
         self.check("opened for reading")
 
@@ -262,12 +283,17 @@ class _OpenFile:
         expected = self.expected
         changes = expected.changes(FileIdentity.of(os.fstat(self.fd)))  # rewritten in place
         try:
-            at_path = FileIdentity.of(os.stat(self.path))
+            # beneath a root the path is resolved: a link there now is a change (and is not followed)
+            st = os.lstat(self.path) if self.root is not None else os.stat(self.path)
         except OSError as e:
             changes.append(f"the path is gone ({e.strerror or e})")
         else:
-            if (at_path.inode, at_path.device) != (expected.inode, expected.device):
-                changes.append(f"the path now names another file (inode {expected.inode} -> {at_path.inode})")
+            if stat.S_ISLNK(st.st_mode):
+                changes.append("the path is a symbolic link now")
+            elif (st.st_ino, st.st_dev) != (expected.inode, expected.device):
+                # beneath a root the new file may lie outside it (a folder above swapped): say nothing of it
+                now = "" if self.root is not None else f" -> {st.st_ino}"
+                changes.append(f"the path now names another file (inode {expected.inode}{now})")
         if changes:
             raise CheckpointError(f"checkpoint {self.path} changed since its header was read ({when}): "
                                   f"{'; '.join(changes)}. Nothing read from it after the change was used; "
@@ -293,6 +319,7 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]],
     what else sits in the heap the allocator gives those pages back to the system and faults them in again for
     the next bucket, page by page: a real-size draft (1.5 GB bf16) reloaded in 820 ms, 300 ms with reuse."""
     files: dict[Path, _OpenFile] = {}
+    root = getattr(index, "root", None)
     staging: torch.Tensor | None = None
     try:
         for bucket in buckets:
@@ -308,7 +335,7 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]],
             for name, entry in zip(bucket, entries, strict=True):
                 f = files.get(entry.path)
                 if f is None:
-                    f = files[entry.path] = _OpenFile(entry.path, entry.identity)
+                    f = files[entry.path] = _OpenFile(entry.path, entry.identity, root)
                 used[entry.path] = f
                 if staging is None:
                     out.append((name, _read_tensor(f, entry)))

@@ -8,9 +8,11 @@ model is untouched. Then `feed` reads one bucket at a time from disk (the reader
 itself buffers the tensors of layers that are not complete yet) and hands it to `model.load_weights`.
 
 What a path argument can reach: any file or folder the worker process can read, unless the engine was started
-with `RELOAD_LIFECYCLE_PATH_ROOT=/abs/folder`, in which case the path, with symlinks resolved, must lie inside
-that folder. Only regular `*.safetensors` files are read (a folder: its `*.safetensors` files); nothing is
-written, executed or unpickled.
+with `RELOAD_LIFECYCLE_PATH_ROOT=/abs/folder`, in which case every file is confined, not only the path: the path
+and each link in the folder it names, resolved, must lie inside that folder, and each file is opened by its
+resolved path beneath the root without following links (`lifecycle.confined`), so a link swapped in after the
+check is refused, not followed. Only regular `*.safetensors` files are read (a folder: its `*.safetensors`
+files); nothing is written, executed or unpickled.
 """
 
 from __future__ import annotations
@@ -44,17 +46,20 @@ class Payload:
         return sum(map(len, self.buckets))
 
 
-def check_path(path: object, what: str = "weights_path") -> Path:
-    """A non-empty str or PathLike, inside `RELOAD_LIFECYCLE_PATH_ROOT` when that is set."""
+def check_path(path: object, what: str = "weights_path", root: Path | None = None) -> Path:
+    """A non-empty str or PathLike, inside `root` when given (`RELOAD_LIFECYCLE_PATH_ROOT`, resolved): then the
+    path is returned resolved, and only that is opened (beneath the root, following no link)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise TypeError(f"{what} must be a non-empty path (str), got {path!r}")
     p = Path(path)
-    root = settings.allowed_root()
+    if root is None:
+        root = settings.allowed_root()
     if root is not None:
         resolved = p.resolve()
         if not resolved.is_relative_to(root):
             raise PermissionError(f"{what}={str(path)!r} resolves to {resolved}, outside the allowed root "
                                   f"{root} ({settings.PATH_ROOT_ENV}); nothing was read")
+        return resolved
     return p
 
 
@@ -98,7 +103,8 @@ def plan_payload(path: object, *, bucket_size: object = None, shuffle: object = 
     shuffled = _checked(shuffle, bool, "shuffle")
     seed_value = _checked(seed, int, "seed")
     prefixes = check_prefixes(exclude_prefixes)
-    index = checkpoint_index(check_path(path, what))
+    root = settings.allowed_root()
+    index = checkpoint_index(check_path(path, what, root), root=root)
     names = [n for n in index if not n.startswith(prefixes)]
     if not names:
         raise CheckpointError(f"nothing to load: {path} holds {len(index)} tensor(s) and exclude_prefixes "
