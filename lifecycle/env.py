@@ -16,10 +16,13 @@ RELOAD_LIFECYCLE_EXAMPLE='maybe' is not a switch value: use one of 1, true, yes,
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["FALSE_SPELLINGS", "TRUE_SPELLINGS", "EnvSettingError", "choice", "flag", "path"]
+__all__ = ["FALSE_SPELLINGS", "TRUE_SPELLINGS", "EnvSettingError", "check_names", "choice", "flag", "path"]
 
 #: Case-insensitive, surrounding blanks ignored.
 TRUE_SPELLINGS = ("1", "true", "yes", "on")
@@ -59,6 +62,24 @@ def path(name: str) -> Path | None:
     if raw is None or not raw.strip():
         return None
     return Path(raw)
+
+
+def check_names(prefix: str, known: Sequence[str], environ: Mapping[str, str] | None = None) -> None:
+    """Every variable that looks like one of this package's (its name, in any case and without `_`/`-`, starts
+    with `prefix`'s) must be one of `known`: a misspelled switch is an `EnvSettingError` naming it and the
+    closest known name, never silently ignored (a misspelled `RELOAD_LIFECYCLE_PATH_ROOT` would fail open)."""
+    env = os.environ if environ is None else environ
+    squeezed = re.sub(r"[^A-Z0-9]", "", prefix.upper())
+    unknown = sorted(n for n in env if n not in known and re.sub(r"[^A-Z0-9]", "", n.upper()).startswith(squeezed))
+    if not unknown:
+        return
+    name = unknown[0]
+    close = difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]}?" if close else f"the settings are {', '.join(known)}"
+    if close and close[0] == name.upper():
+        hint += " (names are case-sensitive)"
+    more = f"; and {len(unknown) - 1} more unknown {prefix}* name(s)" if len(unknown) > 1 else ""
+    raise EnvSettingError(name[:_SHOWN], env[name], f"is not a reload-lifecycle setting: {hint}{more}")
 
 
 def choice(name: str, allowed: tuple[str, ...], default: str) -> str:

@@ -3,7 +3,11 @@
 - `RELOAD_LIFECYCLE_PARTIAL`: `refuse` (default) or `keep`, what a draft reload that did not send every
   tensor does (`partial_policy`);
 - `RELOAD_LIFECYCLE_PATH_ROOT`: an absolute folder; RPC and transfer-engine paths must lie inside it
-  (`allowed_root`). Unset: any path the worker process can read.
+  (`allowed_root`). Unset: any path the worker process can read;
+- `RELOAD_LIFECYCLE_AUDIT_DIR`, `RELOAD_LIFECYCLE_AUDIT_CONSOLE`: where audit events go (`plugin`).
+
+Any other variable named like these (`RELOAD_LIFECYCLE_PATH_ROT`, `reload_lifecycle_path_root`) is an error
+naming it and the closest known name (`check_names`): a misspelled root must not fail open.
 
 Both are parsed by `lifecycle.env`, as every `RELOAD_LIFECYCLE_*` switch: a value that is not one of those is an
 error naming the variable and what it accepts (the plugin reads every setting when it activates, so a bad one
@@ -26,13 +30,28 @@ import os
 from pathlib import Path
 from typing import Literal, cast
 
+from .. import env
 from ..env import EnvSettingError, choice
 
-__all__ = ["PARTIAL_ENV", "PARTIAL_POLICIES", "PATH_ROOT_ENV", "PartialPolicy", "allowed_root", "check_partial",
-           "partial_policy"]
+__all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "ENV_PREFIX", "KNOWN_ENV", "PARTIAL_ENV", "PARTIAL_POLICIES",
+           "PATH_ROOT_ENV", "PartialPolicy", "allowed_root", "check_names", "check_partial", "partial_policy"]
 
+#: The prefix of every switch of this package.
+ENV_PREFIX = "RELOAD_LIFECYCLE_"
 PARTIAL_ENV = "RELOAD_LIFECYCLE_PARTIAL"
 PATH_ROOT_ENV = "RELOAD_LIFECYCLE_PATH_ROOT"
+#: A folder: each process writes its audit events to `audit-<host>-<pid>.jsonl` there (`plugin`).
+AUDIT_DIR_ENV = "RELOAD_LIFECYCLE_AUDIT_DIR"
+#: A switch (1/true/yes/on): also print readable events to stderr.
+AUDIT_CONSOLE_ENV = "RELOAD_LIFECYCLE_AUDIT_CONSOLE"
+#: Every setting; any other `RELOAD_LIFECYCLE_*` name is refused (`check_names`).
+KNOWN_ENV = (PARTIAL_ENV, PATH_ROOT_ENV, AUDIT_DIR_ENV, AUDIT_CONSOLE_ENV)
+
+
+def check_names() -> None:
+    """Refuse a variable named like a setting that is none (`env.check_names`), naming the closest one."""
+    env.check_names(ENV_PREFIX, KNOWN_ENV)
+
 PartialPolicy = Literal["refuse", "keep"]
 PARTIAL_POLICIES: tuple[PartialPolicy, ...] = ("refuse", "keep")
 
