@@ -55,13 +55,28 @@ def flag(name: str, default: bool = False) -> bool:
                                      f"(or {', '.join(s or 'empty' for s in FALSE_SPELLINGS)})")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def path(name: str) -> Path | None:
-    """A filesystem path: unset or blank gives None. Whoever uses it names the variable when it cannot (raise
-    `EnvSettingError(name, value, problem)`)."""
+    """An absolute filesystem path: unset or blank gives None; surrounding blanks (a trailing newline) are
+    stripped and a leading `~` or `~user` is expanded. Refused, naming the variable: a relative path (it would be
+    taken from each process's current folder, and Ray starts its workers in a session folder of its own), a `~`
+    that does not expand, a control character inside. Whoever uses the path names the variable when it cannot
+    (raise `EnvSettingError(name, value, problem)`)."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return None
-    return Path(raw)
+    value = raw.strip()
+    if _CONTROL.search(value):
+        raise EnvSettingError(name, raw, "holds a control character; give the folder's plain absolute path")
+    expanded = os.path.expanduser(value)
+    if not os.path.isabs(expanded):
+        why = ("its ~ does not expand (no such user, or HOME unset)" if expanded.startswith("~") else
+               "a relative path would be taken from each process's current folder (Ray starts its workers in a "
+               "session folder of its own)")
+        raise EnvSettingError(name, raw, f"must be an absolute path: {why}")
+    return Path(expanded)
 
 
 def check_names(prefix: str, known: Sequence[str], environ: Mapping[str, str] | None = None) -> None:
