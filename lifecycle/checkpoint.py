@@ -18,18 +18,17 @@ trusted beyond what was checked:
 - Data is read with `os.preadv` into fresh tensors (or, for the loader, which copies each value, one buffer
   reused from bucket to bucket), never memory-mapped: a file truncated under a mapping kills the process with
   SIGBUS; under a read it comes up short, which is a `CheckpointError`.
-- Each file's identity (size, mtime_ns, inode, device) is recorded when its header is read and compared again
-  when the file is opened for its data and after every bucket read from it, through the descriptor (rewritten
-  in place: size or mtime changed) and through the path (replaced or removed). A change is a `CheckpointError`
-  naming the file and what changed, raised before the bucket that saw it is handed out: a load never mixes two
-  versions of a file. (The check relies on the file system's mtime granularity for same-size rewrites.)
+- Each file's identity (size, mtime_ns, ctime_ns, inode, device) is recorded when its header is read and
+  compared again when the file is opened for its data and after every bucket read from it, through the
+  descriptor (rewritten in place: size, mtime or ctime changed) and through the path (replaced or removed). A
+  change is a `CheckpointError` naming the file and what changed, raised before the bucket that saw it is handed
+  out: a load never mixes two versions of a file. ctime cannot be faked: the kernel sets it on every write,
+  `utime` (a same-size rewrite with its old mtime put back), `chmod`, link or rename; user space cannot.
 - A folder is read file by file; `iter_buckets` holds one bucket's tensors at a time.
-- With a `root` (`RELOAD_LIFECYCLE_PATH_ROOT` for the vLLM plugin's paths) every file is confined, not only the
-  path given: the path and each link in a folder it names are resolved and must lie beneath the root, and each
-  file is then opened by its resolved path beneath a descriptor of the root without following any link
-  (`lifecycle.confined`), for its header and again for its data. A link swapped in after the check is refused,
-  never followed. A refusal (`PathConfinementError`) says nothing of the refused file: not its bytes, its size,
-  nor where a link points.
+- With a `root` (the plugin's `RELOAD_LIFECYCLE_PATH_ROOT`) every file is confined: the path and each link in a
+  folder it names are resolved and must lie beneath the root; each file is opened by its resolved path beneath
+  the root's descriptor following no link (`lifecycle.confined`), for its header and its data. A refusal
+  (`PathConfinementError`) says nothing of the refused file: not its bytes, its size, nor where a link points.
 - A tensor that appears in two files is refused, naming both.
 
 `write_checkpoint` writes one file (tests, demos, benchmarks, a trainer's own checkpoints): the format the readers
@@ -76,15 +75,19 @@ class FileIdentity:
     mtime_ns: int
     inode: int
     device: int
+    ctime_ns: int = 0  # the inode's change time: set by the kernel on every write, utime, chmod; never by a user
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
     def changes(self, now: FileIdentity) -> list[str]:
         """`size 4096 -> 4032` etc. for every field that differs."""
-        return [f"{f} {getattr(self, f)} -> {getattr(now, f)}" for f in ("size", "mtime_ns", "inode", "device")
+        return [f"{f} {getattr(self, f)} -> {getattr(now, f)}" for f in _IDENTITY_FIELDS
                 if getattr(self, f) != getattr(now, f)]
+
+
+_IDENTITY_FIELDS = ("size", "mtime_ns", "ctime_ns", "inode", "device")
 
 
 class IndexEntry(NamedTuple):
