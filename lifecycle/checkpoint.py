@@ -13,8 +13,9 @@ trusted beyond what was checked:
 
 - Only regular files are read: a FIFO, socket or device is refused before anything could block on it (a FIFO
   opened for reading waits for a writer forever). Files are opened non-blocking and checked on the descriptor.
-- The header is parsed here, and every tensor's byte range is checked against the file's size before any data
-  is read: a file truncated after its header is refused from the index.
+- The header is parsed and checked (`lifecycle.header`: every problem a `CheckpointError` naming file and
+  tensor), and every tensor's byte range is checked against the file's size before any data is read: a file
+  truncated after its header is refused from the index.
 - Data is read with `os.preadv` into fresh tensors (or, for the loader, which copies each value, one buffer
   reused from bucket to bucket), never memory-mapped: a file truncated under a mapping kills the process with
   SIGBUS; under a read it comes up short, which is a `CheckpointError`.
@@ -37,8 +38,6 @@ here read, through safetensors itself.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import stat
 import struct
@@ -46,24 +45,19 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
 
 from .confined import confined_files, open_confined
 from .errors import CheckpointError
+from .header import DTYPES, HEADER_LIMIT, parse_header
+from .header import error as _error
 
 __all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "check_paths", "checkpoint_files",
            "checkpoint_index", "iter_buckets", "write_checkpoint"]
 
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-#: safetensors' own limit on the JSON header.
-HEADER_LIMIT = 100 * 2**20
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -117,8 +111,6 @@ class CheckpointIndex(dict[str, IndexEntry]):
         self.root: Path | None = None  # every file is opened beneath it (`checkpoint_index(root=)`)
 
 
-def _error(path: Path | str, what: str) -> CheckpointError:
-    return CheckpointError(f"cannot read checkpoint {path}: {what}", backbone=None)
 
 
 def _open_regular(path: Path, root: Path | None = None) -> tuple[int, FileIdentity]:
@@ -180,42 +172,16 @@ def _read_header(path: Path, root: Path | None = None) -> tuple[dict[str, IndexE
         _read_exact(fd, memoryview(buf), 8, path)
         text = bytes(buf)
         del buf
-        try:
-            header = json.loads(text)
-        except ValueError as e:
-            raise _error(path, f"corrupt header ({e}): truncated or not a safetensors file?") from e
-        if not isinstance(header, dict):
-            raise _error(path, "corrupt header (not a JSON object): not a safetensors file?")
         data_start, data_size = 8 + length, identity.size - 8 - length
         entries = {}
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            entries[name] = _entry(path, name, meta, data_start, data_size, identity)
+        for name, shape, dtype, begin, end in parse_header(text, path):
+            if end > data_size:
+                raise _error(path, f"tensor {name} needs bytes {data_start + begin}..{data_start + end} but the file "
+                                   f"has {data_start + data_size}: truncated")
+            entries[name] = IndexEntry(path, shape, dtype, data_start + begin, end - begin, identity)
         return entries, text
     finally:
         os.close(fd)
-
-
-def _entry(path: Path, name: str, meta: Any, data_start: int, data_size: int, identity: FileIdentity
-           ) -> IndexEntry:
-    """`meta`: the header's JSON for the tensor, of any shape (what is not an entry is refused below)."""
-    try:
-        dtype_code, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
-        shape = tuple(map(int, shape))
-        begin, end = int(begin), int(end)
-    except (KeyError, TypeError, ValueError) as e:
-        raise _error(path, f"tensor {name}: corrupt header entry {meta!r}") from e
-    dtype = DTYPES.get(dtype_code)
-    if dtype is None:
-        raise _error(path, f"tensor {name} has unsupported dtype {dtype_code}")
-    nbytes = math.prod(shape) * dtype.itemsize
-    if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != nbytes:
-        raise _error(path, f"tensor {name}: data offsets {begin}..{end} do not hold {dtype_code} {list(shape)}")
-    if end > data_size:
-        raise _error(path, f"tensor {name} needs bytes {data_start + begin}..{data_start + end} but the file has "
-                           f"{data_start + data_size}: truncated")
-    return IndexEntry(path, shape, dtype, data_start + begin, nbytes, identity)
 
 
 def check_paths(paths: object) -> None:
