@@ -192,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     diagram.set_defaults(func=_cmd_diagram)
 
     logs_help = "JSON-lines audit logs: files, directories (their *.jsonl, *.jsonl.N, *.ndjson, *.log), - for stdin"
-    streams_help = (f"(rank, backbone) streams replayed, at most (default {MAX_STREAMS}); events of further streams "
-                    "are counted as not audited (exit status 2)")
+    streams_help = (f"(node, rank, backbone) streams replayed, at most (default {MAX_STREAMS}); events of further "
+                    "streams are counted as not audited (exit status 2)")
     ranks_help = ("the ranks whose logs the input must hold: N (ranks 0 to N-1, e.g. the world size) or a list "
                   "such as 4-7 (pipeline parallel: the last stage's ranks hold the draft); a rank without events, "
                   "or a backbone some of them lack, is an input problem naming it (exit status 2)")
@@ -201,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
         "audit",
         help="replay audit logs (any number of ranks) through the transition table and report every violation",
         description=(
-            "Streams the logs (merged by timestamp), replays each (rank, backbone) through the transition table in "
-            "lifecycle/states.py and reports every violation: illegal_transition, state_mismatch, "
+            "Streams the logs (merged by timestamp), replays each (node, rank, backbone) through the transition "
+            "table in lifecycle/states.py and reports every violation: illegal_transition, state_mismatch, "
             "event_out_of_state, not_ready, storage_drift, ends_mid_reload, epoch_disagreement, epoch_jump, "
             "out_of_order, missing_events; and warnings (abandoned_epoch) that do not change the exit status (see "
             "README). A corrupt line is reported with file:line and the rest is audited. Input without events, and "
@@ -233,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--title", type=_title, default="reload-lifecycle report",
                         help=f"page title (at most {TITLE_CAP} characters)")
     report.add_argument("--max-epochs", type=int_in(1, MAX_EPOCHS_LIMIT), default=12,
-                        help=f"reload epochs drawn per (rank, backbone), the latest ones (1 to {MAX_EPOCHS_LIMIT}; "
-                             "default 12)")
+                        help=f"reload epochs drawn per (node, rank, backbone), the latest ones (1 to "
+                             f"{MAX_EPOCHS_LIMIT}; default 12)")
     report.add_argument("--max-streams", type=int_in(1, 1_000_000), default=MAX_STREAMS, help=streams_help)
     report.add_argument("--expect-ranks", type=expected_ranks, default=None, metavar="N", help=ranks_help)
     report.set_defaults(func=_cmd_report)

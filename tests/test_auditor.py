@@ -126,7 +126,7 @@ def test_every_row_is_legal_and_nothing_else(trigger: str) -> None:
     for src in LifecycleState:
         for dst in LifecycleState:
             a = Auditor()
-            a.streams[(0, "d")] = StreamReplay(0, "d", state_name=src.value, layers_total=1, ready={"layers.0"},
+            a.streams[(None, 0, "d")] = StreamReplay(0, "d", state_name=src.value, layers_total=1, ready={"layers.0"},
                                                pinned=True, recoverable=True)
             fields = {"event": "transition", "backbone": "d", "rank": 0, "epoch": 1 if trigger == "begin_reload"
                       else 0, "trigger": trigger, "src": src.value, "dst": dst.value, "layers_ready": 1,
