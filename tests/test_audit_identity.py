@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from lifecycle.audit.logstream import parse_line, parse_ts
 from lifecycle.audit.replay import audit_logs
 from lifecycle.checkpoint import write_checkpoint
 from lifecycle.cli import main
@@ -121,3 +122,19 @@ def test_two_writers_that_cannot_be_told_apart_are_an_input_problem(two_nodes: P
     (problem,) = result.input_problems
     assert "cannot be told apart" in problem.message
     assert "gpu-node-1.jsonl" in problem.message and "gpu-node-2.jsonl" in problem.message
+
+
+@pytest.mark.parametrize("ts", ["2026-01-01T00:00:99.000000Z", "2026-01-01T00:00:-9.000000Z",
+                                "2026-01-01T00:00:60.000000Z", "2026-01-01T00:00: 9.000000Z",
+                                "2026-01-01T00:00:+9.000000Z", "2026-01-01T00:00:1_0.00000Z",
+                                "2026-01-01T00:00:\u0661\u0662.000000Z", "2026-01-01T00:00x09.000000Z"])
+def test_the_fast_timestamp_path_refuses_what_iso_8601_does(ts: str) -> None:
+    assert len(ts) == 27
+    assert parse_ts(ts) is None
+    item = parse_line(json.dumps({"event": "hook_run", "backbone": "d", "rank": 0, "epoch": 0, "ts": ts}), "log", 1)
+    assert type(item).__name__ == "InputProblem" and "ISO-8601" in item.message
+
+
+def test_the_fast_timestamp_path_still_reads_the_writers_format() -> None:
+    assert parse_ts("1970-01-01T00:01:02.500000Z") == 62.5
+    assert parse_ts("2026-01-01T00:00:59.999999Z") == pytest.approx(1767225659.999999)
