@@ -9,7 +9,8 @@
                             [--expect-ranks N]
 
 Every numeric option is checked against its range and a bad value is a usage error (exit status 2), as is an
-output path that cannot be written.
+output path that cannot be written. `audit` and `report` exit with the status their result line prints: 0 clean,
+1 violations, 2 unreadable or incomplete input (`report` writes its file either way).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return _usage_error("report", f"-o {args.output}: cannot write the report: {e.strerror or e}")
     print(f"wrote {args.output}")
     print(result_line(result))
-    return 0
+    return result.status  # as printed: a CI step gating on `report` must not pass on garbage
 
 
 def _usage_error(command: str, message: str) -> int:
@@ -224,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
              "timelines, derived-buffer addresses per epoch, violations",
         description=(
             "Audits the logs like `audit` and writes ONE offline HTML file (inline CSS, JS and SVG; nothing fetched "
-            "from the network). Exit status 0 once the file is written; the audit's verdict is printed and shown "
-            "in the report."
+            "from the network), whatever the verdict; the verdict is printed and shown in the report, and is the "
+            "exit status, as for audit: 0 clean, 1 violations, 2 unreadable or incomplete input (or a report that "
+            "cannot be written, said on stderr)."
         ),
     )
     report.add_argument("logs", nargs="+", metavar="LOG", help=logs_help)
