@@ -11,6 +11,7 @@ timestamp with seconds 99.x or -9.x was accepted by the fixed-width fast path.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -25,7 +26,9 @@ from lifecycle.audit.replay import audit_logs
 from lifecycle.checkpoint import write_checkpoint
 from lifecycle.cli import main
 from lifecycle.events import read_events
-from models.qwen3_dflash import DFlashConfig, random_weights
+from lifecycle.testing import cold_load
+from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+from support.scenarios import bucketed_reload, logging_to
 
 HERE = Path(__file__).resolve().parent
 NODE = """
@@ -122,6 +125,35 @@ def test_two_writers_that_cannot_be_told_apart_are_an_input_problem(two_nodes: P
     (problem,) = result.input_problems
     assert "cannot be told apart" in problem.message
     assert "gpu-node-1.jsonl" in problem.message and "gpu-node-2.jsonl" in problem.message
+
+
+
+def test_two_live_backbones_of_one_name_get_distinct_names_and_say_so(ckpt_a: Path, ckpt_b: Path,
+                                                                      tiny_cfg: DFlashConfig,
+                                                                      tmp_path: Path) -> None:
+    log = tmp_path / "one-process.jsonl"
+    with logging_to(log):
+        first = DFlashQwen3Draft(tiny_cfg, name="draft")
+        second = DFlashQwen3Draft(tiny_cfg, name="draft")  # same name, same rank, same process, both alive
+        cold_load(first, ckpt_a)
+        cold_load(second, ckpt_a)
+        bucketed_reload(first, ckpt_b)
+        bucketed_reload(second, ckpt_b, seed=3)
+    assert first.lifecycle.name == "draft" and second.lifecycle.name == "draft#2"
+    assert second.lifecycle.requested_name == "draft"
+    renamed = [e for e in read_events(log) if e["event"] == "name_taken"]
+    assert [(e["backbone"], e["requested"]) for e in renamed] == [("draft#2", "draft")]
+    result = audit_logs([log])
+    assert result.status == 0, (result.violation_counts, result.input_problems)
+    assert sorted(r.backbone for r in result.streams) == ["draft", "draft#2"]
+    del first, second
+    gc.collect()
+    with logging_to(log):
+        again = DFlashQwen3Draft(tiny_cfg, name="draft")
+        cold_load(again, ckpt_a)
+        assert again.lifecycle.name == "draft"  # a freed name is free again
+        other_rank = cold_load(DFlashQwen3Draft(tiny_cfg, name="draft", rank=1), ckpt_a)
+        assert other_rank.lifecycle.name == "draft"  # another rank is another stream already
 
 
 @pytest.mark.parametrize("ts", ["2026-01-01T00:00:99.000000Z", "2026-01-01T00:00:-9.000000Z",

@@ -107,8 +107,10 @@ CORE_LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "environment switches", ("lifecycle.types", "lifecycle.errors", "lifecycle.env", "lifecycle.readiness",
                               "lifecycle.dirty", "lifecycle.full_writes", "lifecycle.leases", "lifecycle.slots",
                               "lifecycle.storage", "lifecycle.hooks")),
-    ("audit output", "audit events bounded, routed and written (JSON lines), and each lifecycle's numbered trail",
-     ("lifecycle.event_bounds", "lifecycle.event_sink", "lifecycle.events", "lifecycle.event_trail")),
+    ("audit output", "audit events bounded, routed and written (JSON lines), each lifecycle's numbered trail, and "
+     "one stream per backbone name in each audit file",
+     ("lifecycle.event_bounds", "lifecycle.event_sink", "lifecycle.events", "lifecycle.names",
+      "lifecycle.event_trail")),
     ("machine", "the state machine of one backbone: the guards, the firing of the table's rows, the writers' "
      "reports, the triggers", ("lifecycle.guards", "lifecycle.firing", "lifecycle.load_tracking",
                                "lifecycle.machine")),
