@@ -13,17 +13,23 @@ trusted beyond what was checked:
 
 - Only regular files are read: a FIFO, socket or device is refused before anything could block on it (a FIFO
   opened for reading waits for a writer forever). Files are opened non-blocking and checked on the descriptor.
-- The header is parsed here, and every tensor's byte range is checked against the file's size before any data
-  is read: a file truncated after its header is refused from the index.
+- The header is parsed and checked (`lifecycle.header`: every problem a `CheckpointError` naming file and
+  tensor), and every tensor's byte range is checked against the file's size before any data is read: a file
+  truncated after its header is refused from the index.
 - Data is read with `os.preadv` into fresh tensors (or, for the loader, which copies each value, one buffer
   reused from bucket to bucket), never memory-mapped: a file truncated under a mapping kills the process with
   SIGBUS; under a read it comes up short, which is a `CheckpointError`.
-- Each file's identity (size, mtime_ns, inode, device) is recorded when its header is read and compared again
-  when the file is opened for its data and after every bucket read from it, through the descriptor (rewritten
-  in place: size or mtime changed) and through the path (replaced or removed). A change is a `CheckpointError`
-  naming the file and what changed, raised before the bucket that saw it is handed out: a load never mixes two
-  versions of a file. (The check relies on the file system's mtime granularity for same-size rewrites.)
+- Each file's identity (size, mtime_ns, ctime_ns, inode, device) is recorded when its header is read and
+  compared again when the file is opened for its data and after every bucket read from it, through the
+  descriptor (rewritten in place: size, mtime or ctime changed) and through the path (replaced or removed). A
+  change is a `CheckpointError` naming the file and what changed, raised before the bucket that saw it is handed
+  out: a load never mixes two versions of a file. ctime cannot be faked: the kernel sets it on every write,
+  `utime` (a same-size rewrite with its old mtime put back), `chmod`, link or rename; user space cannot.
 - A folder is read file by file; `iter_buckets` holds one bucket's tensors at a time.
+- With a `root` (the plugin's `RELOAD_LIFECYCLE_PATH_ROOT`) every file is confined: the path and each link in a
+  folder it names are resolved and must lie beneath the root; each file is opened by its resolved path beneath
+  the root's descriptor following no link (`lifecycle.confined`), for its header and its data. A refusal
+  (`PathConfinementError`) says nothing of the refused file: not its bytes, its size, nor where a link points.
 - A tensor that appears in two files is refused, naming both.
 
 `write_checkpoint` writes one file (tests, demos, benchmarks, a trainer's own checkpoints): the format the readers
@@ -32,8 +38,6 @@ here read, through safetensors itself.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import stat
 import struct
@@ -41,23 +45,19 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
 
+from .confined import confined_files, open_confined
 from .errors import CheckpointError
+from .header import DTYPES, HEADER_LIMIT, parse_header
+from .header import error as _error
 
 __all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "check_paths", "checkpoint_files",
            "checkpoint_index", "iter_buckets", "write_checkpoint"]
 
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-#: safetensors' own limit on the JSON header.
-HEADER_LIMIT = 100 * 2**20
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -69,15 +69,19 @@ class FileIdentity:
     mtime_ns: int
     inode: int
     device: int
+    ctime_ns: int = 0  # the inode's change time: set by the kernel on every write, utime, chmod; never by a user
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
     def changes(self, now: FileIdentity) -> list[str]:
         """`size 4096 -> 4032` etc. for every field that differs."""
-        return [f"{f} {getattr(self, f)} -> {getattr(now, f)}" for f in ("size", "mtime_ns", "inode", "device")
+        return [f"{f} {getattr(self, f)} -> {getattr(now, f)}" for f in _IDENTITY_FIELDS
                 if getattr(self, f) != getattr(now, f)]
+
+
+_IDENTITY_FIELDS = ("size", "mtime_ns", "ctime_ns", "inode", "device")
 
 
 class IndexEntry(NamedTuple):
@@ -99,19 +103,21 @@ class CheckpointIndex(dict[str, IndexEntry]):
     push of one model), so what was checked against one holds for the other (`loading.validate_index` keeps the
     headers it checked in full and skips the per-tensor check when they come again)."""
 
-    __slots__ = ("headers",)
+    __slots__ = ("headers", "root")
 
     def __init__(self) -> None:
         super().__init__()
         self.headers: tuple[bytes, ...] = ()
+        self.root: Path | None = None  # every file is opened beneath it (`checkpoint_index(root=)`)
 
 
-def _error(path: Path | str, what: str) -> CheckpointError:
-    return CheckpointError(f"cannot read checkpoint {path}: {what}", backbone=None)
 
 
-def _open_regular(path: Path) -> tuple[int, FileIdentity]:
-    """An open descriptor on a regular file and its identity; anything else is refused without blocking."""
+def _open_regular(path: Path, root: Path | None = None) -> tuple[int, FileIdentity]:
+    """An open descriptor on a regular file and its identity; anything else is refused without blocking. With a
+    `root`, `path` is resolved and opened beneath it without following links (`lifecycle.confined`)."""
+    if root is not None:
+        return _checked_regular(open_confined(path, root, _OPEN_FLAGS), path)
     try:
         st = os.stat(path)
     except OSError as e:
@@ -122,6 +128,10 @@ def _open_regular(path: Path) -> tuple[int, FileIdentity]:
         fd = os.open(path, _OPEN_FLAGS)  # non-blocking: a file swapped for a FIFO meanwhile cannot hang us
     except OSError as e:
         raise _error(path, f"{e.strerror or e}") from e
+    return _checked_regular(fd, path)
+
+
+def _checked_regular(fd: int, path: Path) -> tuple[int, FileIdentity]:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -147,8 +157,8 @@ def _read_exact(fd: int, out: memoryview, offset: int, path: Path) -> None:
         done += n
 
 
-def _read_header(path: Path) -> tuple[dict[str, IndexEntry], bytes]:
-    fd, identity = _open_regular(path)
+def _read_header(path: Path, root: Path | None = None) -> tuple[dict[str, IndexEntry], bytes]:
+    fd, identity = _open_regular(path, root)
     try:
         if identity.size < 8:
             raise _error(path, f"{identity.size} bytes, shorter than a safetensors header")
@@ -162,42 +172,16 @@ def _read_header(path: Path) -> tuple[dict[str, IndexEntry], bytes]:
         _read_exact(fd, memoryview(buf), 8, path)
         text = bytes(buf)
         del buf
-        try:
-            header = json.loads(text)
-        except ValueError as e:
-            raise _error(path, f"corrupt header ({e}): truncated or not a safetensors file?") from e
-        if not isinstance(header, dict):
-            raise _error(path, "corrupt header (not a JSON object): not a safetensors file?")
         data_start, data_size = 8 + length, identity.size - 8 - length
         entries = {}
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            entries[name] = _entry(path, name, meta, data_start, data_size, identity)
+        for name, shape, dtype, begin, end in parse_header(text, path):
+            if end > data_size:
+                raise _error(path, f"tensor {name} needs bytes {data_start + begin}..{data_start + end} but the file "
+                                   f"has {data_start + data_size}: truncated")
+            entries[name] = IndexEntry(path, shape, dtype, data_start + begin, end - begin, identity)
         return entries, text
     finally:
         os.close(fd)
-
-
-def _entry(path: Path, name: str, meta: Any, data_start: int, data_size: int, identity: FileIdentity
-           ) -> IndexEntry:
-    """`meta`: the header's JSON for the tensor, of any shape (what is not an entry is refused below)."""
-    try:
-        dtype_code, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
-        shape = tuple(map(int, shape))
-        begin, end = int(begin), int(end)
-    except (KeyError, TypeError, ValueError) as e:
-        raise _error(path, f"tensor {name}: corrupt header entry {meta!r}") from e
-    dtype = DTYPES.get(dtype_code)
-    if dtype is None:
-        raise _error(path, f"tensor {name} has unsupported dtype {dtype_code}")
-    nbytes = math.prod(shape) * dtype.itemsize
-    if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != nbytes:
-        raise _error(path, f"tensor {name}: data offsets {begin}..{end} do not hold {dtype_code} {list(shape)}")
-    if end > data_size:
-        raise _error(path, f"tensor {name} needs bytes {data_start + begin}..{data_start + end} but the file has "
-                           f"{data_start + data_size}: truncated")
-    return IndexEntry(path, shape, dtype, data_start + begin, nbytes, identity)
 
 
 def check_paths(paths: object) -> None:
@@ -211,17 +195,20 @@ def check_paths(paths: object) -> None:
                     f"{type(paths).__name__} {paths!r:.80}")
 
 
-def checkpoint_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
+def checkpoint_files(paths: str | Path | Sequence[str | Path], *, root: Path | None = None) -> list[Path]:
     """The files a checkpoint argument names: a file, a folder (its `*.safetensors`, sorted), or a list of
     either; a file named twice is read once. An empty folder or list is a `CheckpointError`; a path of another
-    type (bytes, None, ...) a `TypeError` naming it."""
+    type (bytes, None, ...) a `TypeError` naming it. With a `root` (absolute, resolved): the files' resolved
+    paths, each beneath it (`confined.confined_files`)."""
     check_paths(paths)
     given = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not given:
         raise CheckpointError("no checkpoint file given", backbone=None)
     files: list[Path] = []
     for p in map(Path, given):
-        if p.is_dir():
+        if root is not None:
+            files.extend(confined_files(p, root))
+        elif p.is_dir():
             found = sorted(p.glob("*.safetensors"))
             if not found:
                 raise _error(p, "the folder holds no *.safetensors file")
@@ -231,14 +218,16 @@ def checkpoint_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     return list({f.resolve(): f for f in reversed(files)}.values())[::-1]  # first mention kept, in order
 
 
-def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> CheckpointIndex:
+def checkpoint_index(paths: str | Path | Sequence[str | Path], *, root: Path | None = None) -> CheckpointIndex:
     """Name -> (file, shape, dtype, byte range) from the headers alone; no tensor data is read. Refused
     (`CheckpointError` naming the file): a path that is missing or not a regular file, a header that is
-    corrupt, a dtype not supported, a byte range past the end of the file, a tensor in two files."""
+    corrupt, a dtype not supported, a byte range past the end of the file, a tensor in two files. `root`: every
+    file confined beneath that folder (absolute, resolved; see the module doc), for its header and its data."""
     index = CheckpointIndex()
+    index.root = root
     headers = []
-    for p in checkpoint_files(paths):
-        entries, header = _read_header(p)
+    for p in checkpoint_files(paths, root=root):
+        entries, header = _read_header(p, root)
         headers.append(header)
         for name, entry in entries.items():
             if name in index:
@@ -250,9 +239,10 @@ def checkpoint_index(paths: str | Path | Sequence[str | Path]) -> CheckpointInde
 
 
 class _OpenFile:
-    def __init__(self, path: Path, expected: FileIdentity | None) -> None:
+    def __init__(self, path: Path, expected: FileIdentity | None, root: Path | None = None) -> None:
         self.path = path
-        self.fd, self.identity = _open_regular(path)
+        self.root = root
+        self.fd, self.identity = _open_regular(path, root)
         self.expected = expected or self.identity
         self.check("opened for reading")
 
@@ -262,12 +252,17 @@ class _OpenFile:
         expected = self.expected
         changes = expected.changes(FileIdentity.of(os.fstat(self.fd)))  # rewritten in place
         try:
-            at_path = FileIdentity.of(os.stat(self.path))
+            # beneath a root the path is resolved: a link there now is a change (and is not followed)
+            st = os.lstat(self.path) if self.root is not None else os.stat(self.path)
         except OSError as e:
             changes.append(f"the path is gone ({e.strerror or e})")
         else:
-            if (at_path.inode, at_path.device) != (expected.inode, expected.device):
-                changes.append(f"the path now names another file (inode {expected.inode} -> {at_path.inode})")
+            if stat.S_ISLNK(st.st_mode):
+                changes.append("the path is a symbolic link now")
+            elif (st.st_ino, st.st_dev) != (expected.inode, expected.device):
+                # beneath a root the new file may lie outside it (a folder above swapped): say nothing of it
+                now = "" if self.root is not None else f" -> {st.st_ino}"
+                changes.append(f"the path now names another file (inode {expected.inode}{now})")
         if changes:
             raise CheckpointError(f"checkpoint {self.path} changed since its header was read ({when}): "
                                   f"{'; '.join(changes)}. Nothing read from it after the change was used; "
@@ -293,6 +288,7 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]],
     what else sits in the heap the allocator gives those pages back to the system and faults them in again for
     the next bucket, page by page: a real-size draft (1.5 GB bf16) reloaded in 820 ms, 300 ms with reuse."""
     files: dict[Path, _OpenFile] = {}
+    root = getattr(index, "root", None)
     staging: torch.Tensor | None = None
     try:
         for bucket in buckets:
@@ -308,7 +304,7 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]],
             for name, entry in zip(bucket, entries, strict=True):
                 f = files.get(entry.path)
                 if f is None:
-                    f = files[entry.path] = _OpenFile(entry.path, entry.identity)
+                    f = files[entry.path] = _OpenFile(entry.path, entry.identity, root)
                 used[entry.path] = f
                 if staging is None:
                     out.append((name, _read_tensor(f, entry)))

@@ -9,7 +9,8 @@
                             [--expect-ranks N]
 
 Every numeric option is checked against its range and a bad value is a usage error (exit status 2), as is an
-output path that cannot be written.
+output path that cannot be written. `audit` and `report` exit with the status their result line prints: 0 clean,
+1 violations, 2 unreadable or incomplete input (`report` writes its file either way).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return _usage_error("report", f"-o {args.output}: cannot write the report: {e.strerror or e}")
     print(f"wrote {args.output}")
     print(result_line(result))
-    return 0
+    return result.status  # as printed: a CI step gating on `report` must not pass on garbage
 
 
 def _usage_error(command: str, message: str) -> int:
@@ -192,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     diagram.set_defaults(func=_cmd_diagram)
 
     logs_help = "JSON-lines audit logs: files, directories (their *.jsonl, *.jsonl.N, *.ndjson, *.log), - for stdin"
-    streams_help = (f"(rank, backbone) streams replayed, at most (default {MAX_STREAMS}); events of further streams "
-                    "are counted as not audited (exit status 2)")
+    streams_help = (f"(node, rank, backbone) streams replayed, at most (default {MAX_STREAMS}); events of further "
+                    "streams are counted as not audited (exit status 2)")
     ranks_help = ("the ranks whose logs the input must hold: N (ranks 0 to N-1, e.g. the world size) or a list "
                   "such as 4-7 (pipeline parallel: the last stage's ranks hold the draft); a rank without events, "
                   "or a backbone some of them lack, is an input problem naming it (exit status 2)")
@@ -201,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         "audit",
         help="replay audit logs (any number of ranks) through the transition table and report every violation",
         description=(
-            "Streams the logs (merged by timestamp), replays each (rank, backbone) through the transition table in "
-            "lifecycle/states.py and reports every violation: illegal_transition, state_mismatch, "
+            "Streams the logs (merged by timestamp), replays each (node, rank, backbone) through the transition "
+            "table in lifecycle/states.py and reports every violation: illegal_transition, state_mismatch, "
             "event_out_of_state, not_ready, storage_drift, ends_mid_reload, epoch_disagreement, epoch_jump, "
             "out_of_order, missing_events; and warnings (abandoned_epoch) that do not change the exit status (see "
             "README). A corrupt line is reported with file:line and the rest is audited. Input without events, and "
@@ -224,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
              "timelines, derived-buffer addresses per epoch, violations",
         description=(
             "Audits the logs like `audit` and writes ONE offline HTML file (inline CSS, JS and SVG; nothing fetched "
-            "from the network). Exit status 0 once the file is written; the audit's verdict is printed and shown "
-            "in the report."
+            "from the network), whatever the verdict; the verdict is printed and shown in the report, and is the "
+            "exit status, as for audit: 0 clean, 1 violations, 2 unreadable or incomplete input (or a report that "
+            "cannot be written, said on stderr)."
         ),
     )
     report.add_argument("logs", nargs="+", metavar="LOG", help=logs_help)
@@ -233,8 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--title", type=_title, default="reload-lifecycle report",
                         help=f"page title (at most {TITLE_CAP} characters)")
     report.add_argument("--max-epochs", type=int_in(1, MAX_EPOCHS_LIMIT), default=12,
-                        help=f"reload epochs drawn per (rank, backbone), the latest ones (1 to {MAX_EPOCHS_LIMIT}; "
-                             "default 12)")
+                        help=f"reload epochs drawn per (node, rank, backbone), the latest ones (1 to "
+                             f"{MAX_EPOCHS_LIMIT}; default 12)")
     report.add_argument("--max-streams", type=int_in(1, 1_000_000), default=MAX_STREAMS, help=streams_help)
     report.add_argument("--expect-ranks", type=expected_ranks, default=None, metavar="N", help=ranks_help)
     report.set_defaults(func=_cmd_report)

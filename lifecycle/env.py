@@ -16,10 +16,13 @@ RELOAD_LIFECYCLE_EXAMPLE='maybe' is not a switch value: use one of 1, true, yes,
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["FALSE_SPELLINGS", "TRUE_SPELLINGS", "EnvSettingError", "choice", "flag", "path"]
+__all__ = ["FALSE_SPELLINGS", "TRUE_SPELLINGS", "EnvSettingError", "check_names", "choice", "flag", "path"]
 
 #: Case-insensitive, surrounding blanks ignored.
 TRUE_SPELLINGS = ("1", "true", "yes", "on")
@@ -52,13 +55,46 @@ def flag(name: str, default: bool = False) -> bool:
                                      f"(or {', '.join(s or 'empty' for s in FALSE_SPELLINGS)})")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def path(name: str) -> Path | None:
-    """A filesystem path: unset or blank gives None. Whoever uses it names the variable when it cannot (raise
-    `EnvSettingError(name, value, problem)`)."""
+    """An absolute filesystem path: unset or blank gives None; surrounding blanks (a trailing newline) are
+    stripped and a leading `~` or `~user` is expanded. Refused, naming the variable: a relative path (it would be
+    taken from each process's current folder, and Ray starts its workers in a session folder of its own), a `~`
+    that does not expand, a control character inside. Whoever uses the path names the variable when it cannot
+    (raise `EnvSettingError(name, value, problem)`)."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return None
-    return Path(raw)
+    value = raw.strip()
+    if _CONTROL.search(value):
+        raise EnvSettingError(name, raw, "holds a control character; give the folder's plain absolute path")
+    expanded = os.path.expanduser(value)
+    if not os.path.isabs(expanded):
+        why = ("its ~ does not expand (no such user, or HOME unset)" if expanded.startswith("~") else
+               "a relative path would be taken from each process's current folder (Ray starts its workers in a "
+               "session folder of its own)")
+        raise EnvSettingError(name, raw, f"must be an absolute path: {why}")
+    return Path(expanded)
+
+
+def check_names(prefix: str, known: Sequence[str], environ: Mapping[str, str] | None = None) -> None:
+    """Every variable that looks like one of this package's (its name, in any case and without `_`/`-`, starts
+    with `prefix`'s) must be one of `known`: a misspelled switch is an `EnvSettingError` naming it and the
+    closest known name, never silently ignored (a misspelled `RELOAD_LIFECYCLE_PATH_ROOT` would fail open)."""
+    env = os.environ if environ is None else environ
+    squeezed = re.sub(r"[^A-Z0-9]", "", prefix.upper())
+    unknown = sorted(n for n in env if n not in known and re.sub(r"[^A-Z0-9]", "", n.upper()).startswith(squeezed))
+    if not unknown:
+        return
+    name = unknown[0]
+    close = difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]}?" if close else f"the settings are {', '.join(known)}"
+    if close and close[0] == name.upper():
+        hint += " (names are case-sensitive)"
+    more = f"; and {len(unknown) - 1} more unknown {prefix}* name(s)" if len(unknown) > 1 else ""
+    raise EnvSettingError(name[:_SHOWN], env[name], f"is not a reload-lifecycle setting: {hint}{more}")
 
 
 def choice(name: str, allowed: tuple[str, ...], default: str) -> str:

@@ -13,6 +13,7 @@
     │   ├── WeightShapeError          a shape or dtype that differs from the parameter's
     │   ├── NonFiniteWeightError      NaN or Inf values (with the finite check on)
     │   ├── CheckpointError           a file that cannot be read, or subset names it lacks
+    │   │   └── PathConfinementError  a path or a file of its folder leads outside RELOAD_LIFECYCLE_PATH_ROOT
     │   └── FrozenStructureError      tensors for an optional submodule the first load decided is absent
     ├── RefreshRefusedError           a derived buffer cannot be refreshed as declared; no buffer was written
     │   ├── SourceLayoutError         a source is not in the layout its builder expects
@@ -56,6 +57,7 @@ __all__ = [
     "NodeSetupError",
     "NonFiniteWeightError",
     "PartialWriteError",
+    "PathConfinementError",
     "QuarantinedError",
     "RecoveryError",
     "RefreshInterruptedError",
@@ -250,6 +252,12 @@ class NonFiniteWeightError(LoadRefusedError):
 class CheckpointError(LoadRefusedError):
     """A checkpoint file could not be read (missing, truncated, corrupt header, an unsupported dtype), or a
     subset named tensors it lacks. Refused from the headers, before any of its tensors was written."""
+
+
+class PathConfinementError(CheckpointError, PermissionError):
+    """A checkpoint path, or a file or link in a folder it names, leads outside `RELOAD_LIFECYCLE_PATH_ROOT`, or
+    a component of a checked path became a link: refused, nothing of the file read (neither bytes nor size).
+    Also a `PermissionError`, as the refusal of a path outside the root always was."""
 
 
 class FrozenStructureError(LoadRefusedError):

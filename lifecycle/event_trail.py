@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import Any, cast
 
-from . import events
+from . import events, names
 from .events import HOLD_KEEP, HOLD_NONE, HOLD_WRITE, LIST_CAP
 from .readiness import LayerReadiness
 
@@ -37,7 +37,8 @@ class AuditTrail:
 
     def __init__(self, name: str, rank: int, readiness: LayerReadiness, *, holds_events: bool, recent_events: int
                  ) -> None:
-        self.name = name
+        self.name = self.requested_name = name
+        self._named_in: Any = None  # the audit file the name was claimed in (`names.claim_for`)
         self.rank = rank
         self.readiness = readiness
         # a held event is kept as its tuple (see `flush_events`) until `recent_events` is read; `_unbuilt`: how many
@@ -99,6 +100,8 @@ class AuditTrail:
         return {"layers_ready": self.readiness.layers_ready, "layers_total": self.readiness.layers_total}
 
     def _audit(self, event: str, *, level: str = "info", **fields: Any) -> None:
+        if self._named_in is not events.route_sink():  # one stream per name and audit file
+            names.claim_for(self)
         if level == "debug":  # per-bucket detail: not numbered, a log at info level has no gaps in `seq`
             if events.enabled(level):  # checked first: a filtered event costs a comparison
                 if self._held:
@@ -120,6 +123,8 @@ class AuditTrail:
         `write(2)`) before this lifecycle's next other event, when `recent_events` is read, after
         `events.HOLD_MAX` events or `events.HOLD_NS`, before the route changes, and at exit. A process killed
         mid-load loses at most that batch of `layer_ready` lines (the epoch reads as unfinished either way)."""
+        if self._named_in is not events.route_sink():  # one stream per name and audit file
+            names.claim_for(self, at_ns)
         readiness = self.readiness
         self._seq = seq = self._seq + 1
         # the counts read from their fields (`layers_ready`, `layers_total`): properties cost a call each
@@ -132,6 +137,8 @@ class AuditTrail:
         """One `layer_ready` event per bucket of `buckets`, `buckets[i]` being every tensor of `layers[i]` (written
         at its time), completing the layers in order from `ready_before` layers ready: the events
         `_audit_layers` makes for them one by one, made in one pass (a load's reports come in one call)."""
+        if self._named_in is not events.route_sink():  # one stream per name and audit file
+            names.claim_for(self, buckets[0][1] if buckets else None)
         readiness = self.readiness
         seq, epoch, total = self._seq, readiness.epoch, len(readiness.tensors_of_layer)
         self._seq = seq + len(layers)

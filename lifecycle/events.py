@@ -89,6 +89,7 @@ __all__ = [
     "host_name",
     "read_events",
     "register_holder",
+    "route_sink",
     "sink_failures",
     "timestamp",
     "timestamps",
@@ -218,6 +219,11 @@ def _capture_chain() -> list[Any] | None:
 
 def _goes_somewhere(number: int) -> bool:
     return number >= _route.level and (_route.logger is not None or _capture_chain() is not None)
+
+
+def route_sink() -> JsonLinesSink | None:
+    """The JSON-lines file events go to now, or None (a console, memory, a `capture_logs` block)."""
+    return _route.sink
 
 
 def enabled(level: str = "info") -> bool:

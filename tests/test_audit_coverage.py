@@ -63,7 +63,7 @@ def test_a_missing_rank_is_named_only_when_expected(ranks: Path, tmp_path: Path,
     doc = json.loads(capsys.readouterr().out)
     assert (doc["ranks"], doc["expected_ranks"], doc["missing_ranks"]) == ([0, 1], [0, 1, 2], [2])
     report = tmp_path / "report.html"
-    assert main(["report", "--expect-ranks", "3", str(ranks), "-o", str(report)]) == 0
+    assert main(["report", "--expect-ranks", "3", str(ranks), "-o", str(report)]) == 2  # a missing rank
     page = report.read_text()
     assert "ranks: 0-1 (expected 0-2; missing: 2)" in page and "status-unreadable" in page
 

@@ -107,14 +107,17 @@ CORE_LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      "environment switches", ("lifecycle.types", "lifecycle.errors", "lifecycle.env", "lifecycle.readiness",
                               "lifecycle.dirty", "lifecycle.full_writes", "lifecycle.leases", "lifecycle.slots",
                               "lifecycle.storage", "lifecycle.hooks")),
-    ("audit output", "audit events bounded, routed and written (JSON lines), and each lifecycle's numbered trail",
-     ("lifecycle.event_bounds", "lifecycle.event_sink", "lifecycle.events", "lifecycle.event_trail")),
+    ("audit output", "audit events bounded, routed and written (JSON lines), each lifecycle's numbered trail, and "
+     "one stream per backbone name in each audit file",
+     ("lifecycle.event_bounds", "lifecycle.event_sink", "lifecycle.events", "lifecycle.names",
+      "lifecycle.event_trail")),
     ("machine", "the state machine of one backbone: the guards, the firing of the table's rows, the writers' "
      "reports, the triggers", ("lifecycle.guards", "lifecycle.firing", "lifecycle.load_tracking",
                                "lifecycle.machine")),
     ("derived buffers", "declaring, planning and applying the derived buffers' refresh", ("lifecycle.derived",)),
-    ("checkpoint I/O", "safetensors files read and written, and the loader that streams one into a backbone",
-     ("lifecycle.checkpoint", "lifecycle.loading")),
+    ("checkpoint I/O", "safetensors files read (headers checked, confined beneath a root when one is given) and "
+     "written, and the loader that streams one into a backbone",
+     ("lifecycle.header", "lifecycle.confined", "lifecycle.checkpoint", "lifecycle.loading")),
     ("sessions", "transactional reloads (begin, apply, finalize, verify, commit or abort, with rollback)",
      ("lifecycle.session",)),
     ("backbone", "the nn.Module mixin that owns a lifecycle and its derived buffers and builds sessions",

@@ -76,7 +76,7 @@ def edited_logs(real_logs: Path, tmp_path: Path) -> Path:
 def test_report_renders_in_headless_chromium(edited_logs: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report.html"
-    assert main(["report", str(edited_logs), "-o", str(out)]) == 0
+    assert main(["report", str(edited_logs), "-o", str(out)]) == 1  # the edited capture is a violation
     assert "wrote" in capsys.readouterr().out
 
     png = tmp_path / "out.png"

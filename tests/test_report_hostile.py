@@ -105,7 +105,7 @@ def test_no_payload_in_any_field_runs(real_logs: Path, tmp_path: Path, capsys: p
     logs, poisoned = hostile_logs(real_logs, tmp_path / "hostile")
     assert poisoned > 2000
     page = tmp_path / "report.html"
-    assert main(["report", str(logs), "-o", str(page), "--max-epochs", "50"]) == 0
+    assert main(["report", str(logs), "-o", str(page), "--max-epochs", "50"]) == 2  # unreadable input, as printed
     assert "UNREADABLE INPUT" in capsys.readouterr().out  # numbers replaced by strings are input problems
     text = page.read_text()
     assert text.count("data-xss") > 100  # the payloads are in the page, as text
@@ -193,7 +193,7 @@ def test_a_crafted_line_is_an_input_problem_not_a_traceback(case: str, command: 
         (p,) = doc["input_problems"]
         assert p["where"] == f"{log}:2" and len(p["message"]) < 300, p
     else:
-        assert status == 0 and "UNREADABLE INPUT (1 problem(s)" in out
+        assert status == 2 and "UNREADABLE INPUT (1 problem(s)" in out  # the status it prints
         assert f"{log}:2" in (tmp_path / "r.html").read_text()
 
 

@@ -53,7 +53,8 @@ def test_a_path_must_be_a_non_empty_path(path: object) -> None:
 def test_buckets_are_planned_from_the_headers_with_excludes_and_shuffle(ckpt: Path) -> None:
     p = plan_payload(ckpt, bucket_size=2, exclude_prefixes=["norm."])
     assert p.buckets == [["layers.0.w", "layers.1.w"], ["layers.2.w", "layers.3.w"], ["layers.4.w"]]
-    assert plan_payload(ckpt).buckets == [sorted(p.index)]  # None: one bucket
+    assert plan_payload(ckpt).buckets == [[n] for n in sorted(p.index)]  # None: a layer per bucket
+    assert plan_payload(ckpt, whole_calls=True).buckets == [sorted(p.index)]  # a draft that needs every tensor
     shuffled = plan_payload(ckpt, bucket_size=1, shuffle=True, seed=4)
     assert sorted(n for b in shuffled.buckets for n in b) == sorted(p.index)
     assert [b[0] for b in shuffled.buckets] != sorted(p.index)

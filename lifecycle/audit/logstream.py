@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import re
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -74,6 +75,7 @@ Item = LogEvent | InputProblem
 
 
 _MINUTES: dict[str, float] = {}  # "YYYY-MM-DDTHH:MM" -> UTC seconds, for the fixed-width fast path
+_SECONDS = re.compile(r"[0-5][0-9]\.[0-9]{6}Z")  # what the fast path reads with float(): [0-9] is ASCII only
 
 
 def parse_ts(value: Any) -> float | None:
@@ -84,7 +86,9 @@ def parse_ts(value: Any) -> float | None:
     """
     if type(value) is not str:
         return None
-    if len(value) == 27 and value[26] == "Z" and value[19] == ".":  # schema 2: %Y-%m-%dT%H:%M:%S.%fZ
+    # schema 2: %Y-%m-%dT%H:%M:%S.%fZ, the seconds read by float() only if they are ASCII 00-59 (`_SECONDS`: float
+    # took 99, -9, +9, " 9", Arabic-Indic digits); anything else goes to the full parser, which refuses it
+    if len(value) == 27 and value[16] == ":" and _SECONDS.fullmatch(value, 17) is not None:
         minute = _MINUTES.get(value[:16])
         if minute is None:
             whole = _parse_iso(value[:16] + ":00+00:00")

@@ -1,6 +1,7 @@
 """Replay audit logs through the transition table and name every violation.
 
-Each (rank, backbone) stream is replayed on its own, event by event, in bounded memory (`results.StreamReplay`).
+Each (node, rank, backbone) stream is replayed on its own, event by event, in bounded memory
+(`results.StreamReplay`); one that two writers feed, which nothing tells apart, is an input problem (`identity`).
 What is legal comes from `lifecycle.states` alone, through `rules`: a transition is legal when its
 (trigger, src, dst) is a row of `TRANSITIONS`, and a row whose guard or condition maps to a check (every layer
 ready, graphs captured, an exact rollback) needs that check to hold in the replay too.
@@ -31,6 +32,7 @@ from typing import Any
 
 from ..states import TRIGGERS, allowed_sources, possible_destinations
 from .coverage import unseen
+from .identity import behind, one_writer, order_key, withdraw
 from .logstream import InputProblem, Item, LogEvent, iter_events
 from .results import (
     DETAIL_CAP,
@@ -67,8 +69,8 @@ __all__ = ["MAX_STREAMS", "VIOLATION_KINDS", "WARNING_KINDS", "AuditResult", "Au
            "audit_logs", "unknown_table_names"]
 
 
-#: (rank, backbone) streams replayed, at most: the events of further streams are counted, not audited (an input
-#: problem: the audit is incomplete).
+#: (node, rank, backbone) streams replayed, at most: the events of further streams are counted, not audited (an
+#: input problem: the audit is incomplete).
 MAX_STREAMS = 1024
 
 
@@ -90,8 +92,9 @@ class Auditor:
         self.max_details = max_details
         self.max_streams = max_streams
         self.expect_ranks = frozenset(expect_ranks) if expect_ranks is not None else None
-        self.streams: dict[tuple[int, str], StreamReplay] = {}
+        self.streams: dict[tuple[str | None, int, str], StreamReplay] = {}
         self.untracked_events = 0  # events of streams beyond `max_streams`
+        self.clashed_events = 0  # events of streams two writers fed, not replayed
         self._first_untracked: LogEvent | None = None
         self.violations: list[Violation] = []
         self.counts: Counter[str] = Counter()
@@ -108,13 +111,13 @@ class Auditor:
         r.violations[kind] += 1
         if len(self.violations) < self.max_details:
             self.violations.append(Violation(kind, r.rank, r.backbone, r.epoch if epoch is None else epoch,
-                                             where, clip(detail, DETAIL_CAP)))
+                                             where, clip(detail, DETAIL_CAP), r.node))
 
     def _warn(self, r: StreamReplay, kind: str, where: str, detail: str, epoch: int) -> None:
         self.warning_counts[kind] += 1
         r.warnings[kind] += 1
         if len(self.warnings) < self.max_details:
-            self.warnings.append(Violation(kind, r.rank, r.backbone, epoch, where, clip(detail, DETAIL_CAP)))
+            self.warnings.append(Violation(kind, r.rank, r.backbone, epoch, where, clip(detail, DETAIL_CAP), r.node))
 
     def problem(self, p: InputProblem) -> None:
         self.input_problem_count += 1
@@ -131,7 +134,8 @@ class Auditor:
         ev = item
         f = ev.fields
         self._sources.setdefault(ev.source, None)
-        key = (f["rank"], f["backbone"])
+        node = f.get("node")
+        key = (node, f["rank"], f["backbone"])
         r = self.streams.get(key)
         if r is None:
             if len(self.streams) >= self.max_streams:
@@ -139,10 +143,13 @@ class Auditor:
                 if self._first_untracked is None:
                     self._first_untracked = ev
                 return None
-            r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], first_ts=ev.ts)
+            r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], node=node, source=ev.source,
+                                                 first_ts=ev.ts)
+        if r.clash or (not one_writer(r, ev) and withdraw(self, r, ev)):
+            self.clashed_events += 1
+            return None
         self.events += 1
         r.events += 1
-        node = f.get("node")
         if node is not None and node not in r.nodes and len(r.nodes) < MAX_NODES:
             r.nodes[node] = None
         name = f["event"]
@@ -181,7 +188,7 @@ class Auditor:
         back: list[str] = []
         seq = f.get("seq")
         if isinstance(seq, int) and not isinstance(seq, bool):
-            if seq == 1 and r.seq > 0:  # a new lifecycle under this (rank, backbone)
+            if seq == 1 and r.seq > 0:  # a new lifecycle under this (node, rank, backbone)
                 self._end_of_incarnation(r, f"lifecycle restarted at {ev.where}")
                 r.restart()
             elif seq > r.seq + 1:
@@ -355,22 +362,18 @@ class Auditor:
         if first is not None:  # the audit is incomplete: say so as an input problem (exit status 2)
             self.problem(InputProblem(first.source, first.line, (
                 f"{self.untracked_events} event(s) of (rank, backbone) streams beyond the first {self.max_streams} "
-                "were not audited (the stream limit, --max-streams); this is the first")))
+                "were not audited (the stream limit, --max-streams: a stream is one node's rank and backbone); this is "
+                "the first")))
             self._first_untracked = None
         by_backbone: dict[str, list[StreamReplay]] = {}
         for r in self.streams.values():
+            if r.clash:
+                continue
             self._end_of_incarnation(r, "log ends")
             by_backbone.setdefault(r.backbone, []).append(r)
-        for backbone, group in by_backbone.items():
-            epochs = {r.rank: r.epoch for r in group}
-            top = max(epochs.values())
-            if len(set(epochs.values())) > 1:
-                ahead = ", ".join(str(k) for k, e in sorted(epochs.items()) if e == top)
-                for r in sorted(group, key=lambda x: x.rank):
-                    if r.epoch < top:
-                        self._violate(r, "epoch_disagreement", r.last_where,
-                                      f"backbone {clip(backbone)}: rank {r.rank} ends at epoch {r.epoch}, rank(s) "
-                                      f"{clip(ahead)} at epoch {top}")
+        for group in by_backbone.values():
+            for r, detail in behind(group):
+                self._violate(r, "epoch_disagreement", r.last_where, detail)
         inputs = list(self._sources)
         where = inputs[0] if len(inputs) == 1 else f"<{len(inputs)} inputs>"
         problems, missing = unseen(self.events, {b: {r.rank for r in g} for b, g in by_backbone.items()},
@@ -379,13 +382,12 @@ class Auditor:
             self.problem(InputProblem(where, None, message))
         return AuditResult(
             inputs=list(self._sources), events=self.events,
-            streams=sorted(self.streams.values(), key=lambda r: (r.backbone, r.rank)),
+            streams=sorted(self.streams.values(), key=lambda r: (r.backbone, *order_key(r))),
             violations=list(self.violations), violation_counts=Counter(self.counts),
             input_problems=list(self.input_problems), input_problem_count=self.input_problem_count,
             warnings=list(self.warnings), warning_counts=Counter(self.warning_counts),
             expected_ranks=self.expect_ranks, missing_ranks=missing,
         )
-
 
 
 def audit_logs(paths: Sequence[str | Path], *, max_details: int = 1000, max_streams: int = MAX_STREAMS,

@@ -1,7 +1,7 @@
 """`reload-lifecycle report`: one self-contained HTML file that shows a reload as a picture.
 
 The logs are streamed once: every event goes to the `Auditor` (the verdict and the violations) and to a
-`traces.ReportCollector`, which keeps, per (rank, backbone), the latest `max_epochs` epochs: when each layer
+`traces.ReportCollector`, which keeps, per (node, rank, backbone), the latest `max_epochs` epochs: when each layer
 became ready, the lifecycle's steps and refusals, and the derived buffers' addresses after each refresh (all
 bounded). The page has no external reference at all: the stylesheet and the small script (`assets/`) and every
 picture (SVG, drawn by `svg.py` and `timeline.py`) are inline.
@@ -100,8 +100,10 @@ _FACT_REFUSED = Markup("{n} refused")
 _FACT_VIOLATIONS = Markup('<span class="bad">{n} violation(s)</span>')
 
 
-def _timeline_figure(st: StreamTrace, tr: EpochTrace, violations: int) -> Markup:
-    uid = _slug("timeline", "r", st.rank, st.backbone, "i", tr.incarnation, "e", tr.epoch)
+def _timeline_figure(st: StreamTrace, tr: EpochTrace, violations: int, node: str | None = None) -> Markup:
+    """`node`: the stream's node, when ranks of this backbone run on several (two rank-0 streams)."""
+    uid = _slug("timeline", "r", st.rank, *(("n", node) if node else ()), st.backbone, "i", tr.incarnation, "e",
+                tr.epoch)
     modes = sorted({str(b.get("mode")) for b in tr.buffers.values()})
     facts: list[Markup] = [
         _FACT_LAYERS.format(ready=len(tr.layers) + tr.layers_more + tr.unchanged_more,
@@ -114,7 +116,8 @@ def _timeline_figure(st: StreamTrace, tr: EpochTrace, violations: int) -> Markup
     if violations:
         facts.append(_FACT_VIOLATIONS.format(n=violations))
     marks = Markup().join(_MARK_ITEM.format(cls=cls, ms=(t - tr.start) * 1e3, text=text) for t, text, cls in tr.marks)
-    return _FIGURE.format(uid=uid, rank=st.rank, epoch=tr.epoch, what="cold load" if tr.epoch == 0 else "reload",
+    return _FIGURE.format(uid=uid, rank=_rank(st.rank, node), epoch=tr.epoch,
+                          what="cold load" if tr.epoch == 0 else "reload",
                           lifecycle=f", lifecycle {tr.incarnation}" if tr.incarnation > 1 else "",
                           facts=Markup(" · ").join(facts), path=" → ".join(tr.states), svg=timeline_svg(tr, uid),
                           marks=marks)
@@ -131,7 +134,11 @@ _BUFFERS_MORE = Markup('<p class="none">{n} more buffer(s) not listed</p>')
 _NO_BUFFERS = Markup('<p class="none">no refresh in the epochs shown</p>')
 
 
-def _buffers_table(st: StreamTrace, drift_epochs: set[int]) -> Markup:
+def _rank(rank: int, node: str | None) -> str | int:
+    return f"{rank} on {_name(node)}" if node else rank
+
+
+def _buffers_table(st: StreamTrace, drift_epochs: set[int], node: str | None = None) -> Markup:
     epochs = list(st.epochs)
     names = list(dict.fromkeys(n for tr in epochs for n in tr.buffers))
     if not names:
@@ -159,7 +166,8 @@ def _buffers_table(st: StreamTrace, drift_epochs: set[int]) -> Markup:
         rows.append(_BUFFER_ROW.format(name=name, kind=str(info.get("kind")), nbytes=nbytes,
                                        cells=Markup().join(cells)))
     more = max(tr.buffers_more for tr in epochs)
-    return _BUFFERS.format(id=_slug("buffers", "r", st.rank, st.backbone), head=head, rows=Markup().join(rows),
+    return _BUFFERS.format(id=_slug("buffers", "r", st.rank, *(("n", node) if node else ()), st.backbone),
+                           head=head, rows=Markup().join(rows),
                            more=_BUFFERS_MORE.format(n=more) if more else "")
 
 
@@ -275,19 +283,22 @@ def _backbone_panel(backbone: str, replays: list[StreamReplay], traces: list[Str
     bad = [v for v in violations if v.backbone == backbone]
     figures: list[Markup] = []
     tables: list[Markup] = []
+    several = len({st.node for st in traces}) > 1  # then a rank alone does not say which stream
     for st in traces:
-        per_epoch = Counter(v.epoch for v in bad if v.rank == st.rank)
-        drift = {v.epoch for v in bad if v.rank == st.rank and v.kind == "storage_drift"}
+        node = st.node if several else None
+        mine = [v for v in bad if (v.rank, v.node) == (st.rank, st.node)]
+        per_epoch = Counter(v.epoch for v in mine)
+        drift = {v.epoch for v in mine if v.kind == "storage_drift"}
         epochs = list(st.epochs)
         drawn = epochs[max(0, len(epochs) - figure_budget[0]):]
         figure_budget[0] -= len(drawn)
         not_drawn = st.dropped + len(epochs) - len(drawn)
         if not_drawn:
             figures.append(_NOT_DRAWN.format(
-                rank=st.rank, n=not_drawn,
+                rank=_rank(st.rank, node), n=not_drawn,
                 why="--max-epochs" if len(drawn) == len(epochs) else "the figure limit of the report"))
-        figures += [_timeline_figure(st, tr, per_epoch.get(tr.epoch, 0)) for tr in drawn]
-        tables.append(_RANK_TABLE.format(rank=st.rank, table=_buffers_table(st, drift)))
+        figures += [_timeline_figure(st, tr, per_epoch.get(tr.epoch, 0), node) for tr in drawn]
+        tables.append(_RANK_TABLE.format(rank=_rank(st.rank, node), table=_buffers_table(st, drift, node)))
     verdict = _PANEL_BAD.format(n=len(bad)) if bad else _PANEL_CLEAN
     summary = _PANEL_SUMMARY.format(name=_name(backbone), ranks=", ".join(str(r.rank) for r in replays),
                                     states=", ".join(sorted(current)), verdict=verdict)
@@ -308,7 +319,7 @@ _PAGE = Markup("""<!DOCTYPE html>
 <main id="report">
 <header id="summary">
 <div><h1>{title}</h1><div class="facts"><b>{events}</b> events · <b>{streams}</b> stream(s)
-(rank, backbone) · <b>{backbones}</b> backbone(s) · <b>{inputs}</b> input(s) ·
+(node, rank, backbone) · <b>{backbones}</b> backbone(s) · <b>{inputs}</b> input(s) ·
 <b>{violations}</b> violation(s) · <b>{warnings}</b> warning(s) · <b>{problems}</b> input problem(s)</div>
 <div class="facts" id="coverage">{coverage}</div></div>
 <div class="status {status_cls}" id="status">{status}</div>

@@ -1,5 +1,5 @@
-"""What the replay keeps and what it returns: the replayed lifecycle of one (rank, backbone), each violation and
-warning found, and the audit's result.
+"""What the replay keeps and what it returns: the replayed lifecycle of one (node, rank, backbone), each violation
+and warning found, and the audit's result.
 
 Everything a `StreamReplay` holds is bounded: the layers ready in this epoch (at most `MAX_LAYERS`, kept as
 hashes of their names), the derived buffers' addresses (at most `MAX_BUFFERS`, keyed by `buffer_key`), a counter
@@ -48,18 +48,29 @@ class Violation:
     epoch: int
     where: str  # file:line of the event, or the last event of the stream for end-of-log findings
     detail: str
+    node: str | None = None  # the node (host name) the stream's events name; None: they name none
+
+    @property
+    def stream(self) -> tuple[str | None, int, str]:
+        return self.node, self.rank, self.backbone
 
     def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "rank": self.rank, "backbone": self.backbone, "epoch": self.epoch,
-                "where": self.where, "detail": self.detail}
+        return {"kind": self.kind, "node": self.node, "rank": self.rank, "backbone": self.backbone,
+                "epoch": self.epoch, "where": self.where, "detail": self.detail}
 
 
 @dataclass(eq=False)
 class StreamReplay:
-    """The replayed lifecycle of one (rank, backbone): what the auditor keeps, all of it bounded."""
+    """The replayed lifecycle of one (node, rank, backbone): what the auditor keeps, all of it bounded. `source`:
+    the input its current lifecycle's events come from; `clash`: two writers that cannot be told apart fed it,
+    so it is no longer replayed (an input problem)."""
 
     rank: int
     backbone: str
+    node: str | None = None
+    source: str = ""
+    clash: bool = False
+    prev_seq: int = 0  # the last seq of the lifecycle before the current one (0: none)
     state_name: str = INITIAL
     epoch: int = 0
     seq: int = 0
@@ -91,15 +102,16 @@ class StreamReplay:
         return STATE_NAMES[self.state_name]
 
     @property
-    def key(self) -> tuple[int, str]:
-        return self.rank, self.backbone
+    def key(self) -> tuple[str | None, int, str]:
+        return self.node, self.rank, self.backbone
 
     @property
     def layers_ready(self) -> int:
         return len(self.ready) + self.ready_extra
 
     def restart(self) -> None:
-        """A new lifecycle under the same (rank, backbone): `seq` started again at 1."""
+        """A new lifecycle under the same (node, rank, backbone): `seq` started again at 1."""
+        self.prev_seq = self.seq
         self.state_name, self.epoch, self.seq = INITIAL, 0, 0
         self.layers_total, self.ready_extra, self.pinned = None, 0, False
         self.ready.clear()
@@ -110,7 +122,8 @@ class StreamReplay:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "rank": self.rank, "backbone": self.backbone, "nodes": list(self.nodes), "events": self.events,
+            "node": self.node, "rank": self.rank, "backbone": self.backbone, "nodes": list(self.nodes),
+            "events": self.events,
             "incarnations": self.incarnations,
             "final_state": self.state_name, "final_epoch": self.epoch, "pinned": self.pinned,
             "reloads": self.epochs_begun, "layers_ready": self.layers_ready, "layers_total": self.layers_total,

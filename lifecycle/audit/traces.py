@@ -1,4 +1,4 @@
-"""What the report draws, collected while the auditor replays: per (rank, backbone), the latest epochs, each with
+"""What the report draws, collected while the auditor replays: per (node, rank, backbone), the latest epochs, each with
 when every layer became ready, the lifecycle's steps and refusals, and the derived buffers' addresses after its
 last refresh.
 
@@ -42,7 +42,7 @@ BUFFER_SHOWN = ("kind", "mode", "nbytes", "data_ptr")
 
 @dataclass
 class EpochTrace:
-    """What one (rank, backbone) did in one epoch, for the pictures."""
+    """What one (node, rank, backbone) did in one epoch, for the pictures."""
 
     incarnation: int
     epoch: int
@@ -66,6 +66,7 @@ class StreamTrace:
     backbone: str
     epochs: deque[EpochTrace]
     dropped: int = 0  # older epochs not kept
+    node: str | None = None
 
 
 class ReportCollector:
@@ -76,8 +77,8 @@ class ReportCollector:
             raise ValueError(f"max_epochs must be an int from 1 to {MAX_EPOCHS}, got {max_epochs!r:.40}")
         self.max_epochs = max_epochs
         self.max_traced = max_traced
-        self.streams: dict[tuple[int, str], StreamTrace] = {}
-        self.untraced: set[tuple[int, str]] = set()  # streams beyond max_traced (at most the auditor's streams)
+        self.streams: dict[tuple[str | None, int, str], StreamTrace] = {}
+        self.untraced: set[tuple[str | None, int, str]] = set()  # beyond max_traced (at most the auditor's)
 
     def _trace(self, r: StreamReplay, ev: LogEvent) -> EpochTrace | None:
         st = self.streams.get(r.key)
@@ -85,7 +86,7 @@ class ReportCollector:
             if len(self.streams) >= self.max_traced:
                 self.untraced.add(r.key)
                 return None
-            st = self.streams[r.key] = StreamTrace(r.rank, r.backbone, deque(maxlen=self.max_epochs))
+            st = self.streams[r.key] = StreamTrace(r.rank, r.backbone, deque(maxlen=self.max_epochs), node=r.node)
         cur = st.epochs[-1] if st.epochs else None
         if cur is None or cur.epoch != r.epoch or cur.incarnation != r.incarnations:
             if len(st.epochs) == st.epochs.maxlen:

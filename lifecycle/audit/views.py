@@ -91,7 +91,7 @@ def _findings(title: str, count: int, counts: dict[str, int], kinds: dict[str, s
 
 def render_text(result: AuditResult, *, show: int = 100) -> str:
     out = [f"reload-lifecycle audit: {len(result.inputs)} input(s), {result.events} events, "
-           f"{len(result.streams)} stream(s) (rank, backbone)", cell_text(coverage_line(result))]
+           f"{len(result.streams)} stream(s) (node, rank, backbone)", cell_text(coverage_line(result))]
     if result.streams:
         rows = [[r.rank, ", ".join(r.nodes) or "-", r.backbone, r.events, r.incarnations, r.epochs_begun, r.epoch,
                  r.state.value, "yes" if r.pinned else "no", sum(r.violations.values()), sum(r.warnings.values())]

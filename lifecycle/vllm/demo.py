@@ -49,7 +49,7 @@ def run_vllm_demo(out_dir: str | Path | None = None, *, bucket_size: int = 5, se
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="reload-lifecycle-vllm-demo-"))
-    os.environ.setdefault("RELOAD_LIFECYCLE_AUDIT_DIR", str(out / "audit"))
+    os.environ.setdefault("RELOAD_LIFECYCLE_AUDIT_DIR", str((out / "audit").absolute()))  # it must be absolute
     say(f"reload-lifecycle demo --engine vllm: tiny Qwen3 target + DFlash draft, output in {out}")
     make_target(out / "target")
     make_dflash_draft(out / "draftA", seed=seed + 1)

@@ -8,18 +8,14 @@ import re
 from .. import env
 from ..events import AuditSinkError, configure_audit, host_name
 from . import settings
+from .settings import AUDIT_CONSOLE_ENV, AUDIT_DIR_ENV, ENV_PREFIX
 from .version import check_vllm
 
 __all__ = ["AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "ENV_PREFIX", "RAY_COPY_PREFIXES_ENV", "activate",
            "audit_file_name", "forward_switches_to_ray_workers"]
 
-#: A folder: each process writes its audit events to `audit-<host>-<pid>.jsonl` there (events carry their rank
-#: and node), so the folders of several nodes can be gathered into one and audited together.
-AUDIT_DIR_ENV = "RELOAD_LIFECYCLE_AUDIT_DIR"
-#: A switch (1/true/yes/on): also print readable events to stderr.
-AUDIT_CONSOLE_ENV = "RELOAD_LIFECYCLE_AUDIT_CONSOLE"
-#: The prefix of every switch of this package.
-ENV_PREFIX = "RELOAD_LIFECYCLE_"
+# AUDIT_DIR_ENV: a folder; each process writes its audit events to `audit-<host>-<pid>.jsonl` there (events carry
+# their rank and node), so the folders of several nodes can be gathered into one and audited together.
 #: vLLM's Ray executor (V1) copies to its workers only the variables vLLM knows, those with vLLM's prefixes and
 #: those with a prefix listed here (comma-separated); the V2 executor copies the driver's whole environment.
 RAY_COPY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
@@ -34,6 +30,7 @@ def activate() -> None:
     global _active
     if _active:
         return
+    settings.check_names()  # a misspelled switch stops the engine here, naming the closest known one
     version = check_vllm()
     settings.partial_policy()  # a bad engine-wide setting stops the engine here, naming the variable
     settings.allowed_root()

@@ -26,7 +26,7 @@ class FileInitInfo:
 class FileUpdateInfo:
     path: str  # a .safetensors file or a folder of them
     exclude_prefixes: list[str] = field(default_factory=list)  # leave tensors out (an incomplete payload)
-    bucket_size: int | None = None  # tensors per load_weights call; None: the whole chunk at once
+    bucket_size: int | None = None  # tensors per load_weights call; None: a layer per call (each other tensor alone)
     partial: str | None = None  # 'refuse' or 'keep' for this session; None: RELOAD_LIFECYCLE_PARTIAL
 
 
@@ -64,8 +64,11 @@ def engine_class() -> type:
 
         def receive_weights(self, update_info: FileUpdateInfo) -> None:
             policy = check_partial(update_info.partial, "update_info['partial']")
+            # a lifecycle draft's payload is checked against it here, before any data is read or the draft
+            # (already on META: a refusal is an exact rollback) is written
             payload = plan_payload(update_info.path, bucket_size=update_info.bucket_size,
-                                   exclude_prefixes=update_info.exclude_prefixes, what="update_info['path']")
+                                   exclude_prefixes=update_info.exclude_prefixes, what="update_info['path']",
+                                   model=self.model)
             for backbone in backbones_in(self.model):
                 backbone.reload_partial = policy
             feed(self.model, payload)

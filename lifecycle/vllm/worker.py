@@ -124,15 +124,17 @@ class LifecycleWorkerExtension:
                              seed: int = 0, exclude_prefixes: Iterable[str] = (),
                              partial: PartialPolicy | None = None) -> dict[str, Any]:
         """Reload the draft from a safetensors file or folder through vLLM's layerwise reload, in buckets of
-        `bucket_size` tensors (None: one bucket), optionally shuffled, leaving out names that start with one of
-        `exclude_prefixes`. `partial`: what tensors the payload does not send do, 'refuse' (quarantine) or
-        'keep' (they keep their last values); None: the engine's `RELOAD_LIFECYCLE_PARTIAL`. vLLM 0.32's
-        `reload_weights` reloads only the target.
+        `bucket_size` tensors (None: a layer per bucket, each other tensor alone), optionally shuffled, leaving
+        out names that start with one of `exclude_prefixes`. `partial`: what tensors the payload does not send
+        do, 'refuse' (quarantine) or 'keep' (they keep their last values); None: the engine's
+        `RELOAD_LIFECYCLE_PARTIAL`. vLLM 0.32's `reload_weights` reloads only the target.
 
-        Every argument and the checkpoint's headers are checked before the draft is touched (an error then
-        changes nothing). A failure after that ends the reload epoch (`lifecycle.vllm.epochs`): rolled back
-        exactly when nothing was written yet, else the draft is quarantined and the engine serves without it;
-        the error is raised either way, and the same call, corrected, works without a restart."""
+        Every argument and the checkpoint's headers are checked before the draft is touched, and the payload
+        against the draft from the headers alone (`expected.check_payload`: names, sizes), before any data is
+        read (an error then changes nothing). A failure after that ends the reload epoch
+        (`lifecycle.vllm.epochs`): rolled back exactly when nothing was written yet, else the draft is
+        quarantined and the engine serves without it; the error is raised either way, and the same call,
+        corrected, works without a restart."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -143,7 +145,7 @@ class LifecycleWorkerExtension:
             raise RuntimeError("this engine has no draft model (speculative_config is not set)")
         policy = check_partial(partial)
         payload = plan_payload(weights_path, bucket_size=bucket_size, shuffle=shuffle, seed=seed,
-                               exclude_prefixes=exclude_prefixes)
+                               exclude_prefixes=exclude_prefixes, model=draft)  # checked against the draft
         config = self.vllm_config.speculative_config.draft_model_config
         initialize_layerwise_reload(draft)  # the model is touched from here on
         try:

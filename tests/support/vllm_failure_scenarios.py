@@ -38,10 +38,14 @@ def make_variants(work: Path) -> None:
     """draftM: draft B with layer 1 of draft A (so a keep-reload of B's layer 1 makes B); bad_shape: B with a
     tensor of another shape in layer 1; bogus_first: B plus a name the draft does not have, sorted first;
     only_k0 / only_k0_b: draft A's / B's layer-0 k_proj alone; changing: a copy of B that a case rewrites; an
-    empty folder; a FIFO."""
+    empty folder; a FIFO; sparse_tib: B whose layer-1 down_proj claims 1 TiB (a hole); deeper_target: the target's
+    checkpoint with two more layers (another model's folder)."""
     import torch
+    from safetensors.torch import load_file
 
+    from lifecycle.checkpoint import write_checkpoint
     from lifecycle.vllm.tiny import dflash_draft_tensors
+    from support.sparse_checkpoints import write_with_sparse_tensor
 
     a, b = dflash_draft_tensors(1), dflash_draft_tensors(2)
     _variant(work, "draftM", {n: (a[n] if n.startswith(LAYER1) else t) for n, t in b.items()})
@@ -51,6 +55,14 @@ def make_variants(work: Path) -> None:
     _variant(work, "only_k0_b", {"layers.0.self_attn.k_proj.weight": b["layers.0.self_attn.k_proj.weight"]})
     _variant(work, "changing", b)
     (work / "empty").mkdir(exist_ok=True)
+    big = "layers.1.mlp.down_proj.weight"
+    write_with_sparse_tensor(work / "sparse_tib" / "model.safetensors", {n: t for n, t in b.items() if n != big},
+                             big, (2**38,))
+    target = load_file(str(work / "target" / "model.safetensors"))
+    for extra in (2, 3):
+        target |= {n.replace("layers.1.", f"layers.{extra}."): t.clone() for n, t in target.items()
+                   if n.startswith("model.layers.1.")}
+    write_checkpoint(target, work / "deeper_target" / "model.safetensors")
     fifo = work / "fifo.safetensors"
     if not fifo.exists():
         os.mkfifo(fifo)
@@ -137,6 +149,18 @@ def _change_file_after_first_bucket(worker: Any, path: str, how: str) -> str:
             st = p.stat()
             os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
         return result
+
+    draft.load_weights = load_weights
+    return "armed"
+
+
+def _raise_in_first_load_weights(worker: Any) -> str:
+    """vLLM's load_weights raises on the first bucket, before it wrote anything (once)."""
+    draft = worker.model_runner.get_draft_model()
+
+    def load_weights(weights: Any) -> Any:
+        del draft.load_weights  # once
+        raise ValueError("injected: load_weights failed on the first bucket")
 
     draft.load_weights = load_weights
     return "armed"
@@ -255,6 +279,10 @@ def scenario_failures(work: Path) -> dict[str, Any]:
         "everything_excluded": _reload(llm, work / "draftA", exclude_prefixes=["layers.", "fc.", "hidden_norm.",
                                                                                "norm."]),
         "partial_unknown": _reload(llm, work / "draftA", partial="maybe"),
+        # from the headers alone, before a byte of data is read (lifecycle/vllm/expected.py)
+        "sparse_tib": _reload(llm, work / "sparse_tib"),
+        "target_folder": _reload(llm, work / "deeper_target"),
+        "bogus_name": _reload(llm, work / "bogus_first", bucket_size=1),
     }
     out["untouched"] = {}
     for name, call in untouched.items():
@@ -262,6 +290,7 @@ def scenario_failures(work: Path) -> dict[str, Any]:
         out["untouched"][name] = {"call": _try(call), "before": before, "after": _draft_state(llm)}
     out["untouched_generate"] = _served(llm)
     out["untouched_retry"] = _try(_reload(llm, work / "draftA", bucket_size=2, exclude_prefixes=[]))
+    out["default_plan"] = _try(_reload(llm, work / "draftB"))  # no bucket_size: a layer per bucket
 
     # before the first bucket (the draft was moved to META, nothing written)
     def session(path: Any, key: str = "path") -> Any:
@@ -274,8 +303,10 @@ def scenario_failures(work: Path) -> dict[str, Any]:
     out["session_missing_file"] = _case(llm, session(str(work / "vanished")), session(str(work / "draftB")))
     out["session_bad_update_info"] = _case(llm, session(str(work / "draftA"), key="pathh"),
                                            session(str(work / "draftA")))
-    out["first_bucket_raises"] = _case(llm, _reload(llm, work / "bogus_first", bucket_size=1),
-                                       _reload(llm, work / "draftB", bucket_size=1))
+    out["first_bucket_raises"] = _case(
+        llm, lambda: (llm.collective_rpc(_raise_in_first_load_weights),
+                      _reload(llm, work / "draftB", bucket_size=1)())[1],
+        _reload(llm, work / "draftB", bucket_size=1))
     out["abandoned_reload"] = _case(
         llm, lambda: llm.collective_rpc(_verl_style, args=(str(work / "draftA" / "model.safetensors"),
                                                            "initialize_only")),

@@ -1,0 +1,113 @@
+"""Every in-process draft family's reload payload checked from the headers alone (lifecycle/vllm/expected.py), for
+tests/test_payload_headers_first.py: vLLM's own draft classes, cold-loaded by vLLM's loader, no engine
+(support/vllm_inprocess.py). One process:
+
+    PYTHONPATH=.:tests python -m support.vllm_payload_scenarios families WORKDIR   -> prints one JSON line
+
+Per family and structure (plain, and with every optional submodule): the family's own checkpoint must pass (no
+false refusal; for DFlash also under the `midlayer.` names its `hf_to_vllm_mapper` renames), a deeper model's
+checkpoint (the tiny target with two more layers) and the family's checkpoint with its largest tensor claiming
+1 TiB (a sparse file) must be refused naming the tensor, without a single read of tensor data (`os.preadv`, the
+reader's only read, counted).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from support.needs import needs
+from support.vllm_basic_scenarios import _try, main
+
+__all__ = ["run_payload_families"]
+
+
+@needs("vllm", "slow")
+def run_payload_families(work: Path) -> dict[str, Any]:
+    """The `families` scenario in its own process (vLLM's classes, no engine)."""
+    from support.vllm_runs import run_script
+
+    return run_script("vllm_payload_scenarios", "families", work)
+
+
+def _deeper_target(folder: Path, target: Path) -> Path:
+    from safetensors.torch import load_file
+
+    from lifecycle.checkpoint import write_checkpoint
+
+    tensors = load_file(str(target / "model.safetensors"))
+    for extra in (2, 3):
+        tensors |= {n.replace("layers.1.", f"layers.{extra}."): t.clone() for n, t in tensors.items()
+                    if n.startswith("model.layers.1.")}
+    return write_checkpoint(tensors, folder / "model.safetensors").parent
+
+
+def _sparse_largest(folder: Path, own: Path) -> tuple[Path, str]:
+    from safetensors.torch import load_file
+
+    from support.sparse_checkpoints import write_with_sparse_tensor
+
+    tensors = load_file(str(own / "model.safetensors"))
+    largest = max(tensors, key=lambda n: tensors[n].numel())
+    rest = {n: t for n, t in tensors.items() if n != largest}
+    write_with_sparse_tensor(folder / "model.safetensors", rest, largest, (2**38,))
+    return folder, largest
+
+
+def _renamed(folder: Path, own: Path, old: str, new: str) -> Path:
+    from safetensors.torch import load_file
+
+    from lifecycle.checkpoint import write_checkpoint
+
+    tensors = load_file(str(own / "model.safetensors"))
+    return write_checkpoint({n.replace(old, new, 1) if n.startswith(old) else n: t for n, t in tensors.items()},
+                            folder / "model.safetensors").parent
+
+
+def _checked(folder: Path, model: Any) -> dict[str, Any]:
+    """check_payload over every tensor of `folder`, counting the data reads it made."""
+    from lifecycle.checkpoint import checkpoint_index
+    from lifecycle.vllm.expected import check_payload
+
+    index = checkpoint_index(folder)
+    reads = [0]
+    real = os.preadv
+
+    def counted(*args: Any) -> int:
+        reads[0] += 1
+        return real(*args)
+
+    os.preadv = counted
+    try:
+        out = _try(lambda: check_payload(index, list(index), model))
+    finally:
+        os.preadv = real
+    return {**out, "reads": reads[0]}
+
+
+def scenario_families(work: Path) -> dict[str, Any]:
+    from lifecycle.vllm.owners import backbones_in
+    from support import vllm_inprocess as vi
+
+    vi.setup()
+    vi._config(None, None, None)  # makes the tiny target
+    assert vi._TARGET is not None
+    deeper = _deeper_target(work / "deeper-target", vi._TARGET)
+    out: dict[str, Any] = {}
+    for fam, case in vi.CASES.items():
+        for tag, c in (("plain", case), ("structure", case.with_structure())):
+            own = vi.make_draft(c, work / f"{fam}-{tag}", 1)
+            model = vi.build(c, own)
+            sparse, largest = _sparse_largest(work / f"{fam}-{tag}-sparse", own)
+            out[f"{fam}/{tag}"] = {"own": _checked(own, model), "deeper_target": _checked(deeper, model),
+                                   "sparse": _checked(sparse, model), "largest": largest,
+                                   "state": backbones_in(model)[0].lifecycle.state.value}
+            if fam == "dflash":  # vLLM's DFlash mapper renames `midlayer.` to `layers.0.` (EAGLE-style names)
+                out[f"{fam}/{tag}"]["midlayer"] = _checked(
+                    _renamed(work / f"{fam}-{tag}-midlayer", own, "layers.0.", "midlayer."), model)
+    return out
+
+
+if __name__ == "__main__":
+    main(globals())
