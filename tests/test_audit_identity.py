@@ -46,6 +46,9 @@ Path({log!r} + ".ready").touch()  # both nodes start together, as two engines se
 while len(list(Path({log!r}).parent.glob("*.ready"))) < 2:
     time.sleep(0.01)
 cold_load(m, Path({a!r}))
+Path({log!r} + ".loaded").touch()  # each reloads only once both loaded: the two streams interleave on any load
+while len(list(Path({log!r}).parent.glob("*.loaded"))) < 2:
+    time.sleep(0.01)
 for k in range(4):
     bucketed_reload(m, Path({b!r} if k % 2 == 0 else {a!r}), seed=k)
 configure_audit(console=False)
@@ -67,8 +70,8 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                                                  node=n, a=str(a), b=str(b))], env=env)
              for n in ("gpu-node-1", "gpu-node-2")]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
-    for ready in logs.glob("*.ready"):
-        ready.unlink()
+    for marker in [*logs.glob("*.ready"), *logs.glob("*.loaded")]:
+        marker.unlink()
     return logs
 
 
