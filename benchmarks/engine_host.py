@@ -248,7 +248,8 @@ class Host:
         kv = {}
         for f in shard_files(self.paths[self.last or "A"]):
             with safe_open(str(f), "pt") as st:
-                kv.update({k: st.get_tensor(k) for k in st if k.endswith(("k_proj.weight", "v_proj.weight"))})
+                names = st.keys()  # a safe_open handle is not iterable itself
+                kv.update({k: st.get_tensor(k) for k in names if k.endswith(("k_proj.weight", "v_proj.weight"))})
         out["fused_equals_checkpoint"] = bool(isinstance(fused, torch.Tensor) and not fused.is_meta
                                               and torch.equal(fused, kv_rows(kv, self.shape.draft_layers)))
         if self.role == "plugin":

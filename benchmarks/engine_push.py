@@ -49,11 +49,16 @@ from benchmarks.engine_shapes import BUCKETS, SHAPES, EngineShape, buckets_of, m
 NAME = "engine_push"
 REPEATS = 7
 BREAKDOWN_ROUNDS = 2
+LAYOUTS, LAYOUTS_QUICK = ("cpu", "gpu"), ("gpu",)  # quick: one engine per role, stock's layerwise probed once
 ARMS = {"plugin": ("floor", "session", "plain"), "stock": ("floor", "plain")}
 
 
 class HostError(RuntimeError):
-    pass
+    """A host's op failed; `error` is the host's one-line reason (the exception's type and message)."""
+
+    def __init__(self, message: str, error: str) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 class Host:
@@ -70,20 +75,28 @@ class Host:
         self.next_draft = "B"  # each push writes the other draft than the last one
 
     def call(self, op: str, **kwargs: Any) -> Any:
+        self.send(op, **kwargs)
+        return self.answer(op, **kwargs)
+
+    def send(self, op: str, **kwargs: Any) -> None:
         self.conn.send({"op": op, **kwargs})
+
+    def answer(self, op: str, **kwargs: Any) -> Any:
         try:
             answer = self.conn.recv()
         except EOFError:
-            raise HostError(f"the {self.role} host died during {op}; its log: {self.log}\n{self.tail()}") from None
+            raise HostError(f"the {self.role} host died during {op}; its log: {self.log}\n{self.tail()}",
+                            f"the host died during {op}") from None
         if not answer["ok"]:
-            raise HostError(f"{self.role} host, {op} {kwargs}: {answer['error']}\n{answer['trace']}")
+            raise HostError(f"{self.role} host, {op} {kwargs}: {answer['error']}\n{answer['trace']}",
+                            answer["error"])
         return answer["value"]
 
     def attempt(self, op: str, **kwargs: Any) -> dict[str, Any]:
         try:
             return {"ok": True, "value": self.call(op, **kwargs)}
         except HostError as e:
-            return {"ok": False, "error": str(e).split("\n")[0].split(": ", 2)[-1][:400]}
+            return {"ok": False, "error": e.error[:400]}
 
     def push(self, arm: str, bucket: str, steps: bool = False) -> dict[str, Any]:
         draft = "A" if arm == "floor" else self.next_draft
@@ -107,17 +120,20 @@ class Host:
             self.proc.kill()
 
 
-def start(host: Host, shape: EngineShape, ck: dict[str, Path], layout: str) -> dict[str, Any]:
-    host.next_draft = "B"
-    info: dict[str, Any] = host.call("start", target=str(ck["target"]), drafts={"A": str(ck["A"]), "B": str(ck["B"])},
-                                     layout=layout, shape=asdict(shape))
-    return info
+def start(hosts: Sequence[Host], shape: EngineShape, ck: dict[str, Path], layout: str) -> list[dict[str, Any]]:
+    """Start an engine in each host, all at once (nothing is timed while engines start)."""
+    kwargs = {"target": str(ck["target"]), "drafts": {"A": str(ck["A"]), "B": str(ck["B"])}, "layout": layout,
+              "shape": asdict(shape)}
+    for host in hosts:
+        host.next_draft = "B"
+        host.send("start", **kwargs)
+    return [host.answer("start", **kwargs) for host in hosts]
 
 
 def measure_layout(shape: EngineShape, ck: dict[str, Path], layout: str, hosts: dict[str, Host],
-                   repeats: int) -> dict[str, Any]:
+                   repeats: int, layerwise_buckets: Sequence[str] = BUCKETS) -> dict[str, Any]:
     roles = ["plugin", "stock"] if layout == "gpu" else ["plugin"]
-    started = {role: start(hosts[role], shape, ck, layout) for role in roles}
+    started = dict(zip(roles, start([hosts[role] for role in roles], shape, ck, layout), strict=True))
     arms = [(role, arm, bucket) for role in roles for arm in ARMS[role] for bucket in BUCKETS]
     probes: dict[str, dict[str, Any]] = {}
     for role, arm, bucket in arms:  # each push once, checked (untimed): only pushes that complete are timed
@@ -141,10 +157,10 @@ def measure_layout(shape: EngineShape, ck: dict[str, Path], layout: str, hosts: 
                 steps.setdefault(key(role, arm, bucket), []).append(hosts[role].push(arm, bucket, steps=True))
     failing = {}
     if "stock" in roles:  # stock's layerwise reload, each bucket on a fresh engine (a failed one is left broken)
-        for i, bucket in enumerate(BUCKETS):
+        for i, bucket in enumerate(layerwise_buckets):
             if i:
                 hosts["stock"].call("stop")
-                start(hosts["stock"], shape, ck, layout)
+                start([hosts["stock"]], shape, ck, layout)
             ran = hosts["stock"].attempt("run", arm="layerwise", bucket=bucket, draft="B")
             failing[key("stock", "layerwise", bucket)] = {"run": ran, "check": hosts["stock"].call("check")}
     for role in roles:
@@ -184,10 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 common.say(f"  {shape.name}: {shape.describe()}: writing the checkpoints ...")
                 ck = make_checkpoints(work, shape)
                 layouts = {}
-                for layout in ("cpu", "gpu"):
+                for layout in LAYOUTS_QUICK if args.quick else LAYOUTS:
                     common.say(f"  {shape.name}, {layout} layout: engines start, pushes checked, "
                                f"{repeats} rounds ...")
-                    layouts[layout] = measure_layout(shape, ck, layout, hosts, repeats)
+                    layouts[layout] = measure_layout(shape, ck, layout, hosts, repeats,
+                                                     BUCKETS[:1] if args.quick else BUCKETS)
                 results.append({"shape": asdict(shape), "fused_kv_bytes": shape.fused_kv_bytes,
                                 **_checkpoint_figures(ck["A"]), "layouts": layouts})
         finally:
