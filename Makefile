@@ -76,7 +76,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (a few minutes on 2 cores).
+# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (about 15 minutes on 2 cores).
 # BENCH_ARGS="--quick" for a smoke run of seconds; the GPU check skips (exit 0) without CUDA.
 BENCH_ARGS ?=
 bench: $(VLLM_STAMP)

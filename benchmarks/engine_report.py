@@ -135,7 +135,8 @@ def targets(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         arm = mine[bucket]["plugin_session"]
         ok = arm is not None and "fails" not in arm
         figure = arm["x_floor"]["median"] if ok else None
-        out.append({"what": f"{bucket}-{'file' if bucket == 'whole' else bucket} push (session) <= {limit}x the floor",
+        what = "whole-file push" if bucket == "whole" else f"one-{bucket} buckets"
+        out.append({"what": f"{what} (session) <= {limit}x the floor",
                     "figure": figure, "met": ok and figure <= limit, "bucket": bucket, "kind": "floor"})
 
     ratio_target("whole", TARGET_WHOLE_X)
