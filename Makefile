@@ -76,10 +76,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (a few minutes on 2 cores).
+# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (about 15 minutes on 2 cores).
 # BENCH_ARGS="--quick" for a smoke run of seconds; the GPU check skips (exit 0) without CUDA.
 BENCH_ARGS ?=
-bench: $(STAMP)
+bench: $(VLLM_STAMP)
 	$(BIN)/python -m benchmarks.tracking_overhead $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.tracking_breakdown $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.refresh $(BENCH_ARGS)
@@ -94,6 +94,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/audit_rate.py
 	$(BIN)/python -m benchmarks.hostile_logs $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.cli_start $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.engine_push $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -22,7 +22,9 @@ exit 1 if a check fails; writes JSON (`benchmarks/results/gpu_check.json` or `--
 With `--benchmarks` (the default on CUDA): `benchmarks.tracking_overhead` and `benchmarks.refresh` run next with
 `--device` set, fewer repeats (`--bench-repeats`, 7), their tables printed and written beside the JSON
 (`gpu_tracking_overhead.json`, `gpu_refresh.json`): the loader's tracking cost and the in-place refresh against a
-`copy_` and vLLM's rebuild, on the GPU.
+`copy_` and vLLM's rebuild, on the GPU; then `benchmarks.gpu_push` (`gpu_push.json`): a push of each standalone
+family (begin_reload, load_safetensors, finalize_loading, in-place refresh) against the floor of the bytes it moves,
+the figures `benchmarks.engine_push` gives inside vLLM on the CPU (no vLLM on a lent GPU machine); on CUDA only.
 """
 
 from __future__ import annotations
@@ -320,13 +322,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_benchmarks(device: str, folder: Path, repeats: int, quick: bool) -> None:
-    """The tracking and refresh benchmarks with the tensors on `device`, each writing `gpu_NAME.json/.txt` in
+    """The tracking, refresh and push benchmarks with the tensors on `device`, each writing `gpu_NAME.json/.txt` in
     `folder` (their own tables are printed as they run)."""
-    from benchmarks import refresh, tracking_overhead
+    from benchmarks import gpu_push, refresh, tracking_overhead
 
-    for module in (tracking_overhead, refresh):
+    # the push on the CPU is `benchmarks.engine_push`'s, inside vLLM: `gpu_push --device cpu` runs it standalone
+    for module in (tracking_overhead, refresh, *([gpu_push] if device.startswith("cuda") else [])):
         print(f"\n==== {module.NAME} on {device} ====", flush=True)
-        module.main(["--device", device, "--repeats", str(repeats), "--json", str(folder / f"gpu_{module.NAME}.json"),
+        json_name = "gpu_push.json" if module is gpu_push else f"gpu_{module.NAME}.json"
+        module.main(["--device", device, "--repeats", str(repeats), "--json", str(folder / json_name),
                      *(["--quick"] if quick else [])])
 
 

@@ -2,12 +2,12 @@
 
     python -m benchmarks.tracking_breakdown [--quick] [--repeats N] [--json PATH] [--threads T] [--shape NAME]
 
-The shapes and the two loaders of `benchmarks.tracking_overhead` (baseline: no lifecycle call; lifecycle:
-`begin_reload` + `load_safetensors` + `finalize_loading`, audit to a JSON-lines file), with every step wrapped in
-a wall-clock timer: the header index, the bucket plan, the reads, the file checks, the writes (shared by both
-loaders) and the lifecycle's own steps (`begin_reload`, `validate_index`, `weights_loaded`: the reports of the
-buckets, which the loader makes after writing them, `finalize_loading`). Median ms per load over the rounds,
-arms alternated. The timers cost about a microsecond a call, in both arms alike.
+The shapes and the two loaders of `benchmarks.tracking_overhead` (`benchmarks.tracking_shapes`; baseline: no
+lifecycle call; lifecycle: `begin_reload` + `load_safetensors` + `finalize_loading`, audit to a JSON-lines file),
+with every step wrapped in a wall-clock timer: the header index, the bucket plan, the reads, the file checks, the
+writes (shared by both loaders) and the lifecycle's own steps (`begin_reload`, `validate_index`, `weights_loaded`:
+the reports of the buckets, which the loader makes after writing them, `finalize_loading`). Median ms per load over
+the rounds, arms alternated. The timers cost about a microsecond a call, in both arms alike.
 
 It shows what the stubbed "bookkeeping" figure of `tracking_overhead` leaves out: the same Python steps run
 slower when they alternate with the loader's copies (each bucket's reads and writes stream the checkpoint through
@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a file: python benchmarks/tracking_break
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
-from benchmarks import tracking_overhead as tracking
+from benchmarks import tracking_shapes as tracking
 from lifecycle import Phase, checkpoint, loading
 from lifecycle.backbone import DraftBackbone
 from lifecycle.events import configure_audit
@@ -59,9 +59,9 @@ def timed_steps(spent: dict[str, float]) -> Iterator[None]:
     plan = timer("plan", loading.plan_buckets)
     write = timer("writes", loading.write_tensor)
     patches = [
-        ("lifecycle.loading.load.checkpoint_index", index), ("benchmarks.tracking_overhead.checkpoint_index", index),
-        ("lifecycle.loading.load.plan_buckets", plan), ("benchmarks.tracking_overhead.plan_buckets", plan),
-        ("lifecycle.loading.write.write_tensor", write), ("benchmarks.tracking_overhead.write_tensor", write),
+        ("lifecycle.loading.load.checkpoint_index", index), ("benchmarks.tracking_shapes.checkpoint_index", index),
+        ("lifecycle.loading.load.plan_buckets", plan), ("benchmarks.tracking_shapes.plan_buckets", plan),
+        ("lifecycle.loading.write.write_tensor", write), ("benchmarks.tracking_shapes.write_tensor", write),
         ("lifecycle.checkpoint._read_tensor", timer("reads", checkpoint._read_tensor)),
         ("lifecycle.loading.load.validate_index", timer("validate_index", loading.validate_index)),
         # the loader tells the lifecycle about its buckets here, after writing them (one or two calls a load)

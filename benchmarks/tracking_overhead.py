@@ -13,6 +13,8 @@ Arms, interleaved round by round in one process after a warm-up round (page cach
   lifecycle, audit on  begin_reload + load_safetensors + finalize_loading, audit events to a JSON-lines file
   lifecycle, audit off the same with audit events kept in memory only (console off, no file)
 and, for a cold load (parameters on META, materialised by the loader), baseline vs lifecycle with audit on.
+The drafts and both loaders are in `benchmarks.tracking_shapes`, the hot-path figures in
+`benchmarks.tracking_hot_path`.
 "Bookkeeping" is the lifecycle's own work measured with disk reads and tensor copies stubbed out in both arms,
 in CPU time of this thread, min over rounds, divided by the fastest baseline round (a low-noise estimate of the
 same difference).
@@ -37,9 +39,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -47,240 +47,34 @@ from unittest import mock
 if __package__ in (None, ""):  # run as a file: python benchmarks/tracking_overhead.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
-from transitions import Machine
-from transitions.extensions import LockedMachine
-
 from benchmarks import common
-from benchmarks.common import Arm, ManyTensorConfig, ManyTensorDraft
+from benchmarks.common import Arm
+from benchmarks.tracking_hot_path import (
+    TARGET_LAYER_US,
+    TARGET_PER_TENSOR_X,
+    event_costs,
+    layer_completion,
+    per_tensor_update,
+)
+from benchmarks.tracking_shapes import (
+    Shape,
+    baseline_load,
+    lifecycle_cold,
+    lifecycle_reload,
+    shapes,
+    stubbed_io,
+)
 from lifecycle import DraftBackbone, Phase
 from lifecycle import events as audit_events
 from lifecycle.events import configure_audit
-from lifecycle.loading import (
-    IndexEntry,
-    apply_bucket,
-    checkpoint_index,
-    iter_buckets,
-    load_safetensors,
-    plan_buckets,
-    write_checkpoint,
-    write_tensor,
-)
-from lifecycle.readiness import LayerReadiness, layer_of
+from lifecycle.loading import write_checkpoint
+from lifecycle.readiness import layer_of
 from lifecycle.testing import random_checkpoint
-from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 NAME = "tracking_overhead"
 TARGET_OVERHEAD = 0.02  # end to end, audit on
-TARGET_PER_TENSOR_X = 2.0  # readiness update per tensor / dict update per tensor
-TARGET_LAYER_US = 5.0  # one layer completion
 TARGET_AUDIT_OFF = 0.002  # events kept with audit off, share of the load
 REPEATS = 41
-
-
-@dataclass
-class Shape:
-    name: str
-    build: Callable[[], DraftBackbone]
-    note: str
-    repeats: float = 1.0  # share of --repeats (the real-size shape reads 1.5 GB a round)
-
-
-def shapes(quick: bool) -> list[Shape]:
-    if quick:
-        mt = ManyTensorConfig(hidden_size=32, num_hidden_layers=2, num_experts=4, expert_intermediate_size=8,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-        df = DFlashConfig(num_hidden_layers=4)
-        real = DFlashConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=32, dtype=torch.bfloat16)
-    else:
-        mt = ManyTensorConfig()
-        df = DFlashConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=256, num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=64)
-        real = DFlashConfig(hidden_size=4096, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=32,
-                            num_key_value_heads=8, head_dim=128, dtype=torch.bfloat16)
-    return [
-        Shape("many-tensor", lambda: ManyTensorDraft(mt, name="many-tensor"),
-              f"{mt.num_hidden_layers} layers x {7 + 2 * mt.num_experts} tensors (MoE-style), fp32"),
-        Shape("dflash-deep", lambda: DFlashQwen3Draft(df, name="dflash-deep"),
-              f"DFlash, {df.num_hidden_layers} layers x 8 tensors, hidden {df.hidden_size}, fp32"),
-        Shape("dflash-8x4k", lambda: DFlashQwen3Draft(real, name="dflash-8x4k"),
-              f"DFlash, {real.num_hidden_layers} layers, hidden {real.hidden_size}, {real.num_attention_heads} heads "
-              f"x {real.head_dim}, {real.num_key_value_heads} KV heads, MLP {real.intermediate_size}, bf16", 0.5),
-    ]
-
-
-# ---- the two loaders -------------------------------------------------------------------------------------------
-
-
-def baseline_load(model: DraftBackbone, path: Path, layer_map: dict[str, str], phase: Phase, device: str = "cpu"
-                  ) -> int:
-    """The same streaming and copying as `load_safetensors(bucket_by="layer")`, and the same post-load hooks the
-    lifecycle runs in `finalize_loading` (called directly), with no lifecycle call. `layer_map` (name -> layer,
-    built once, as the lifecycle's readiness map is) groups the buckets."""
-    index = checkpoint_index(path)
-    buckets = plan_buckets(list(index), layer_map.__getitem__, bucket_by="layer")
-    n = 0
-    for bucket in iter_buckets(index, buckets, reuse=True):  # as the loader reads for its own write_tensor
-        for name, value in bucket:
-            write_tensor(model, name, value, device)
-        n += len(bucket)
-        del bucket  # as the loader does: one bucket held at a time (holding two changes the allocator's reuse)
-    for hook in model.post_load_hooks(phase):
-        hook.fn(model)
-    return n
-
-
-def lifecycle_reload(model: DraftBackbone, path: Path, device: str = "cpu") -> None:
-    model.begin_reload()
-    load_safetensors(model, path, bucket_by="layer", device=device)
-    model.finalize_loading()
-
-
-def lifecycle_cold(model: DraftBackbone, path: Path, device: str = "cpu") -> None:
-    load_safetensors(model, path, bucket_by="layer", device=device)
-    model.finalize_loading()
-
-
-@contextmanager
-def stubbed_io(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Disk reads come from memory and writes do nothing, in the loader and the baseline alike: what is left of
-    the loader's time is the lifecycle's bookkeeping (validation, readiness, triggers, events)."""
-
-    def from_memory(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]], reuse: bool = False
-                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        for bucket in buckets:
-            yield [(n, tensors[n]) for n in bucket]
-
-    def no_write(module: torch.nn.Module, name: str, value: torch.Tensor, device: object) -> None:
-        return None
-
-    with mock.patch("lifecycle.loading.load.iter_buckets", from_memory), \
-            mock.patch("lifecycle.loading.write.write_tensor", no_write), \
-            mock.patch(f"{__name__}.iter_buckets", from_memory), \
-            mock.patch(f"{__name__}.write_tensor", no_write):
-        yield
-
-
-# ---- the hot path, per tensor and per layer ------------------------------------------------------------------
-
-
-def per_tensor_update(model: DraftBackbone, rounds: int) -> dict[str, Any]:
-    """The readiness update of every bucket of a load (one per layer) vs a dict update per tensor of the same
-    buckets, interleaved, CPU time of this thread; per tensor, min over rounds."""
-    readiness = LayerReadiness(model.lifecycle.specs)  # the backbone's own, built afresh
-    buckets = [list(names) for names in readiness.tensors_of_layer.values()]
-    tensors = sum(map(len, buckets))
-    loaded: dict[str, int] = {}
-
-    def lifecycle_update() -> None:
-        readiness.new_epoch()
-        for bucket in buckets:
-            readiness.mark_loaded(bucket)
-
-    def mark(bucket: list[str], epoch: int = 1) -> None:  # a dict-based tracker told per bucket, as the lifecycle is
-        for name in bucket:
-            loaded[name] = epoch
-
-    def dict_update() -> None:
-        loaded.clear()
-        for bucket in buckets:
-            mark(bucket)
-
-    arms = [Arm("readiness", lifecycle_update), Arm("dict", dict_update)]
-    samples = common.interleaved(arms, rounds, clock=time.thread_time)
-    ns = {k: min(v) / tensors * 1e9 for k, v in samples.items()}
-    return {"tensors": tensors, "buckets": len(buckets), "readiness_ns": round(ns["readiness"], 1),
-            "dict_ns": round(ns["dict"], 1), "ratio": round(ns["readiness"] / ns["dict"], 3),
-            "met": ns["readiness"] <= TARGET_PER_TENSOR_X * ns["dict"]}
-
-
-def layer_completion(tmp: Path, quick: bool) -> list[dict[str, Any]]:
-    """`weights_loaded` of buckets that each complete one layer, in the middle of a load (PARTIALLY_LOADED to
-    PARTIALLY_LOADED: bookkeeping, one `layer_ready` event each), per bucket: audit off and audit on (JSON
-    file). A 64-layer DFlash draft, 8 tensors per layer; CPU time, min over rounds."""
-    model = DFlashQwen3Draft(DFlashConfig(num_hidden_layers=8 if quick else 64), name="layer-completion")
-    weights = random_checkpoint(model, 0)
-    lc = model.lifecycle
-    per_layer = [list(names) for names in lc.readiness.tensors_of_layer.values()]
-    for bucket in per_layer:
-        apply_bucket(model, [(n, weights[n]) for n in bucket])
-    model.finalize_loading()
-    middle = per_layer[1:-1]
-    log = tmp / "layer-completion.jsonl"
-    rows = []
-    for audit in ("off", "on (JSON file)"):
-        configure_audit(console=False) if audit == "off" else configure_audit(json_path=log, console=False)
-
-        def begin() -> None:
-            if lc.can("weights_loaded"):  # the previous round's load: complete it
-                lc.weights_loaded(per_layer[-1])
-                lc.finalize_loading()
-            lc.begin_reload()
-            lc.weights_loaded(per_layer[0])
-
-        def complete_layers(written: bool = audit != "off") -> None:
-            for bucket in middle:
-                lc.weights_loaded(bucket)
-            if written:  # the held layer_ready events written, inside the timed part (amortized per layer)
-                lc.flush_events()
-
-        samples = common.interleaved([Arm("layers", complete_layers, begin)], 40 if not quick else 5,
-                                     clock=time.thread_time)["layers"]
-        us = min(samples) / len(middle) * 1e6
-        rows.append({"audit": audit, "us": round(us, 2), "median_us": round(statistics.median(samples) / len(middle)
-                                                                             * 1e6, 2),
-                     "tensors_per_layer": len(middle[0]), "met": us <= TARGET_LAYER_US})
-    configure_audit(console=False)
-    return rows
-
-
-# ---- per-event costs -------------------------------------------------------------------------------------------
-
-
-class _Toggle:
-    state: str
-
-
-def event_costs(tmp: Path, quick: bool) -> list[dict[str, Any]]:
-    n = 200 if quick else 3000
-    rows: list[dict[str, Any]] = []
-
-    def add(what: str, cost: dict[str, float], note: str = "") -> None:
-        rows.append({"what": what, **cost, "note": note})
-
-    for cls in (Machine, LockedMachine):
-        model = _Toggle()
-        cls(model=model, states=["A", "B"], initial="A", auto_transitions=False,
-            transitions=[{"trigger": "go", "source": "A", "dest": "B"}, {"trigger": "go", "source": "B", "dest": "A"}])
-        add(f"transitions trigger ({cls.__name__})", common.per_call_us(model.go, number=n),  # type: ignore[attr-defined]
-            "fired per load step (begin, first bucket, last layer, finish), never per bucket")
-
-    lc = DFlashQwen3Draft(DFlashConfig(num_hidden_layers=2), name="events").lifecycle
-    fields = {"trigger": "finalize_loading", "src": "FULLY_LOADED", "dst": "FINALIZED", "layers_ready": 3,
-              "layers_total": 9, "duration_ms": 0.02}
-    configure_audit(json_path=tmp / "events.jsonl", console=False)
-    add("lifecycle event -> JSON-lines file", common.per_call_us(lambda: lc.audit_event("transition", **fields),
-                                                                 number=n), "numbered, bounded, kept, written")
-    add("layer_ready event -> JSON-lines file",
-        common.per_call_us(lambda: lc._audit_layers("layer_ready", ["layers.1"], tensors=8), number=n),
-        f"held, written {audit_events.HOLD_MAX} to a write(2) (amortized)")
-    configure_audit(console=False)
-    add("lifecycle event, audit off (kept in memory only)",
-        common.per_call_us(lambda: lc.audit_event("transition", **fields), number=n), "numbered, bounded, kept")
-    add("layer_ready event, audit off (kept in memory only)",
-        common.per_call_us(lambda: lc._audit_layers("layer_ready", ["layers.1"], tensors=8), number=n),
-        "held, built only when recent_events is read (never here)")
-    layers = [f"layers.{i}" for i in range(64)]
-    buckets = [([f"layers.{i}.w{j}" for j in range(8)], time.time_ns()) for i in range(64)]
-    add("layer_ready event, audit off, a load's whole layers in one pass",
-        {k: round(v / len(layers), 3) for k, v in common.per_call_us(
-            lambda: lc._audit_whole_layers(layers, buckets, 0), number=max(n // 64, 10)).items()},
-        "per event, 64 made in one call (as the loader reports whole layers)")
-    add("debug event, filtered at info",
-        common.per_call_us(lambda: lc.audit_event("loader_bucket", level="debug", **fields), number=n),
-        "the level is checked before anything is built")
-    return rows
 
 
 # ---- main ------------------------------------------------------------------------------------------------------

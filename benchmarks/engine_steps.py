@@ -1,0 +1,134 @@
+"""Where a push's time goes, inside a live engine: each step of the plugin and of vLLM wrapped in a timer where
+it is looked up, each timer counting its own time only (a nested step's time is its own, not its caller's).
+
+Plugin steps (`PLUGIN`): header validation (`checkpoint_index` as the payload calls it), the checks that a file did
+not change under the reader, the structure checks and write hooks around each `load_weights` call (what the
+plugin's `load_weights` does besides vLLM's), the lifecycle bookkeeping (epoch begin, layer reports), the epoch's
+open and close (`initialize` / `finalize` wrappers: partial payloads, shared modules), the finish (finalize_loading,
+hooks), the in-place refresh (its plan, checks and events; its copies are the fused write) and its pin
+verification, the K/V shadow capture before vLLM repacks a layer (CPU
+layout). vLLM steps (`VLLM`): its weight loaders (buffering per layer), the layerwise machinery (materialize a
+layer, load it, copy it back into the original storage), its processing (the CPU repack), its finalize, stock's
+fused rebuild (`torch.cat` after every call). Shared with the floor: the reads, and the refresh's copies (the fused
+buffer written once). The rest of a push is the session's plumbing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+__all__ = ["FUSED_WRITE", "PLUGIN", "READS", "VLLM", "Steps", "timed_steps"]
+
+PLUGIN = ("validation: headers", "file checks", "structure checks, write hooks", "lifecycle bookkeeping",
+          "epoch open/close", "finish: finalize_loading, hooks", "refresh: plan, checks, events", "pin verification",
+          "shadow capture")
+VLLM = ("vLLM: weight loaders", "vLLM: layerwise materialize, copy back", "vLLM: processing", "vLLM: finalize",
+        "vLLM: fused rebuild (torch.cat)")
+READS = "reads"
+#: The refresh's copies: the fused buffer written once, which the floor does too (stock: its `torch.cat`).
+FUSED_WRITE = "refresh: fused write (copies)"
+
+_LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class Steps:
+    """Exclusive wall time and calls per step."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+        self._stack: list[list[float]] = []
+
+    def wrap(self, step: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        stack, seconds, calls = self._stack, self.seconds, self.calls
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            children = [0.0]
+            stack.append(children)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                stack.pop()
+                seconds[step] += dt - children[0]
+                calls[step] += 1
+                if stack:
+                    stack[-1][0] += dt
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def _patch(stack: ExitStack, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+    """Replace `owner.attr` (a module's, a class's or an instance's own attribute) for the duration of `stack`."""
+    own = attr in vars(owner)
+    original = vars(owner)[attr] if own else getattr(owner, attr)
+    wrapped = make(original.__func__ if isinstance(original, (staticmethod, classmethod)) else original)
+    setattr(owner, attr, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+
+    def restore() -> None:
+        if own:
+            setattr(owner, attr, original)
+        else:
+            delattr(owner, attr)
+
+    stack.callback(restore)
+
+
+@contextmanager
+def timed_steps(steps: Steps, draft: Any, *, plugin: bool) -> Iterator[Steps]:
+    """Every step's timer installed on `draft` (vLLM's ForCausalLM) and on the functions its pushes call."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from lifecycle import checkpoint
+
+    layerwise = importlib.import_module(_LAYERWISE)
+    inner = draft.model
+    with ExitStack() as stack:
+        def patch(owner: Any, attr: str, step: str) -> None:
+            _patch(stack, owner, attr, lambda fn: steps.wrap(step, fn))
+
+        patch(checkpoint, "_read_tensor", READS)
+        patch(UnquantizedLinearMethod, "process_weights_after_loading", "vLLM: processing")
+        patch(layerwise, "_layerwise_process", "vLLM: layerwise materialize, copy back")
+        patch(layerwise, "finalize_layerwise_processing", "vLLM: finalize")
+        patch(importlib.import_module("vllm.model_executor.model_loader.utils"), "process_weights_after_loading",
+              "vLLM: finalize")
+        if plugin:
+            from lifecycle.vllm import drafts, patches, payload
+
+            base = type(draft).__mro__[1]  # vLLM's class, which the plugin's calls for the loading itself
+            patch(type(draft), "load_weights", "structure checks, write hooks")
+            patch(base, "load_weights", "vLLM: weight loaders")
+            patch(payload, "checkpoint_index", "validation: headers")
+            patch(checkpoint._OpenFile, "check", "file checks")
+            lc_class = type(inner.lifecycle)
+            for method in ("weights_loaded", "weights_unchanged"):
+                patch(lc_class, method, "lifecycle bookkeeping")
+            patch(drafts.LifecycleDraftModel, "begin_reload", "lifecycle bookkeeping")
+            for name in ("reload_blocker", "reload_in_progress", "keep_shared_modules_live", "settle_partial",
+                         "end_failed_epoch"):
+                patch(patches, name, "epoch open/close")
+            patch(patches, "finish_epoch", "finish: finalize_loading, hooks")
+            patch(type(inner), "refresh_derived_buffers", "refresh: plan, checks, events")
+            patch(importlib.import_module("lifecycle.backbone"), "apply_refresh", FUSED_WRITE)
+            patch(lc_class, "pinned_changes", "pin verification")
+            for module in inner.modules():
+                quant_method = getattr(module, "quant_method", None)
+                if quant_method is not None and "process_weights_after_loading" in vars(quant_method):
+                    patch(quant_method, "process_weights_after_loading", "shadow capture")
+        else:
+            patch(type(draft), "load_weights", "vLLM: weight loaders")
+            patch(type(inner), "_build_fused_kv_buffers", "vLLM: fused rebuild (torch.cat)")
+        yield steps

@@ -1,0 +1,182 @@
+"""The push of `benchmarks.engine_push` for the standalone draft families, on a device (CUDA; no vLLM there).
+
+    python -m benchmarks.gpu_push [--device cuda|cpu] [--quick] [--repeats N] [--json PATH]
+
+`benchmarks.gpu_check` runs it on CUDA next to the tracking and refresh benchmarks (`gpu_push.json`). For each
+family in `models.FAMILIES` (its tiny sizes: the fixed cost) and a DFlash draft of real width (hidden 2048, 8
+layers: `benchmarks.refresh.big_config`), graphs captured (pinned), a push of checkpoint B then A, alternating:
+`begin_reload` -> `load_safetensors` (buckets: the whole file, one layer, one tensor) -> `finalize_loading` ->
+`refresh_derived_buffers` (in place, pins verified), synchronized. The floor, interleaved with it round by round:
+the same safetensors bytes read bucket by bucket into one reused host buffer, copied once into tensors of the
+same shapes on the device, and each derived buffer written once. Targets (issue #27), on the real-width draft:
+whole-file push <= 1.3x the floor, one-tensor buckets <= 2x.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: python benchmarks/gpu_push.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks import common
+from benchmarks.common import Arm
+from benchmarks.refresh import big_config
+from lifecycle import DraftBackbone
+from lifecycle.checkpoint import checkpoint_index
+from lifecycle.events import configure_audit
+from lifecycle.loading import load_safetensors, write_checkpoint
+from models import FAMILIES, DraftFamily
+
+NAME = "gpu_push"
+REPEATS = 7
+BUCKETS = {"whole": None, "layer": "layer", "tensor": 1}  # None: one bucket of every tensor
+TARGETS = {"whole": 1.3, "tensor": 2.0}
+REAL_WIDTH = "dflash (real width)"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class Floor:
+    """What a push cannot beat (see the module docstring); its destinations and staging buffer made once."""
+
+    def __init__(self, model: DraftBackbone, path: Path, device: str) -> None:
+        self.index = checkpoint_index(path)
+        self.device = device
+        self.dest = {n: torch.empty(e.shape, dtype=e.dtype, device=device) for n, e in self.index.items()}
+        pin = device.startswith("cuda")
+        self.staging = torch.empty(sum(-(-e.nbytes // 64) * 64 for e in self.index.values()), dtype=torch.uint8,
+                                   pin_memory=pin)
+        derived = [t for n in model.derived_buffer_names() if (t := model._buffers.get(n)) is not None]
+        self.fused = [(torch.empty_like(t), t) for t in derived]
+
+    def run(self, buckets: Sequence[Sequence[str]]) -> None:
+        fds: dict[Path, int] = {}
+        try:
+            for names in buckets:
+                offset, views = 0, []
+                for name in names:
+                    e = self.index[name]
+                    fd = fds.get(e.path)
+                    if fd is None:
+                        fd = fds[e.path] = os.open(e.path, os.O_RDONLY)
+                    part = self.staging[offset:offset + e.nbytes]
+                    os.preadv(fd, [memoryview(part.numpy())], e.start)
+                    views.append((name, part.view(e.dtype).reshape(e.shape)))
+                    offset += -(-e.nbytes // 64) * 64
+                for name, value in views:
+                    self.dest[name].copy_(value)
+                _sync(self.device)  # the staging buffer is reused by the next bucket
+            for dst, src in self.fused:
+                dst.copy_(src)
+            _sync(self.device)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+
+def buckets_of(path: Path, model: DraftBackbone, bucket: str) -> list[list[str]]:
+    names = list(checkpoint_index(path))
+    if bucket == "whole":
+        return [names]
+    if bucket == "tensor":
+        return [[n] for n in names]
+    layers = model.lifecycle.readiness.tensors_of_layer
+    return [[n for n in group if n in names] for group in layers.values()]
+
+
+def measure(label: str, family: DraftFamily, cfg: Any, device: str, tmp: Path, repeats: int) -> list[dict[str, Any]]:
+    paths = [write_checkpoint(family.random_weights(cfg, seed), tmp / f"{family.name}-{seed}.safetensors")
+             for seed in (1, 2)]
+    model = family.build(cfg, device="meta", name=f"push-{family.name}")
+    load_safetensors(model, paths[0], device=device)
+    model.finalize_loading()
+    model.refresh_derived_buffers()
+    model.capture_graphs()
+    floor = Floor(model, paths[0], device)
+    index = checkpoint_index(paths[0])
+    turn = [1]
+
+    def push(bucket_by: Any, n: int) -> Callable[[], None]:
+        def run() -> None:
+            path = paths[turn[0]]
+            turn[0] ^= 1
+            model.begin_reload()
+            load_safetensors(model, path, bucket_by=n if bucket_by is None else bucket_by, device=device)
+            model.finalize_loading()
+            model.refresh_derived_buffers()
+            _sync(device)
+        return run
+
+    arms = []
+    for bucket, bucket_by in BUCKETS.items():
+        arms.append(Arm(f"push {bucket}", push(bucket_by, len(index))))
+        groups = buckets_of(paths[0], model, bucket)
+        arms.append(Arm(f"floor {bucket}", lambda g=groups: floor.run(g)))
+    samples = common.interleaved(arms, repeats)
+    pins_ok = not model.lifecycle.pinned_changes()
+    nbytes = sum(e.nbytes for e in index.values())
+    rows = []
+    for bucket in BUCKETS:
+        p, f = samples[f"push {bucket}"], samples[f"floor {bucket}"]
+        ratio = common.paired_ratio(p, f)
+        target = TARGETS.get(bucket) if label == REAL_WIDTH else None
+        rows.append({"family": label, "device": device, "bucket": bucket, "tensors": len(index),
+                     "mb": round(nbytes / 1e6, 2), "calls": len(buckets_of(paths[0], model, bucket)),
+                     "push": common.summarize(p), "floor": common.summarize(f), "x_floor": ratio,
+                     "pins_ok": pins_ok, "state": model.lifecycle.state.value, "target_x": target,
+                     "met": None if target is None else ratio["median"] <= target})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = common.parser(NAME, __doc__.splitlines()[0], repeats=REPEATS)
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    args = p.parse_args(argv)
+    repeats = common.setup_run(args, default_repeats=REPEATS)
+    device = args.device
+    info = common.machine_info()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        common.say("gpu_push: SKIPPED: no CUDA device; --device cpu runs it on the CPU")
+        return 0
+    configure_audit(console=False)
+    common.say(f"push of a standalone draft on {device}: against the floor ({'quick' if args.quick else 'full'} "
+               f"run, {repeats} interleaved rounds per arm)")
+    common.say(common.machine_line(info))
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-push-", dir=common.scratch_dir()) as d, torch.no_grad():
+        for name, family in FAMILIES.items():
+            rows += measure(name, family, family.config(num_hidden_layers=2), device, Path(d), repeats)
+        rows += measure(REAL_WIDTH, FAMILIES["dflash"], big_config(args.quick), device, Path(d), repeats)
+    common.finish(info)
+    common.say("\npush: begin_reload, load_safetensors, finalize_loading, in-place refresh; median ms (min-max); "
+               "x floor: median of the per-round ratios (IQR)")
+    common.say(common.table(
+        ["draft", "buckets", "calls", "MB", "floor ms", "push ms", "x floor (IQR)", "pins kept", "target"],
+        [[r["family"], r["bucket"], r["calls"], r["mb"], f"{r['floor']['median_ms']:.2f}",
+          f"{r['push']['median_ms']:.2f} ({r['push']['min_ms']:.3g}-{r['push']['max_ms']:.3g})",
+          f"{r['x_floor']['median']:.2f} ({r['x_floor']['p25']:.2f}-{r['x_floor']['p75']:.2f})",
+          "yes" if r["pins_ok"] else "NO",
+          "(fixed cost)" if r["target_x"] is None else f"{'met' if r['met'] else 'MISSED'} (<= {r['target_x']}x)"]
+         for r in rows]))
+    common.say("\n" + common.end_line(info))
+    out = common.write_json(common.json_path(args, NAME), {
+        "benchmark": NAME, "quick": args.quick, "repeats": repeats, "device": device, "machine": info,
+        "rows": rows})
+    common.say(f"JSON: {out}")
+    common.write_transcript(out.with_suffix(".txt"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
