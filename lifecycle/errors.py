@@ -6,10 +6,12 @@
     │   ├── LayersNotReadyError       a finish, refresh or forward use needs every layer loaded (off META)
     │   ├── QuarantinedError          forward use after a failed or aborted reload
     │   ├── RecoveryError             `recover()` without an exact rollback to return to
-    │   ├── SessionStateError         a reload session used out of order
+    │   ├── SessionStateError         a reload session used out of order, or a second one opened on a backbone
+    │   ├── ConcurrentUseError        an unlocked backbone written from a second thread
     │   └── IncompleteCheckpointError a reload epoch lacks what a whole checkpoint must include (also a ValueError)
     ├── LoadRefusedError              the loader refused a bucket or checkpoint before writing any of it
     │   ├── UnknownWeightError        names the backbone does not have
+    │   ├── WeightTypeError           a value that is not a tensor, or a tensor that misreports its shape or dtype
     │   ├── WeightShapeError          a shape or dtype that differs from the parameter's
     │   ├── NonFiniteWeightError      NaN or Inf values (with the finite check on)
     │   ├── CheckpointError           a file that cannot be read, or subset names it lacks
@@ -46,6 +48,7 @@ __all__ = [
     "MESSAGE_ITEMS_CAP",
     "MESSAGE_NAME_CAP",
     "CheckpointError",
+    "ConcurrentUseError",
     "DerivedBuildError",
     "FrozenStructureError",
     "IllegalTransitionError",
@@ -68,6 +71,7 @@ __all__ = [
     "UnknownWeightError",
     "UnsupportedVLLMError",
     "WeightShapeError",
+    "WeightTypeError",
     "WeightWriteError",
     "raise_unheld",
 ]
@@ -181,8 +185,14 @@ class RecoveryError(StateError):
 
 
 class SessionStateError(StateError):
-    """A reload session was used out of order: begun twice, or used after it committed or aborted. Nothing was
-    changed."""
+    """A reload session was used out of order (begun twice, or used after it committed or aborted), or begun while
+    another session of the same backbone is open (sessions do not nest). Nothing was changed."""
+
+
+class ConcurrentUseError(StateError):
+    """An unlocked backbone (its lifecycle is not thread-safe) was used from a second thread while another thread
+    held a write lease on it: a write, or a transition that ends or aborts loading, was refused before anything was
+    written or changed. `init_lifecycle(locked=True)` builds a backbone several threads may load."""
 
 
 class IncompleteCheckpointError(StateError, ValueError):
@@ -214,6 +224,21 @@ class UnknownWeightError(LoadRefusedError):
             state=state,
         )
         self.names = tuple(names)
+
+
+class WeightTypeError(LoadRefusedError):
+    """A bucket's value is not a tensor (None, a list, a number), the bucket is not a mapping or pairs of (name,
+    tensor), or a tensor subclass reports a shape or dtype its data does not have. `problems` names each tensor and
+    what it got. Nothing of the bucket was written."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
+        super().__init__(
+            f"{len(problems)} value(s) that are not tensors the loader can write; nothing of the bucket was "
+            "written:\n  " + _listing(problems),
+            backbone=backbone,
+            state=state,
+        )
+        self.problems = tuple(problems)
 
 
 class WeightShapeError(LoadRefusedError):

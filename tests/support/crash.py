@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["CORE_PROBES", "INJECTED", "KINDS", "LOST", "REFUSED", "RESULTS", "STALE", "STRANDED", "USABLE",
            "Injected", "Outcome", "Probe", "Scenario", "SweepResult", "WritePoints", "after", "before",
-           "instrumented", "post_load_hooks", "summarize", "sweep", "torch_writes"]
+           "instrumented", "interrupting", "post_load_hooks", "summarize", "sweep", "torch_writes"]
 
 C = TypeVar("C")
 
@@ -86,15 +86,16 @@ class WritePoints:
     """The write points of the current run: ignored outside `counting()` / `failing()`; inside, each `hit` is
     recorded in `labels`, and the `failing` one raises. The injected exception is `injected`."""
 
-    def __init__(self) -> None:
+    def __init__(self, only: str = "") -> None:
         self.labels: list[str] = []
         self.injected: BaseException | None = None
+        self.only = only  # count only the points whose label starts with this
         self._recording = False
         self._fail_at = 0
         self._kind = ""
 
     def hit(self, label: str) -> None:
-        if not self._recording:
+        if not self._recording or not label.startswith(self.only):
             return
         self.labels.append(label)
         if len(self.labels) == self._fail_at and self.injected is None:
@@ -252,6 +253,32 @@ def instrumented(points: WritePoints, probes: Sequence[Probe] = CORE_PROBES) -> 
         for probe in probes:
             stack.enter_context(probe(points))
         yield points
+
+
+@contextmanager
+def interrupting(k: int, kind: str = "KeyboardInterrupt", *, probes: Sequence[Probe] = CORE_PROBES,
+                 within: tuple[Any, str] | None = None, only: str = "") -> Iterator[WritePoints]:
+    """Inside the block, the k-th write point raises `kind` (once): counting only the points whose label starts
+    with `only` (`"copy_"`, `"write_tensor"`), and only while `within` (owner, attribute: a function or method)
+    runs, if given (the k-th point of one call, each call counted afresh until one raises). Yields the
+    `WritePoints` (its `labels`, its `injected`)."""
+    points = WritePoints(only)
+    with instrumented(points, probes):
+        if within is None:
+            with points.failing(k, kind):
+                yield points
+            return
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if points.injected is not None or points._recording:  # once, the outermost call
+                    return original(*args, **kwargs)
+                with points.failing(k, kind):
+                    return original(*args, **kwargs)
+            return call
+
+        with _patched(*within, make):
+            yield points
 
 
 # ---- the sweep ---------------------------------------------------------------------------------------------------
