@@ -301,8 +301,10 @@ class DraftBackbone(nn.Module):
                 pinned=lc.graphs_pinned, allow_realloc=rebuild, resolve=self.live_tensor, memory=self._plan_memory,
                 gather=self._slots.gather,
             )
-            # every buffer it will write counts as torn from before its first write: an interrupt (any
-            # BaseException) anywhere in the writes leaves them so; a failure that says what it touched narrows it
+            # every buffer it will write no longer holds the last good values from before its first write until the
+            # refresh's transition is done (`refresh_derived` clears them): an interrupt (any BaseException)
+            # anywhere in between leaves them torn, so no rollback can be taken for exact; a write that fails
+            # says what it touched
             torn = lc.torn_buffers
             lc.note_derived_torn(bp.spec.name for bp in plan.buffers if bp.mode in _WRITTEN)
             try:
@@ -310,10 +312,6 @@ class DraftBackbone(nn.Module):
             except RefreshInterruptedError as e:
                 lc.set_derived_torn(torn | set(e.touched))
                 raise
-            except Exception:  # a storage check after the writes: each buffer was written whole
-                lc.set_derived_torn(torn)
-                raise
-            lc.set_derived_torn(torn)  # each written whole; the refresh's transition ends the rest
             for b in report.buffers:
                 if b.mode == "fallback":
                     self._derived_fallbacks[b.name] = b.reason

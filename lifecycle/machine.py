@@ -303,21 +303,30 @@ class BackboneLifecycle(LoadTracking):
             self._audit("changed_by_hooks", tensors=len(names), names=shown, names_more=more)
 
     def open_session(self, session: object) -> None:
-        """Register `session` as this backbone's open reload session; refused (audited, `SessionStateError`)
-        while another is open: sessions do not nest (an inner commit would leave the outer nothing to roll back).
-        Held weakly: a session dropped without commit or abort holds nothing."""
+        """Register `session` as this backbone's open reload session. Refused (audited, `SessionStateError`) while
+        another is open and its load is in progress: sessions do not nest (an inner commit would leave the outer
+        nothing to roll back). One whose load ended without it (the backbone is usable or quarantined: an
+        interrupt stopped its commit or abort part way) is closed (audited, `session_abandoned`). Held weakly: a
+        session dropped without commit or abort holds nothing."""
         with self._lock:
             current = self._session() if self._session is not None else None
             if current is not None and current is not session:
-                raise self.record_refusal("begin_reload", SessionStateError(
-                    "begin refused: another reload session of this backbone is open (sessions do not nest); "
-                    "commit or abort it first", backbone=self.name, state=self.state.value))
+                if not self.usable and not self.quarantined:
+                    raise self.record_refusal("begin_reload", SessionStateError(
+                        "begin refused: another reload session of this backbone is open and its load is in "
+                        "progress (sessions do not nest); commit or abort it first (its abort(), or this backbone's "
+                        "abort_reload())", backbone=self.name, state=self.state.value))
+                self._audit("session_abandoned", state=self.state.value)
             self._session = weakref.ref(session)
+
+    def session_open(self, session: object) -> bool:
+        """Whether `session` is this backbone's open reload session (see `open_session`)."""
+        return self._session is not None and self._session() is session
 
     def close_session(self, session: object) -> None:
         """`session` committed or aborted (see `open_session`)."""
         with self._lock:
-            if self._session is not None and self._session() is session:
+            if self.session_open(session):
                 self._session = None
 
     def note_derived_torn(self, names: Iterable[str]) -> None:

@@ -187,6 +187,8 @@ class ReloadSession:
         return self.status == "aborted" and self.backbone.lifecycle.refusal("recover") is None
 
     def _require_open(self, what: str) -> None:
+        if self.status == "open" and not self.backbone.lifecycle.session_open(self):
+            self.status, self.abort_reason = "aborted", "abandoned: a later session of this backbone took over"
         if self.status != "open":
             lc = self.backbone.lifecycle
             raise SessionStateError(f"{what} refused: the reload session is {self.status}"
@@ -308,12 +310,13 @@ class ReloadSession:
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Quarantine the backbone (`abort_reload(reason)`), restoring every touched tensor first when rollback
-        is on. Waits for other writing threads; their later writes are refused."""
+        is on. Waits for other writing threads; their later writes are refused. Stopped part way (a rollback
+        interrupted), the session ends all the same."""
         self._require_open("abort")
         lc = self.backbone.lifecycle
-        restore = self._snapshot.restore if self._snapshot is not None else None
         outcome = "stopped"
         try:
+            restore = self._snapshot.restore if self._snapshot is not None else None
             with lc.quiesced():
                 if lc.can("abort_reload"):
                     lc.abort_reload(reason, rollback=restore)

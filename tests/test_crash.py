@@ -8,13 +8,17 @@ its hooks, the cold load with its cold build, the in-place refresh, a reload ses
 checkpoint and by bucket), its abort, and `recover()`; over DFlash, Kimi-K3 MLA (computed stacks) and Gemma DSpark
 (a constant, a cold hook's buffer, an `into=` writer), under captured graphs (and DFlash without).
 
-The default run tries every point with one kind, the kinds in turn from point to point; `CRASH_KINDS=all` (what
-`make crash` sets) tries every kind at every point.
+The default run tries every point with one kind, the kinds in turn from point to point, and Gemma DSpark with the
+operations its buffers make different; `CRASH=full` (`make crash`) tries every kind at every point of every case.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import signal
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lifecycle import DraftBackbone, Phase, write_checkpoint
 from lifecycle.loading import apply_bucket, load_safetensors
@@ -32,8 +37,9 @@ from support.crash_backbone import Case, check_backbone
 
 pytestmark = pytest.mark.slow
 
-KINDS = "rotate" if os.environ.get("CRASH_KINDS", "rotate") == "rotate" else ("RuntimeError", "KeyboardInterrupt",
-                                                                               "SystemExit")
+#: `CRASH=full` (`make crash`): every kind at every point of every case; else one kind per point, in turn
+FULL = os.environ.get("CRASH", "") == "full"
+KINDS: tuple[str, ...] | str = ("RuntimeError", "KeyboardInterrupt", "SystemExit") if FULL else "rotate"
 SWEPT = ("dflash", "kimi-k3-mla", "gemma-dspark")
 
 
@@ -45,9 +51,14 @@ class Family:
     b: Path
 
     def buckets(self, path: Path, size: int = 3) -> list[list[tuple[str, torch.Tensor]]]:
-        from safetensors.torch import load_file
-        items = sorted(load_file(path).items())
+        """The checkpoint's tensors, sorted, `size` to a bucket (read once)."""
+        if path not in _READ:
+            _READ[path] = sorted(load_file(path).items())
+        items = _READ[path]
         return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+_READ: dict[Path, list[tuple[str, torch.Tensor]]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +141,19 @@ def session_apply(f: Family, rollback: bool, case: Case) -> None:
         s.commit()
 
 
+def session_selective(f: Family, case: Case) -> None:
+    with case.model.reload_session(rollback=True, keep_untouched=True) as s:
+        s.load(f.b, subset=lambda n: n.startswith("layers.1."))
+        s.commit()
+
+
+def cold_session(f: Family, case: Case) -> None:
+    with case.model.reload_session(rollback=True) as s:
+        s.load(f.a)
+        s.commit()
+    case.model.capture_graphs()
+
+
 def cold(f: Family, case: Case) -> None:
     cold_load(case.model, f.a, capture_graphs=True)
 
@@ -144,7 +168,8 @@ def abort(case: Case) -> None:
     case.session.abort("aborted by the sweep")
 
 
-#: name -> (the state it starts from: (family, captured) -> Case, the operation: (family) -> (case) -> None)
+#: name -> (the state it starts from: (family, captured) -> Case, the operation: (family) -> (case) -> None);
+#: a cold start's graphs are captured by the operation itself
 OPERATIONS: dict[str, tuple[Callable[..., Case], Callable[[Family], Callable[[Case], object]]]] = {
     "loader": (reloading, lambda f: lambda c: load_safetensors(c.model, f.b)),
     "loader-by-bucket": (reloading, lambda f: lambda c: load_safetensors(
@@ -154,6 +179,8 @@ OPERATIONS: dict[str, tuple[Callable[..., Case], Callable[[Family], Callable[[Ca
     "selective-finish": (half_reloaded, lambda f: selective_finish),
     "in-place-refresh": (partial(reloaded, finalized=True), lambda f: lambda c: c.model.refresh_derived_buffers()),
     "cold-load-and-build": (meta, lambda f: partial(cold, f)),
+    "cold-session-rollback": (meta, lambda f: partial(cold_session, f)),
+    "session-selective-rollback": (loaded, lambda f: partial(session_selective, f)),
     "session-rollback": (loaded, lambda f: partial(session_load, f, True)),
     "session": (loaded, lambda f: partial(session_load, f, False)),
     "session-apply-rollback": (loaded, lambda f: partial(session_apply, f, True)),
@@ -163,8 +190,14 @@ OPERATIONS: dict[str, tuple[Callable[..., Case], Callable[[Family], Callable[[Ca
     "recover": (aborted, lambda f: lambda c: c.model.recover()),
 }
 
-CASES = [(fam, op, True) for fam in SWEPT for op in OPERATIONS] + [
-    ("dflash", op, False) for op in OPERATIONS if op != "cold-load-and-build"]
+#: without captured graphs (recover() to DERIVED_REFRESHED, aliases free to move): DFlash, the operations that differ
+UNCAPTURED = ("loader", "in-place-refresh", "session-rollback", "session", "abort-rollback", "recover")
+#: Gemma DSpark's refresh dry-runs its `into=` writer under a fake mode (tens of ms a refresh): in the default run,
+#: the operations its own buffers (a constant, a cold hook's, an `into=` writer) make different
+GEMMA = ("finalize-with-hooks", "in-place-refresh", "cold-load-and-build", "session-rollback", "session-apply",
+         "abort-rollback", "recover")
+CASES = [(fam, op, True) for fam in SWEPT for op in OPERATIONS if FULL or fam != "gemma-dspark" or op in GEMMA] + [
+    ("dflash", op, False) for op in UNCAPTURED]
 
 
 @pytest.mark.parametrize(("family", "operation", "captured"), CASES,
@@ -180,3 +213,51 @@ def test_every_write_point_interrupted_leaves_the_backbone_usable_and_current_or
     assert result.by_outcome()[STALE] == 0 and not result.violations, result.summary() + "\n" + "\n".join(
         result.violations[:20])
     assert not set(result.by_outcome()) & VIOLATIONS
+
+
+class Alarm(KeyboardInterrupt):
+    """What the SIGALRM handler raises: a Ctrl-C at a moment of the timer's choosing."""
+
+
+@pytest.mark.parametrize("operation", ["session-rollback", "loader", "session-apply", "cold-session-rollback"])
+def test_a_real_sigalrm_anywhere_leaves_the_backbone_usable_and_current_or_refusing(
+        families: dict[str, Family], operation: str) -> None:
+    """Between any two bytecodes, not only at the write points: a real SIGALRM whose handler raises
+    `KeyboardInterrupt`, at a delay drawn (seeded) over the operation's duration, 60 times; every outcome is sound
+    (`check_backbone`), whatever the machine's timing made the draws land on."""
+    f = families["dflash"]
+    start, make = OPERATIONS[operation]
+    op = make(f)
+    timings = []
+    for _ in range(3):
+        case = start(f, True)
+        t0 = time.perf_counter()
+        op(case)
+        timings.append(time.perf_counter() - t0)
+    duration = min(timings)
+
+    def alarm(signum: int, frame: object) -> None:
+        raise Alarm
+
+    rng = random.Random(24)
+    outcomes: Counter[str] = Counter()
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        for _ in range(60):
+            case = start(f, True)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0, duration))
+                try:
+                    op(case)
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            except Alarm as e:
+                outcome = check_backbone(case, e)
+                assert outcome.kind not in VIOLATIONS, outcome
+                outcomes[outcome.kind] += 1
+            else:
+                outcomes["completed"] += 1
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    print(f"dflash/{operation}: 60 real SIGALRMs: {dict(outcomes)}")
+    assert outcomes["completed"] < 60, "no alarm landed inside the operation: nothing was tested"

@@ -157,11 +157,20 @@ def _reload(case: Case) -> str | None:
         return f"the complete reload ended {lc.state.value}"
     if case.pins is not None and not lc.graphs_pinned:
         return "the complete reload lost the captured graphs"
-    want = load_file(case.reload_from)
+    want = _checkpoint(case.reload_from)
     wrong = [n for n, t in weights_of(m).items() if n in want and not torch.equal(t, want[n])]
     if wrong:
         return f"after the complete reload the weights differ from the checkpoint: {', '.join(wrong[:5])}"
     return _stale(case)
+
+
+_FILES: dict[Path, dict[str, torch.Tensor]] = {}
+
+
+def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    if path not in _FILES:
+        _FILES[path] = load_file(path)
+    return _FILES[path]
 
 
 def check_backbone(case: Case, raised: BaseException) -> Outcome:
