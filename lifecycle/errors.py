@@ -43,38 +43,13 @@ from collections.abc import Mapping, Sequence
 
 from .types import capped, clipped
 
-__all__ = [
-    "MESSAGE_CAP",
-    "MESSAGE_ITEMS_CAP",
-    "MESSAGE_NAME_CAP",
-    "CheckpointError",
-    "ConcurrentUseError",
-    "DerivedBuildError",
-    "FrozenStructureError",
-    "IllegalTransitionError",
-    "IncompleteCheckpointError",
-    "LayersNotReadyError",
-    "LifecycleError",
-    "LoadRefusedError",
-    "NodeSetupError",
-    "NonFiniteWeightError",
-    "PartialWriteError",
-    "QuarantinedError",
-    "RecoveryError",
-    "RefreshInterruptedError",
-    "RefreshRefusedError",
-    "SessionStateError",
-    "SourceLayoutError",
-    "StateError",
-    "StorageDriftError",
-    "StorageReallocationError",
-    "UnknownWeightError",
-    "UnsupportedVLLMError",
-    "WeightShapeError",
-    "WeightTypeError",
-    "WeightWriteError",
-    "raise_unheld",
-]
+__all__ = ["MESSAGE_CAP", "MESSAGE_ITEMS_CAP", "MESSAGE_NAME_CAP", "CheckpointError", "ConcurrentUseError",
+           "DerivedBuildError", "FrozenStructureError", "IllegalTransitionError", "IncompleteCheckpointError",
+           "LayersNotReadyError", "LifecycleError", "LoadRefusedError", "NodeSetupError", "NonFiniteWeightError",
+           "PartialWriteError", "QuarantinedError", "RecoveryError", "RefreshInterruptedError",
+           "RefreshRefusedError", "SessionStateError", "SourceLayoutError", "StateError", "StorageDriftError",
+           "StorageReallocationError", "UnknownWeightError", "UnsupportedVLLMError", "WeightShapeError",
+           "WeightTypeError", "WeightWriteError", "raise_unheld"]
 
 #: How many offending items an error message spells out before it says "... and N more".
 MESSAGE_ITEMS_CAP = 20

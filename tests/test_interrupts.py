@@ -101,10 +101,10 @@ def test_a_second_interrupt_during_the_rollback_quarantines_as_rollback_incomple
     draft = cold_load(DFlashQwen3Draft(tiny_cfg), ckpt_a, capture_graphs=True)
     with (pytest.raises(KeyboardInterrupt) as ei,
           interrupting(5, "KeyboardInterrupt", probes=[torch_writes()], within=(WeightSnapshot, "restore"),
-                       only="copy_") as points):
-        with draft.reload_session(rollback=True) as s:
-            s.load(ckpt_b)
-            raise KeyboardInterrupt  # the first
+                       only="copy_") as points,
+          draft.reload_session(rollback=True) as s):
+        s.load(ckpt_b)
+        raise KeyboardInterrupt  # the first
     assert ei.value is points.injected  # the second, raised once the backbone was quarantined
     lc = draft.lifecycle
     assert lc.quarantined and s.status == "aborted"

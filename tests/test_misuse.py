@@ -56,7 +56,7 @@ def test_an_unlocked_backbone_refuses_a_second_thread_while_one_writes(
     thread.start()
     assert entered.wait(10)
     before = snapshot(draft)
-    with capture_logs() as logs, pytest.raises(StateError, match="unlocked.*other thread") as ei:
+    with capture_logs() as logs, pytest.raises(StateError, match=r"unlocked.*other thread") as ei:
         if second == "finalize_loading":
             draft.finalize_loading()
         elif second == "commit":
@@ -86,9 +86,9 @@ def test_a_second_open_session_on_one_backbone_is_refused(tiny_cfg: DFlashConfig
     before = snapshot(draft)
     with pytest.raises(RuntimeError, match="outer fails"), draft.reload_session(rollback=True) as outer:
         outer.load(ckpt_b)
-        with capture_logs() as logs, pytest.raises(SessionStateError, match="another reload session"):
-            with draft.reload_session() as inner:
-                inner.commit()
+        with (capture_logs() as logs, pytest.raises(SessionStateError, match="another reload session"),
+              draft.reload_session() as inner):
+            inner.commit()
         assert [e["trigger"] for e in logs if e["event"] == "refused"] == ["begin_reload"]
         raise RuntimeError("outer fails")
     assert draft.lifecycle.quarantined and outer.recoverable
