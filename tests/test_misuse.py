@@ -137,7 +137,7 @@ def test_a_load_onto_meta_is_refused_at_the_finish_and_a_corrected_load_builds_e
 class ShapeLiar(torch.Tensor):
     """A tensor that says it has the weight's shape: `copy_` would broadcast its one value into the weight."""
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[override]  # a property over Tensor.shape: the lie this test feeds the loader
     def shape(self) -> torch.Size:
         return torch.Size([128, 64])
 
