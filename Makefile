@@ -60,9 +60,10 @@ PYTEST_ARGS ?=
 test-quick: $(VLLM_STAMP)
 	$(BIN)/python -m pytest -m "not engine and not browser" $(PYTEST_ARGS)
 
-# The crash-consistency harness in full (tests/test_crash.py): every write point of every core operation
-# interrupted with RuntimeError, KeyboardInterrupt and SystemExit in turn (the default run: one kind per point, in
-# turn, and fewer Gemma cases). A few minutes on two cores; prints the points tried and the outcomes by kind.
+# The crash-consistency harness in full (tests/test_crash.py): every write point of every core operation of every
+# family interrupted with RuntimeError, KeyboardInterrupt and SystemExit in turn; about 5 minutes on two cores.
+# `make test` runs its default (one kind per point, in turn; DFlash every operation, Kimi-K3 MLA and Gemma DSpark
+# their own; about 35 s). Both print the points tried and the outcomes by kind.
 crash: $(STAMP)
 	CRASH=full $(BIN)/python -m pytest tests/test_crash.py -q -s
 
