@@ -164,13 +164,16 @@ def _reload(case: Case) -> str | None:
     return _stale(case)
 
 
-_FILES: dict[Path, dict[str, torch.Tensor]] = {}
+_FILES: dict[tuple[Path, int, int], dict[str, torch.Tensor]] = {}
 
 
 def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    if path not in _FILES:
-        _FILES[path] = load_file(path)
-    return _FILES[path]
+    """The checkpoint's tensors, read once per version of the file (its size and mtime)."""
+    st = Path(path).stat()
+    key = (Path(path), st.st_size, st.st_mtime_ns)
+    if key not in _FILES:
+        _FILES[key] = load_file(path)
+    return _FILES[key]
 
 
 def check_backbone(case: Case, raised: BaseException) -> Outcome:
