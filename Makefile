@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 RAY_STAMP := $(VENV)/.ray-installed
 
-.PHONY: venv venv-vllm venv-ray demo demo-vllm test test-quick test-ray compat lint bench clean
+.PHONY: venv venv-vllm venv-ray demo demo-vllm test test-quick test-ray compat crash lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,13 @@ test: $(VLLM_STAMP) $(CHROMIUM)
 PYTEST_ARGS ?=
 test-quick: $(VLLM_STAMP)
 	$(BIN)/python -m pytest -m "not engine and not browser" $(PYTEST_ARGS)
+
+# The crash-consistency harness in full (tests/test_crash.py): every write point of every core operation of every
+# family interrupted with RuntimeError, KeyboardInterrupt and SystemExit in turn; about 5 minutes on two cores.
+# `make test` runs its default (one kind per point, in turn; DFlash every operation, Kimi-K3 MLA and Gemma DSpark
+# their own; about 35 s). Both print the points tried and the outcomes by kind.
+crash: $(STAMP)
+	CRASH=full $(BIN)/python -m pytest tests/test_crash.py -q -s
 
 # vLLM 0.33.0 by its sources: every name the plugin relies on must exist in the release wheel (fetched once with
 # `pip download --no-deps` into .cache/vllm-wheels/, about 340 MB; it is CUDA-only, so it is read, not run).

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors; at run t
     from .derived import DerivedSpec, alias, concat, custom, stack
     from .errors import (
         CheckpointError,
+        ConcurrentUseError,
         DerivedBuildError,
         FrozenStructureError,
         IllegalTransitionError,
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors; at run t
         UnknownWeightError,
         UnsupportedVLLMError,
         WeightShapeError,
+        WeightTypeError,
         WeightWriteError,
     )
     from .events import configure_audit
@@ -63,12 +65,12 @@ _EXPORTS: dict[str, str] = {
     "DraftBackbone": ".backbone",
     **dict.fromkeys(("DerivedSpec", "alias", "concat", "custom", "stack"), ".derived"),
     **dict.fromkeys((
-        "CheckpointError", "DerivedBuildError", "FrozenStructureError", "IllegalTransitionError",
+        "CheckpointError", "ConcurrentUseError", "DerivedBuildError", "FrozenStructureError", "IllegalTransitionError",
         "IncompleteCheckpointError", "LayersNotReadyError", "LifecycleError", "LoadRefusedError", "NodeSetupError",
         "NonFiniteWeightError", "PartialWriteError", "PathConfinementError", "QuarantinedError", "RecoveryError",
         "RefreshInterruptedError", "RefreshRefusedError", "SessionStateError", "SourceLayoutError", "StateError",
         "StorageDriftError", "StorageReallocationError", "UnknownWeightError", "UnsupportedVLLMError",
-        "WeightShapeError", "WeightWriteError"), ".errors"),
+        "WeightShapeError", "WeightTypeError", "WeightWriteError"), ".errors"),
     "configure_audit": ".events",
     "Phase": ".hooks",
     "post_load_hook": ".hooks",
@@ -85,6 +87,7 @@ __all__ = [
     "BackboneLifecycle",
     "BufferReport",
     "CheckpointError",
+    "ConcurrentUseError",
     "DerivedBuildError",
     "DerivedSpec",
     "DraftBackbone",
@@ -116,6 +119,7 @@ __all__ = [
     "UnknownWeightError",
     "UnsupportedVLLMError",
     "WeightShapeError",
+    "WeightTypeError",
     "WeightWriteError",
     "alias",
     "concat",

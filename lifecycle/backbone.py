@@ -20,7 +20,6 @@ Then: load (the loader reports `weights_loaded`), `finalize_loading()` (finish +
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
@@ -33,7 +32,7 @@ from torch import nn
 from .derived import DerivedSpec, apply_refresh, current_buffer, plan_refresh, resolve_tensor
 from .derived.reuse import PlanMemory
 from .errors import LayersNotReadyError, QuarantinedError, RefreshInterruptedError, StorageReallocationError
-from .hooks import Hook, Phase, collect_hooks
+from .hooks import Hook, Phase, collect_hooks, run_hooks
 from .loading import Writer
 from .machine import BackboneLifecycle
 from .session import ReloadSession
@@ -44,6 +43,8 @@ from .types import RefreshReport, TensorSpec
 __all__ = ["DraftBackbone"]
 
 _IS_META = attrgetter("is_meta")
+#: The modes of a refresh plan that write a buffer (or give it new storage).
+_WRITTEN = frozenset({"cold", "alias", "in_place"})
 R = TypeVar("R")
 
 
@@ -242,27 +243,13 @@ class DraftBackbone(nn.Module):
         return Phase.COLD_LOAD if cold_epoch is None or cold_epoch == self.lifecycle.epoch else Phase.RELOAD
 
     def _run_hooks(self, phase: Phase) -> list[str]:
-        """Run this phase's hooks that have not completed yet: a `cold_load` hook once ever, a `reload` hook once
-        per epoch. A hook that raises stops the run (audited); the hooks before it stay completed."""
+        """Run this phase's hooks that have not completed yet (`hooks.run_hooks`); what they wrote of the tracked
+        tensors is dirty (`BackboneLifecycle.note_changed`)."""
         lc = self.lifecycle
-        # (phase, hook name, hook function) -> the epoch it completed in
-        done: dict[tuple[str, str, Callable[..., Any]], int] = self.__dict__.setdefault("_hooks_done", {})
-        ran = []
-        for hook in self.post_load_hooks(phase):
-            key = (phase.value, hook.name, hook.fn)
-            if key in done and (phase is Phase.COLD_LOAD or done[key] == lc.epoch):
-                continue
-            t0 = time.perf_counter()
-            try:
-                hook.fn(self)
-            except Exception as e:
-                lc.audit_event("hook_failed", hook=hook.name, phase=phase.value, error=repr(e))
-                raise
-            done[key] = lc.epoch
-            lc.audit_event("hook_run", hook=hook.name, phase=phase.value,
-                           duration_ms=round((time.perf_counter() - t0) * 1e3, 3))
-            ran.append(hook.name)
-        return ran
+        names = list(lc.specs)
+        done = self.__dict__.setdefault("_hooks_done", {})
+        return run_hooks(self, self.post_load_hooks(phase), phase, lc.epoch, done, lc.audit_event,
+                         lambda: dict(zip(names, self._slots.gather(names), strict=True)), lc.note_changed)
 
     # ---- lifecycle steps --------------------------------------------------------------------------------------
     def begin_reload(self) -> int:
@@ -314,10 +301,16 @@ class DraftBackbone(nn.Module):
                 pinned=lc.graphs_pinned, allow_realloc=rebuild, resolve=self.live_tensor, memory=self._plan_memory,
                 gather=self._slots.gather,
             )
+            # every buffer it will write no longer holds the last good values from before its first write until the
+            # refresh's transition is done (`refresh_derived` clears them): an interrupt (any BaseException)
+            # anywhere in between leaves them torn, so no rollback can be taken for exact; a write that fails
+            # says what it touched
+            torn = lc.torn_buffers
+            lc.note_derived_torn(bp.spec.name for bp in plan.buffers if bp.mode in _WRITTEN)
             try:
                 report = apply_refresh(self, plan)
             except RefreshInterruptedError as e:
-                lc.note_derived_torn(e.touched)
+                lc.set_derived_torn(torn | set(e.touched))
                 raise
             for b in report.buffers:
                 if b.mode == "fallback":

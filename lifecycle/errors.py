@@ -6,10 +6,12 @@
     │   ├── LayersNotReadyError       a finish, refresh or forward use needs every layer loaded (off META)
     │   ├── QuarantinedError          forward use after a failed or aborted reload
     │   ├── RecoveryError             `recover()` without an exact rollback to return to
-    │   ├── SessionStateError         a reload session used out of order
+    │   ├── SessionStateError         a reload session used out of order, or a second one opened on a backbone
+    │   ├── ConcurrentUseError        an unlocked backbone written from a second thread
     │   └── IncompleteCheckpointError a reload epoch lacks what a whole checkpoint must include (also a ValueError)
     ├── LoadRefusedError              the loader refused a bucket or checkpoint before writing any of it
     │   ├── UnknownWeightError        names the backbone does not have
+    │   ├── WeightTypeError           a value that is not a tensor, or a tensor that misreports its shape or dtype
     │   ├── WeightShapeError          a shape or dtype that differs from the parameter's
     │   ├── NonFiniteWeightError      NaN or Inf values (with the finite check on)
     │   ├── CheckpointError           a file that cannot be read, or subset names it lacks
@@ -26,11 +28,9 @@
     ├── UnsupportedVLLMError          the vLLM plugin met a vLLM version it does not know
     └── NodeSetupError                a worker node of a Ray engine does not run the plugin
 
-Raising: never from a local that still holds the error (`err = X(...); raise err`). The raising frame is in
-the error's traceback; its local keeps the error, the error keeps the frame, and every frame of the traceback
-(the callers' too, holding the backbone and all its weights) stays until the cyclic collector runs. Raise the
-expression (`raise lc.record_refusal(trigger, X(...))`: it returns the error it audited); where a check returns
-an error or None, hand the call itself to `raise_unheld` (`raise_unheld(check(...))`), never a local.
+Raising: never from a local that still holds the error: its frame, in the traceback, would keep it, and with it
+every caller's frame (the backbone and all its weights) until the cyclic collector runs. Raise the expression
+(`raise lc.record_refusal(trigger, X(...))`) or hand a check's result to `raise_unheld`, never a local.
 
 Each class says what state it leaves. Every message names the backbone, the state, and what was expected vs
 found; the bar is PyTorch's cudagraph-trees message: "static input data pointer changed ... from X to Y".
@@ -42,42 +42,17 @@ from collections.abc import Mapping, Sequence
 
 from .types import capped, clipped
 
-__all__ = [
-    "MESSAGE_CAP",
-    "MESSAGE_ITEMS_CAP",
-    "MESSAGE_NAME_CAP",
-    "CheckpointError",
-    "DerivedBuildError",
-    "FrozenStructureError",
-    "IllegalTransitionError",
-    "IncompleteCheckpointError",
-    "LayersNotReadyError",
-    "LifecycleError",
-    "LoadRefusedError",
-    "NodeSetupError",
-    "NonFiniteWeightError",
-    "PartialWriteError",
-    "PathConfinementError",
-    "QuarantinedError",
-    "RecoveryError",
-    "RefreshInterruptedError",
-    "RefreshRefusedError",
-    "SessionStateError",
-    "SourceLayoutError",
-    "StateError",
-    "StorageDriftError",
-    "StorageReallocationError",
-    "UnknownWeightError",
-    "UnsupportedVLLMError",
-    "WeightShapeError",
-    "WeightWriteError",
-    "raise_unheld",
-]
+__all__ = ["MESSAGE_CAP", "MESSAGE_ITEMS_CAP", "MESSAGE_NAME_CAP", "CheckpointError", "ConcurrentUseError",
+           "DerivedBuildError", "FrozenStructureError", "IllegalTransitionError", "IncompleteCheckpointError",
+           "LayersNotReadyError", "LifecycleError", "LoadRefusedError", "NodeSetupError", "NonFiniteWeightError",
+           "PartialWriteError", "PathConfinementError", "QuarantinedError", "RecoveryError", "RefreshInterruptedError",
+           "RefreshRefusedError", "SessionStateError", "SourceLayoutError", "StateError", "StorageDriftError",
+           "StorageReallocationError", "UnknownWeightError", "UnsupportedVLLMError", "WeightShapeError",
+           "WeightTypeError", "WeightWriteError", "raise_unheld"]
 
 #: How many offending items an error message spells out before it says "... and N more".
 MESSAGE_ITEMS_CAP = 20
-#: At most this many characters of one listed item, and of the backbone's name (a tensor name from a checkpoint
-#: header can be a megabyte long).
+#: At most this many characters of a listed item and of the backbone's name (a header's tensor name can be 1 MB).
 MESSAGE_NAME_CAP = 1024
 #: At most this many characters in a whole message (and its `reason`).
 MESSAGE_CAP = 16384
@@ -183,8 +158,14 @@ class RecoveryError(StateError):
 
 
 class SessionStateError(StateError):
-    """A reload session was used out of order: begun twice, or used after it committed or aborted. Nothing was
-    changed."""
+    """A reload session was used out of order (begun twice, or used after it committed or aborted), or begun while
+    another session of the same backbone is open (sessions do not nest). Nothing was changed."""
+
+
+class ConcurrentUseError(StateError):
+    """An unlocked backbone (its lifecycle is not thread-safe) was used from a second thread while another thread
+    held a write lease on it: a write, or a transition that ends or aborts loading, was refused before anything was
+    written or changed. `init_lifecycle(locked=True)` builds a backbone several threads may load."""
 
 
 class IncompleteCheckpointError(StateError, ValueError):
@@ -216,6 +197,21 @@ class UnknownWeightError(LoadRefusedError):
             state=state,
         )
         self.names = tuple(names)
+
+
+class WeightTypeError(LoadRefusedError):
+    """A bucket's value is not a tensor (None, a list, a number), the bucket is not a mapping or pairs of (name,
+    tensor), or a tensor subclass reports a shape or dtype its data does not have. `problems` names each tensor and
+    what it got. Nothing of the bucket was written."""
+
+    def __init__(self, problems: Sequence[str], *, backbone: str, state: str) -> None:
+        super().__init__(
+            f"{len(problems)} value(s) that are not tensors the loader can write; nothing of the bucket was "
+            "written:\n  " + _listing(problems),
+            backbone=backbone,
+            state=state,
+        )
+        self.problems = tuple(problems)
 
 
 class WeightShapeError(LoadRefusedError):

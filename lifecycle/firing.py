@@ -200,7 +200,7 @@ class TableMachine(AuditTrail):
             if not fired:
                 raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
                                              allowed_from=["(no row's condition was met)"])
-        except Exception as e:  # guards' refusals and effects' failures alike: audited, state unchanged
+        except BaseException as e:  # refusals, failures and interrupts alike: audited, state unchanged
             self.record_refusal(trigger, e, duration_ms=_ms(t0))
             _clear_machine_frames(e.__traceback__.tb_next if e.__traceback__ is not None else None)
             raise

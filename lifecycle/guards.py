@@ -161,7 +161,7 @@ def recovery_verdict(origin: ReloadOrigin, dirty_now: frozenset[str], restored: 
         return ("this load did not start from refreshed derived buffers (a cold load, or a reload begun from "
                 "a state whose derived buffers were stale), so there is nothing to return to")
     if rollback_error is not None:
-        return f"the rollback failed ({rollback_error})"
+        return f"the rollback is incomplete ({rollback_error})"
     if restored is None:
         return "the aborted reload was not rolled back: the weights may hold part of it"
     outside = sorted(dirty_now - origin.dirty - restored)

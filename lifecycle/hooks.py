@@ -15,12 +15,13 @@ never be replayed on weights that were already converted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-__all__ = ["Hook", "Phase", "collect_hooks", "post_load_hook"]
+__all__ = ["Hook", "Phase", "collect_hooks", "post_load_hook", "run_hooks"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -69,3 +70,57 @@ def collect_hooks(cls: type, phase: Phase | None = None) -> list[Hook]:
                 del seen[name]  # overridden by a method that did not opt in
     hooks = list(seen.values())
     return [h for h in hooks if phase is None or phase in h.phases]
+
+
+#: (phase, hook name, hook function) -> the epoch it completed in
+Done = dict[tuple[str, str, Callable[..., Any]], int]
+
+
+def _signature(t: Any) -> tuple[int, int, int] | None:
+    """What changes when a tensor is written in place (its version counter) or replaced (its object, its address)."""
+    if t is None:
+        return None
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        version = -1
+    return id(t), version, 0 if t.is_meta else t.data_ptr()
+
+
+def run_hooks(backbone: Any, hooks: Iterable[Hook], phase: Phase, epoch: int, done: Done,
+              audit: Callable[..., None], tracked: Callable[[], Mapping[str, Any]],
+              changed: Callable[[list[str]], None]) -> list[str]:
+    """Run the hooks that have not completed yet (`done`): a `cold_load` hook once ever, a `reload` hook once per
+    epoch. A hook that raises (or is interrupted) stops the run (audited); the hooks before it stay completed.
+    Whatever the hooks wrote of the `tracked` tensors (found by each one's version counter, object and address,
+    before and after) goes to `changed`, also when a hook stopped part way: a hook may scale, convert or replace
+    a weight in place, and what reads it must then be refreshed. Returns the names of the hooks that ran."""
+    def pending(hook: Hook) -> bool:
+        key = (phase.value, hook.name, hook.fn)
+        return not (key in done and (phase is Phase.COLD_LOAD or done[key] == epoch))
+
+    todo = [h for h in hooks if pending(h)]
+    if not todo:
+        return []
+    before = {name: _signature(t) for name, t in tracked().items()}
+    ran = []
+    try:
+        for hook in todo:
+            if not pending(hook):  # the same hook listed twice
+                continue
+            t0 = time.perf_counter()
+            try:
+                hook.fn(backbone)
+            except BaseException as e:
+                audit("hook_failed", hook=hook.name, phase=phase.value, error=repr(e))
+                raise
+            done[(phase.value, hook.name, hook.fn)] = epoch
+            audit("hook_run", hook=hook.name, phase=phase.value,
+                  duration_ms=round((time.perf_counter() - t0) * 1e3, 3))
+            ran.append(hook.name)
+    finally:
+        now = tracked()
+        written = [name for name, sig in before.items() if _signature(now.get(name)) != sig]
+        if written:
+            changed(written)
+    return ran

@@ -15,15 +15,17 @@ transitions that end or abort loading wait for every lease.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from itertools import chain
 
-from .errors import LayersNotReadyError, UnknownWeightError
+from .errors import ConcurrentUseError, LayersNotReadyError, UnknownWeightError
+from .events import LIST_CAP
 from .firing import MetaScan, PinnedTensors, Resolver, TableMachine
 from .leases import WriteLeases
 from .readiness import LayerReadiness, UnknownNames
 from .states import ALLOWED_TRIGGERS
-from .types import clipped
+from .types import capped, clipped
 
 __all__ = ["LoadTracking"]
 
@@ -150,17 +152,52 @@ class LoadTracking(TableMachine):
     def acquire_write_lease(self) -> int:
         """Raise (audited) unless weights may be written now, else take a write lease (`leases.py`) for this
         thread and return its token for `release_write_lease`. With `locked=True`, `begin_reload`,
-        `finalize_loading`, `refresh_derived` and `abort_reload` wait until no other thread holds a lease."""
+        `finalize_loading`, `refresh_derived` and `abort_reload` wait until no other thread holds a lease; an
+        unlocked lifecycle refuses a second thread while one holds a lease (`ConcurrentUseError`)."""
         with self._lock:
             if "weights_loaded" not in ALLOWED_TRIGGERS[self._model.state]:
                 self._fire("weights_loaded")  # raises IllegalTransitionError and records the refusal
-            # unlocked, nothing ever waits for a lease: the check is all there is to it
-            return self._leases.acquire() if self._locked else 0
+            leases = self._leases
+            if not self._locked and leases.others():
+                self._refuse_second_thread("weights_loaded")
+            return leases.acquire()
 
     def release_write_lease(self, token: int) -> None:
+        """End the lease; what its write named (`writing`) and did not report was possibly written and is marked
+        so (`mark_dirty`: missing until sent again, its layer partly written if the epoch ends first)."""
+        with self._lock:
+            left = self._leases.release(token)
+            if left:
+                self._mark_unreported(left)
+
+    def writing(self, token: int, buckets: Sequence[Sequence[str]]) -> None:
+        """Before the first write under lease `token`: the names it may change, until `reported(token)`."""
+        self._leases.unreported[token] = buckets
+
+    def reported(self, token: int) -> None:
+        """Every name `writing` gave for lease `token` was reported (or marked, `mark_dirty`)."""
+        self._leases.unreported.pop(token, None)
+
+    def _mark_unreported(self, buckets: Sequence[Sequence[str]]) -> None:
+        names = list(chain.from_iterable(buckets))
+        self.mark_dirty(names)
+        shown, more = capped(names, LIST_CAP)
+        self._audit("writes_unreported", tensors=len(names), names=shown, names_more=more)
+
+    def _quiesce(self, action: str) -> None:
+        """Before a transition that ends or aborts loading (holding the lock): a locked lifecycle waits until no
+        other thread holds a lease; an unlocked one refuses while another does (audited)."""
         if self._locked:
-            with self._lock:
-                self._leases.release(token)
+            self._leases.wait_until_idle()
+        elif self._leases.others():
+            self._refuse_second_thread(action)
+
+    def _refuse_second_thread(self, action: str) -> None:
+        others = self._leases.others()
+        raise self.record_refusal(action, ConcurrentUseError(
+            f"{action} refused: this backbone's lifecycle is unlocked (not thread-safe) and {len(others)} other "
+            "thread(s) are writing to it; nothing was changed. Build it with locked=True to load it from several "
+            "threads", backbone=self.name, state=self.state.value))
 
     @contextmanager
     def loading(self) -> Iterator[None]:
@@ -174,9 +211,10 @@ class LoadTracking(TableMachine):
 
     @contextmanager
     def quiesced(self) -> Iterator[None]:
-        """Hold the lifecycle (no trigger, no new write lease) once no other thread is writing."""
+        """Hold the lifecycle (no trigger, no new write lease) once no other thread is writing (an unlocked
+        lifecycle refuses while one is: `ConcurrentUseError`)."""
         with self._lock:
-            self._leases.wait_until_idle()
+            self._quiesce("abort_reload")
             yield
 
     def mark_dirty(self, names: Iterable[str]) -> None:

@@ -21,11 +21,12 @@ current state.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from . import events
-from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError
+from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError, SessionStateError
 from .firing import MetaScan, PinnedTensors, Resolver
 from .guards import ReloadOrigin, recovery_verdict, refusal, require_all_layers_ready, require_pinned_unchanged
 from .load_tracking import LoadTracking
@@ -72,6 +73,7 @@ class BackboneLifecycle(LoadTracking):
         # what `recover` needs beside `recovery_blocker`: where the current reload began
         self._origin = ReloadOrigin()
         self.torn_buffers: frozenset[str] = frozenset()
+        self._session: weakref.ref[object] | None = None  # the open reload session (`open_session`)
         self.structure: dict[str, bool] | None = None  # optional submodule -> present, frozen by the first load
         #: counts the changes of `specs` (`freeze_structure`): what was checked against them before is void
         self.specs_revision = 0
@@ -128,7 +130,7 @@ class BackboneLifecycle(LoadTracking):
     def begin_reload(self) -> int:
         """Start a reload epoch. Graph pinning (if any) stays in force. Returns the new epoch."""
         with self._lock:
-            self._leases.wait_until_idle()
+            self._quiesce("begin_reload")
             src = self.state
             self._require_allowed_audited("begin_reload")
             # derived buffers match the weights at the start of this reload: a rollback to here can be recovered
@@ -148,7 +150,7 @@ class BackboneLifecycle(LoadTracking):
         guard passed, before the state changes: if it raises, the finish is refused and the layers declared
         unchanged are unmarked again."""
         with self._lock:
-            self._leases.wait_until_idle()
+            self._quiesce("finalize_loading")
             self._require_allowed_audited("finalize_loading")
             declared: list[str] = []
             if keep_untouched and self.in_reload:
@@ -191,7 +193,7 @@ class BackboneLifecycle(LoadTracking):
         then the follow-ups the table declares: under captured graphs, verify every pinned identity and return
         to GRAPH_CAPTURED."""
         with self._lock:
-            self._leases.wait_until_idle()
+            self._quiesce("refresh_derived")
             if self.awaiting_weights:
                 # still loading: a build is refused for unready layers by naming every missing tensor (what the
                 # caller must fix), else like any trigger the table does not allow, saying what comes first
@@ -231,23 +233,28 @@ class BackboneLifecycle(LoadTracking):
         `recover()`. Waits until no other thread is writing. `rollback`: restores every tensor written since
         `begin_reload` to its value then and returns their names; run here, after the writers finished and
         before the state changes. An exact rollback of a reload that started with current derived buffers makes
-        the backbone recoverable (`recover`); a rollback that raises still quarantines (not recoverable).
+        the backbone recoverable (`recover`); a rollback that raises or is interrupted (any `BaseException`)
+        still quarantines, as "rollback incomplete": not recoverable, every layer the reload wrote owed a full
+        write; then what stopped it is raised.
         `reason` is kept (and audited, and named by `QuarantinedError`) cut at `events.STR_CAP` characters."""
         reason = clipped(str(reason), events.STR_CAP)
         with self._lock:
-            self._leases.wait_until_idle()
+            self._quiesce("abort_reload")
             self._require_allowed_audited("abort_reload")
             restored: frozenset[str] | None = None
             rollback_error: str | None = None
+            stopped: BaseException | None = None  # what stopped the rollback: raised once quarantined
             if rollback is not None:
                 try:
                     restored = frozenset(rollback())
-                except Exception as e:  # the abort itself must not fail: quarantine, not recoverable
+                except BaseException as e:  # an error or an interrupt: quarantine, not recoverable, then raise it
                     rollback_error = clipped(f"{type(e).__name__}: {e}", events.STR_CAP)
+                    stopped = e
             blocker = recovery_verdict(self._origin, self.readiness.dirty_tensors(), restored, rollback_error,
                                        self.torn_buffers)
             # layers this reload wrote part of, not undone by the rollback: mixed checkpoints until written in full
-            partly = self.readiness.close_epoch(restored or ())
+            # (a rollback stopped part way may have restored any part of any layer the reload wrote)
+            partly = self.readiness.close_epoch(restored or (), every_written=stopped is not None)
 
             def quarantine() -> None:
                 self.quarantine_reason = reason
@@ -264,6 +271,11 @@ class BackboneLifecycle(LoadTracking):
             self._fire("abort_reload", quarantine, reason=reason, missing=shown, missing_more=more,
                        rolled_back=restored is not None, restored=len(restored or ()),
                        recoverable=blocker is None, **extra)
+            if stopped is not None:
+                try:
+                    raise stopped
+                finally:
+                    del stopped  # this frame is in its traceback (see `errors`)
 
     def recover(self) -> LifecycleState:
         """QUARANTINED -> DERIVED_REFRESHED (GRAPH_CAPTURED when graphs are still pinned), allowed only after an
@@ -279,11 +291,56 @@ class BackboneLifecycle(LoadTracking):
             self._fire("recover", restore, pinned=self.graphs_pinned)
             return self.state
 
+    def note_changed(self, names: Iterable[str]) -> None:
+        """Tensors written without a load (by a post-load hook): dirty, so the next refresh rewrites what reads
+        them; outside any rollback snapshot, so an abort after it is not recoverable unless the rollback restored
+        them too. Audited (`changed_by_hooks`)."""
+        names = list(names)
+        with self._lock:
+            self.readiness.mark_changed(names)
+            self._meta_possible = True
+            shown, more = capped(names, events.LIST_CAP)
+            self._audit("changed_by_hooks", tensors=len(names), names=shown, names_more=more)
+
+    def open_session(self, session: object) -> None:
+        """Register `session` as this backbone's open reload session. Refused (audited, `SessionStateError`) while
+        another is open and its load is in progress: sessions do not nest (an inner commit would leave the outer
+        nothing to roll back). One whose load ended without it (the backbone is usable or quarantined: an
+        interrupt stopped its commit or abort part way) is closed (audited, `session_abandoned`). Held weakly: a
+        session dropped without commit or abort holds nothing."""
+        with self._lock:
+            current = self._session() if self._session is not None else None
+            if current is not None and current is not session:
+                if not self.usable and not self.quarantined:
+                    raise self.record_refusal("begin_reload", SessionStateError(
+                        "begin refused: another reload session of this backbone is open and its load is in "
+                        "progress (sessions do not nest); commit or abort it first (its abort(), or this backbone's "
+                        "abort_reload())", backbone=self.name, state=self.state.value))
+                self._audit("session_abandoned", state=self.state.value)
+            self._session = weakref.ref(session)
+
+    def session_open(self, session: object) -> bool:
+        """Whether `session` is this backbone's open reload session (see `open_session`)."""
+        return self._session is not None and self._session() is session
+
+    def close_session(self, session: object) -> None:
+        """`session` committed or aborted (see `open_session`)."""
+        with self._lock:
+            if self.session_open(session):
+                self._session = None
+
     def note_derived_torn(self, names: Iterable[str]) -> None:
         """Derived buffers an interrupted refresh may have written part of: the next refresh rewrites them
-        fully (the backbone marks their sources dirty) and `recover` is refused until then."""
+        fully (the backbone marks their sources dirty) and `recover` is refused until then. The backbone notes
+        every buffer a refresh will write before its first write, and narrows it once it knows
+        (`set_derived_torn`)."""
         with self._lock:
             self.torn_buffers = self.torn_buffers | frozenset(names)
+
+    def set_derived_torn(self, names: Iterable[str]) -> None:
+        """The torn derived buffers are `names` (see `note_derived_torn`)."""
+        with self._lock:
+            self.torn_buffers = frozenset(names)
 
     def refusal(self, trigger: str) -> LifecycleError | None:
         """The error `trigger` would raise now, or None when it would succeed (`guards.refusal`: the table, then

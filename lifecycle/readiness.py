@@ -109,13 +109,19 @@ class LayerReadiness:
         self._note_plain()
         return self.epoch
 
-    def close_epoch(self, restored: Iterable[str] = ()) -> list[str]:
+    def close_epoch(self, restored: Iterable[str] = (), *, every_written: bool = False) -> list[str]:
         """The epoch ends without its refresh (an abort, or a new epoch): every layer it wrote part of (some
         tensors and not all, or a write that failed part way), except writes `restored` by a rollback, is now
-        partly written. Returns the layers newly so."""
+        partly written; with `every_written` (a rollback stopped part way), every layer it wrote anything of.
+        Returns the layers newly so."""
         if self._closed:  # an abort closed it already; the next begin_reload closes it again
             return []
         self._closed = True
+        if every_written:
+            new = {self.layer_of_name[n] for n in self._written | self._failed}
+            self._failed = set()
+            self._note_plain()
+            return self.full_writes.mark_partly_written(new)
         if not self._failed and self._complete == len(self._size):  # every layer complete: none written in part
             return []
         restored = frozenset(restored)
@@ -370,6 +376,10 @@ class LayerReadiness:
         self.dirty.add(names)
         self._failed.update(names)
         self._note_plain()
+
+    def mark_changed(self, names: Iterable[str]) -> None:
+        """Tensors changed without a load (a post-load hook wrote them): dirty, and as loaded as they were."""
+        self.dirty.add(names)
 
     def restore_dirty(self, names: Iterable[str]) -> None:
         """Set the dirty set back to `names` (after a rollback restored every write since it was taken)."""

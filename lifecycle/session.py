@@ -187,6 +187,8 @@ class ReloadSession:
         return self.status == "aborted" and self.backbone.lifecycle.refusal("recover") is None
 
     def _require_open(self, what: str) -> None:
+        if self.status == "open" and not self.backbone.lifecycle.session_open(self):
+            self.status, self.abort_reason = "aborted", "abandoned: a later session of this backbone took over"
         if self.status != "open":
             lc = self.backbone.lifecycle
             raise SessionStateError(f"{what} refused: the reload session is {self.status}"
@@ -205,7 +207,12 @@ class ReloadSession:
                                     state=lc.state.value)
         if self.status != "new":
             self._require_open("begin")
-        self.epoch = lc.epoch if lc.unloaded else self.backbone.begin_reload()
+        lc.open_session(self)  # refuses while another session of this backbone is open
+        try:
+            self.epoch = lc.epoch if lc.unloaded else self.backbone.begin_reload()
+        except BaseException:
+            lc.close_session(self)
+            raise
         self.status = "open"
         self._audit("begin", rollback=self.rollback, finite_check=self.finite_check)
         return self.epoch
@@ -296,31 +303,39 @@ class ReloadSession:
         report = self.backbone.refresh_derived_buffers(full=full)
         self.status = "committed"
         self._close_snapshot()
+        self.backbone.lifecycle.close_session(self)
         self._audit("commit", touched=len(self._touched), snapshot_bytes=self._snapshot_bytes,
                     elements_written=report.elements_written)
         return report
 
     def abort(self, reason: str = "aborted by the caller") -> None:
         """Quarantine the backbone (`abort_reload(reason)`), restoring every touched tensor first when rollback
-        is on. Waits for other writing threads; their later writes are refused."""
+        is on. Waits for other writing threads; their later writes are refused. Stopped part way (a rollback
+        interrupted), the session ends all the same."""
         self._require_open("abort")
         lc = self.backbone.lifecycle
-        restore = self._snapshot.restore if self._snapshot is not None else None
-        with lc.quiesced():
-            if lc.can("abort_reload"):
-                lc.abort_reload(reason, rollback=restore)
-                outcome = "quarantined"
-            elif lc.unloaded:  # nothing was reported: put back what a failed write may have set
-                if restore is not None:
-                    restore()
-                outcome = f"unchanged ({lc.state.value})"
-            else:  # e.g. refreshed outside commit(), or quarantined by someone else: nothing safe to undo
-                outcome = f"left {lc.state.value}"
-        self.status = "aborted"
-        self.abort_reason = reason
-        self._close_snapshot()
-        self._audit("abort", reason=reason, outcome=outcome, rollback=self.rollback, touched=len(self._touched),
-                    snapshot_bytes=self._snapshot_bytes, recoverable=self.recoverable)
+        outcome = "stopped"
+        try:
+            restore = self._snapshot.restore if self._snapshot is not None else None
+            with lc.quiesced():
+                if lc.can("abort_reload"):
+                    lc.abort_reload(reason, rollback=restore)
+                    outcome = "quarantined"
+                elif lc.unloaded:  # nothing was reported: put back what a failed write may have set
+                    if restore is not None:
+                        restore()
+                    outcome = f"unchanged ({lc.state.value})"
+                else:  # e.g. refreshed outside commit(), or quarantined by someone else: nothing safe to undo
+                    outcome = f"left {lc.state.value}"
+        finally:  # stopped part way too (a rollback interrupted: quarantined, not recoverable): the session ends
+            if outcome == "stopped" and lc.quarantined:
+                outcome = "quarantined (rollback incomplete)"
+            self.status = "aborted"
+            self.abort_reason = reason
+            self._close_snapshot()
+            lc.close_session(self)
+            self._audit("abort", reason=reason, outcome=outcome, rollback=self.rollback,
+                        touched=len(self._touched), snapshot_bytes=self._snapshot_bytes, recoverable=self.recoverable)
 
     def _close_snapshot(self) -> None:
         if self._snapshot is not None:

@@ -65,9 +65,10 @@ def test_every_name_the_readme_examples_import_exists() -> None:
 
 GROUPS = {
     errors.StateError: {errors.IllegalTransitionError, errors.LayersNotReadyError, errors.QuarantinedError,
-                        errors.RecoveryError, errors.SessionStateError, errors.IncompleteCheckpointError},
-    errors.LoadRefusedError: {errors.UnknownWeightError, errors.WeightShapeError, errors.NonFiniteWeightError,
-                              errors.CheckpointError, errors.FrozenStructureError,
+                        errors.RecoveryError, errors.SessionStateError, errors.ConcurrentUseError,
+                        errors.IncompleteCheckpointError},
+    errors.LoadRefusedError: {errors.UnknownWeightError, errors.WeightTypeError, errors.WeightShapeError,
+                              errors.NonFiniteWeightError, errors.CheckpointError, errors.FrozenStructureError,
                               errors.PathConfinementError},
     errors.RefreshRefusedError: {errors.SourceLayoutError, errors.StorageReallocationError,
                                  errors.DerivedBuildError},

@@ -25,7 +25,7 @@ from ..errors import MESSAGE_ITEMS_CAP, CheckpointError, raise_unheld
 from ..types import capped
 from .plan import BucketBy, check_plan, plan_buckets, whole_layer_plan
 from .validate import file_list, validate_index
-from .write import BeforeWrite, Writer, non_finite_refusal, write_and_report, write_bucket
+from .write import BeforeWrite, Writer, _trusted, non_finite_refusal, write_and_report, write_bucket
 
 if TYPE_CHECKING:
     from ..machine import BackboneLifecycle
@@ -86,7 +86,8 @@ def _load_reported_later(backbone: LoadTarget, buckets: list[list[str]],
     event), so what it says is the same. On a backbone with nothing loaded yet the first bucket is reported at
     once (the transition out of META it fires is stamped before the later buckets' events; in a reload only the
     last layer's completion moves the state, and it is reported after every bucket's event). Whatever ends the
-    loop early (a read or write failure, a NaN, an interrupt) reports the buckets written before it first.
+    loop early (a read or write failure, a NaN) reports the buckets written before it first; an interrupt (any
+    `BaseException`) anywhere else leaves every bucket marked possibly written (`LoadTracking.writing`).
     `whole_layers`: each bucket is every tracked tensor of this layer
     (`BackboneLifecycle.weights_loaded_whole_layers`)."""
     lc = backbone.lifecycle
@@ -96,24 +97,34 @@ def _load_reported_later(backbone: LoadTarget, buckets: list[list[str]],
         _report_written(lc, written, report, whole_layers)
 
     first_from_meta = lc.unloaded  # nothing else can change the state during the loop
+    # one lease for the load, naming every bucket before the first write: whatever interrupts it where no
+    # bookkeeping below runs, what it wrote is marked possibly written when the lease ends
+    lease = lc.acquire_write_lease()
+
+    def report_every_write() -> None:  # what an early end says: every write before it, and no more
+        report_written()
+        lc.reported(lease)
+
     try:
+        lc.writing(lease, buckets)
         for names in buckets:
             try:
                 bucket = next(read)
             except CheckpointError as e:  # the file changed or shrank while read: this bucket is not written
-                report_written()
+                report_every_write()
                 raise _refused(backbone, e) from e
             if finite_check:  # the buckets before it are reported first
-                raise_unheld(non_finite_refusal(lc, bucket, report_written))
-            write_bucket(backbone, names, bucket, device, None, before_failure=report_written)
+                raise_unheld(non_finite_refusal(lc, bucket, report_every_write))
+            write_bucket(backbone, names, bucket, device, None, before_failure=report_written, lease=lease)
             written.append((names, time.time_ns()))
             report.tensors += len(bucket)
             if first_from_meta:  # the first report from META moves the state: in its time
                 first_from_meta = False
                 report_written()
             del bucket  # only the bucket being read is held: the peak extra memory is one bucket
+        report_every_write()
     finally:
-        report_written()
+        lc.release_write_lease(lease)
 
 
 def _report_written(lc: BackboneLifecycle, written: list[tuple[list[str], int]], report: LoadReport,
@@ -173,7 +184,7 @@ def load_safetensors(
     report = LoadReport(files=[str(Path(paths))] if isinstance(paths, (str, PathLike)) and names
                         else file_list(index, names), _index=index, _plan=buckets)
     if (writer is None and before_write is None and progress is None and not lc.locked
-            and not events.enabled("debug")):
+            and not events.enabled("debug") and _trusted(None, device)):
         # the plan by layer of every tracked tensor (the names are the specs': validated, and as many): each
         # bucket is one whole layer
         every_layer_whole = (bucket_by == "layer" and subset is None and not shuffle and not duplicates

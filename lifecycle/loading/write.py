@@ -8,9 +8,9 @@ lifecycle as one `weights_loaded` call; a write that fails part way says what it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import itemgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,9 +19,11 @@ from ..errors import (
     NonFiniteWeightError,
     UnknownWeightError,
     WeightShapeError,
+    WeightTypeError,
     WeightWriteError,
     raise_unheld,
 )
+from ..types import clipped, dtype_name
 
 if TYPE_CHECKING:
     from ..errors import LifecycleError
@@ -85,26 +87,69 @@ def apply_bucket(backbone: LoadTarget, bucket: Sequence[tuple[str, torch.Tensor]
                  before_write: BeforeWrite | None = None, validated: bool = False) -> list[str]:
     """Validate a bucket of (name, tensor), write it, report it. Returns the layers it completed.
 
-    Refused before any write (audited, nothing changed): a state that allows no loading, unknown names, a shape
-    or dtype mismatch, and with `finite_check` a NaN or Inf value (`NonFiniteWeightError`). A write that fails
-    part way raises `WeightWriteError`: the tensors written before it are reported as loaded, the failing one as
-    possibly written. Thread-safe on a locked lifecycle: the bucket is written and reported under a write lease.
-    `validated=True` skips the per-tensor name/shape/dtype checks: for tensors read from a checkpoint whose
-    header `validate_index` already checked (safetensors returns exactly the header's shape and dtype), as
+    Refused before any write (audited, nothing changed): a state that allows no loading, a bucket that is not
+    (name, tensor) pairs or holds a value that is not a tensor (or a tensor subclass misreporting its shape or
+    dtype: `WeightTypeError`), unknown names, a shape or dtype mismatch, and with `finite_check` a NaN or Inf
+    value (`NonFiniteWeightError`). A write that fails part way raises `WeightWriteError` (an interrupt, any
+    `BaseException`, comes out as itself): the tensors written before it are reported as loaded, the failing one
+    as possibly written. Thread-safe on a locked lifecycle: the bucket is written and reported under a write lease.
+    `validated=True` skips the per-tensor checks: for tensors read from a checkpoint whose header
+    `validate_index` already checked (safetensors returns exactly the header's shape and dtype), as
     `load_safetensors` does. Whether loading is allowed now (and the finite check) happen either way.
     """
-    bucket = bucket if type(bucket) is list else list(bucket)
+    if not validated:
+        bucket = _pairs(backbone.lifecycle, bucket)
+    elif type(bucket) is not list:
+        bucket = list(bucket)
     return write_and_report(backbone, list(map(_NAME, bucket)), bucket, device, finite_check=finite_check,
                             writer=writer, before_write=before_write, validated=validated)
 
 
 _NAME = itemgetter(0)
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _pairs(lc: BackboneLifecycle, bucket: object) -> list[tuple[str, torch.Tensor]]:
+    """`bucket` as a list of (name, value) pairs, or the audited refusal of what it is instead."""
+    pairs: list[Any] | None = None
+    if isinstance(bucket, Mapping):
+        pairs = list(bucket.items())
+    elif isinstance(bucket, Iterable):
+        pairs = list(bucket)
+    if pairs is None or not all(type(p) in (tuple, list) and len(p) == 2 and type(p[0]) is str for p in pairs):
+        raise lc.record_refusal("weights_loaded", WeightTypeError(
+            [f"the bucket: {clipped(repr(bucket), 80)} ({type(bucket).__name__}) is not a mapping of name -> "
+             "tensor, nor (name, tensor) pairs"], backbone=lc.name, state=lc.state.value))
+    return [(p[0], p[1]) for p in pairs]
+
+
+def _not_a_tensor(name: str, value: object) -> str | None:
+    """Why `value` is no tensor the loader can check and write as it says it is, or None."""
+    if type(value) in _PLAIN:
+        return None
+    if not isinstance(value, torch.Tensor):
+        return f"{name}: got {type(value).__name__} {clipped(repr(value), 60)}, not a tensor"
+    with torch._C.DisableTorchFunctionSubclass():  # what its data is, whatever the subclass says
+        plain = value.as_subclass(torch.Tensor)
+    said, holds = (tuple(value.shape), value.dtype), (tuple(plain.shape), plain.dtype)
+    if said != holds:
+        return (f"{name}: a {type(value).__name__} that says shape {said[0]} {dtype_name(said[1])} but holds "
+                f"{holds[0]} {dtype_name(holds[1])}")
+    return None
+
+
+def _trusted(writer: Writer | None, device: torch.device | str) -> bool:
+    """Whether every tensor written is off META afterwards by construction: the loader's own copy (no `writer`)
+    onto a device that is not META (`weights_loaded(materialized=...)`)."""
+    return writer is None and (device == "cpu" or torch.device(device).type != "meta")
 
 
 def write_and_report(backbone: LoadTarget, names: list[str], bucket: list[tuple[str, torch.Tensor]],
                      device: torch.device | str, *, finite_check: bool, writer: Writer | None,
                      before_write: BeforeWrite | None, validated: bool) -> list[str]:
-    """`apply_bucket` with the bucket's names given (`names[i]` is `bucket[i]`'s name)."""
+    """`apply_bucket` with the bucket's names given (`names[i]` is `bucket[i]`'s name). The names are recorded
+    as being written before the first write and dropped once reported, so an interrupt anywhere between leaves
+    them marked possibly written when the lease ends (`LoadTracking.release_write_lease`)."""
     lc = backbone.lifecycle
     lease = lc.acquire_write_lease()
     try:
@@ -114,18 +159,24 @@ def write_and_report(backbone: LoadTarget, names: list[str], bucket: list[tuple[
             raise_unheld(non_finite_refusal(lc, bucket))
         if before_write is not None:
             before_write(names)
-        write_bucket(backbone, names, bucket, device, writer)
-        return lc.weights_loaded(names, materialized=writer is None)  # write_tensor leaves nothing on META
+        lc.writing(lease, (names,))
+        write_bucket(backbone, names, bucket, device, writer, lease=lease)
+        completed = lc.weights_loaded(names, materialized=_trusted(writer, device))
+        lc.reported(lease)
+        return completed
     finally:
         lc.release_write_lease(lease)
 
 
 def _bucket_refusal(lc: BackboneLifecycle, names: list[str], bucket: list[tuple[str, torch.Tensor]]
                     ) -> LifecycleError | None:
-    """The audited refusal of a bucket's unknown names, else of its shape or dtype mismatches; None if sound."""
+    """The audited refusal of a bucket's unknown names, else of its values that are not tensors, else of its shape
+    or dtype mismatches; None if sound."""
     if unknown := lc.readiness.unknown(names):
         return lc.record_refusal("weights_loaded", UnknownWeightError(unknown, backbone=lc.name,
                                                                       state=lc.state.value))
+    if wrong := [p for n, t in bucket if (p := _not_a_tensor(n, t))]:
+        return lc.record_refusal("weights_loaded", WeightTypeError(wrong, backbone=lc.name, state=lc.state.value))
     if problems := [p for n, t in bucket if (p := lc.specs[n].mismatch(n, tuple(t.shape), t.dtype))]:
         return lc.record_refusal("weights_loaded", WeightShapeError(problems, backbone=lc.name,
                                                                     state=lc.state.value))
@@ -134,10 +185,12 @@ def _bucket_refusal(lc: BackboneLifecycle, names: list[str], bucket: list[tuple[
 
 def write_bucket(backbone: LoadTarget, names: list[str], bucket: list[tuple[str, torch.Tensor]],
                  device: torch.device | str, writer: Writer | None,
-                 before_failure: Callable[[], None] | None = None) -> None:
-    """Write every tensor of a bucket (`writer`, else `write_tensor`). A write that fails part way raises
-    `WeightWriteError` (after `before_failure`): the tensors before it are reported loaded, the failing one as
-    possibly written (dirty, missing until sent again); the refusal is audited."""
+                 before_failure: Callable[[], None] | None = None, *, lease: int | None = None) -> None:
+    """Write every tensor of a bucket (`writer`, else `write_tensor`). Whatever stops it part way (an error or an
+    interrupt: any `BaseException`) is recorded before it propagates (after `before_failure`): the tensors before
+    it are reported loaded, the one it stopped at as possibly written (dirty, missing until sent again), and what
+    `lease` named as being written is settled. An error raises `WeightWriteError` (audited); an interrupt comes
+    out as itself."""
     write = writer or write_tensor
     done = 0
     try:
@@ -145,15 +198,20 @@ def write_bucket(backbone: LoadTarget, names: list[str], bucket: list[tuple[str,
             # no protocol can say a LoadTarget is an nn.Module; a cast would be a call per tensor
             write(backbone, name, value, device)  # type: ignore[arg-type]  # a LoadTarget is an nn.Module
             done += 1
-    except Exception as e:
+    except BaseException as e:
+        lc = backbone.lifecycle
+        state = lc.state.value  # the error names the state the write failed in, before the report below
         if before_failure is not None:
             before_failure()
-        lc = backbone.lifecycle
+        lc.mark_dirty(names[done:done + 1])  # none when it stopped after the last write counted
         written = names[:done]
-        state = lc.state.value  # the error names the state the write failed in, before the report below
-        lc.mark_dirty([names[done]])
         if written:
-            lc.weights_loaded(written, materialized=writer is None)
+            lc.weights_loaded(written, materialized=_trusted(writer, device))
+        if lease is not None:
+            lc.reported(lease)
+        if not isinstance(e, Exception):
+            lc.record_refusal("weights_loaded", e, written=len(written), tensors=len(names))
+            raise
         raise lc.record_refusal("weights_loaded", WeightWriteError(
             names[done], written, len(names), e, backbone=lc.name, state=state)) from e
 
