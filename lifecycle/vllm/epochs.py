@@ -43,6 +43,7 @@ from ..types import capped
 from ..types import describe_error as describe
 from .owners import VLLMDraftBackbone, backbones_in, owner_of
 from .shadows import SHADOW_OF
+from .shards import COMPLETING, missing_parts
 
 if TYPE_CHECKING:
     from .settings import PartialPolicy
@@ -216,6 +217,7 @@ def settle_partial(model: nn.Module, policy_of: Callable[[VLLMDraftBackbone], Pa
             if shadow is not None:
                 out.untouched.append(shadow)
             continue
+        parts = missing_parts(module, info, _leaf_names(names))  # per tensor and shard (`shards.py`)
         sent = f"{info.load_numel} of {info.load_numel_total} elements were sent"
         why = (_must_be_written(backbone, names) or _not_fillable(module, info)) if policy_of(backbone) == "keep" \
             else "partial='refuse'"
@@ -226,7 +228,8 @@ def settle_partial(model: nn.Module, policy_of: Callable[[VLLMDraftBackbone], Pa
             continue
         _put_back(module, info)  # never process the unsent remainder uninitialised
         for n in names + ([shadow] if shadow else []):
-            out.unfilled[n] = f"{sent}; kept unchanged, the sent part dropped ({why})"
+            missing = f"; {parts[n]}" if n in parts else ""
+            out.unfilled[n] = f"{sent}; kept unchanged, the sent part dropped ({why}){missing}"
     for backbone in backbones_in(model):
         outcomes.setdefault(backbone, PartialOutcome())
     return outcomes
@@ -275,4 +278,13 @@ def _complete_with_last_values(module: nn.Module, info: Any) -> None:
         live = getattr(module, name, None)
         if isinstance(live, torch.Tensor) and not live.is_meta and live.shape == kept.shape:
             live.copy_(kept)
-    layerwise._layerwise_process(module, info)
+    token = COMPLETING.set(True)  # the shards never sent hold their last values now: process it
+    try:
+        layerwise._layerwise_process(module, info)
+    finally:
+        COMPLETING.reset(token)
+
+
+def _leaf_names(names: list[str]) -> dict[str, str]:
+    """A module's own tensor leaves -> their lifecycle names (`names`, from `owner_of`)."""
+    return {n.rpartition(".")[2]: n for n in names}

@@ -1,8 +1,10 @@
 """Wrap vLLM's reload entry points where vLLM looks them up, so every load path drives the lifecycle.
 
   initialize_layerwise_reload(model)   -> each lifecycle draft in `model` begins a reload epoch, then vLLM's
-  _layerwise_process(layer, info)       -> after vLLM processed a layer that received ALL its elements, the
-                                           owning draft records that layer's tensors as loaded
+  _layerwise_process(layer, info)       -> a draft's layer is processed only once every tensor and every shard
+                                           of a fused parameter arrived (`shards.py`; vLLM's element count can add
+                                           up without them); after vLLM processed it, the owning draft records
+                                           that layer's tensors as loaded
   finalize_layerwise_reload(model, c)   -> vLLM's finalize first, then each draft finishes (every layer ready?),
                                            runs its reload hooks and refreshes in place; a draft whose reload is
                                            incomplete is quarantined and the error is raised to the caller
@@ -44,6 +46,7 @@ from .owners import backbones_in, owner_of
 from .processing import IN_VLLM_RELOAD
 from .quantized import reload_blocker
 from .serving import drafting_allowed
+from .shards import COMPLETING, missing_parts
 
 __all__ = ["ENGINE_NAMES", "PATCH_POINTS", "install"]
 
@@ -139,11 +142,18 @@ def _finalize(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
     def layerwise_process(layer: Any, info: Any, *args: Any, **kwargs: Any) -> Any:
+        owner = owner_of(layer)
+        completing = COMPLETING.get()  # `epochs.settle_partial` completes it with last values, and marks it
+        # vLLM processes a layer once its copied elements add up, so a shard sent twice can stand in for one
+        # never sent: a draft's layer in a reload is processed only once every tensor and shard arrived
+        # (`shards.py`); until then it keeps buffering, and the finalize decides (`epochs.settle_partial`)
+        if owner is not None and info.kernel_tensors is not None and not completing and missing_parts(layer, info):
+            return None
         # vLLM also processes layers that got only part of their elements (at finalize, with the rest
         # uninitialised); only a layer that received everything counts as loaded
-        complete = info.load_numel_total is not None and info.load_numel >= info.load_numel_total > 0
+        complete = not completing and info.load_numel_total is not None \
+            and info.load_numel >= info.load_numel_total > 0
         result = _in_vllm_reload(original, layer, info, *args, **kwargs)
-        owner = owner_of(layer)
         if complete and owner is not None:
             backbone, names = owner
             if backbone.lifecycle.can("weights_loaded"):
@@ -202,6 +212,13 @@ ENGINE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.load_numel", "patches._layerwise_process"),
     ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.load_numel_total",
      "patches._layerwise_process"),
+    ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.loaded_weights",
+     "shards (what each layer received, per shard)"),
+    ("vllm.model_executor.model_loader.reload.utils", "get_layer_tensors", "shards"),
+    ("vllm.model_executor.model_loader.reload.utils", "get_tensor_load_numel", "shards"),
+    ("vllm.model_executor.model_loader.reload.meta", "SKIP_LOAD_TENSORS", "shards"),
+    ("vllm.model_executor.layers.linear", "QKVParallelLinear", "shards (the shards of a fused parameter)"),
+    ("vllm.model_executor.layers.linear", "MergedColumnParallelLinear", "shards"),
     ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase.process_weights_after_loading",
      "processing (shadow capture, deferred processing)"),
     ("vllm.model_executor.models.registry", "ModelRegistry", "plugin (draft class registration)"),
