@@ -58,6 +58,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    # the crash-consistency sweeps of this session (support/crash.py), added up: points tried, outcomes by kind
+    from support.crash import RESULTS, summarize
+
+    if RESULTS:
+        terminalreporter.write_line(summarize(RESULTS))
+
+
 @pytest.fixture(autouse=True)
 def audit_quiet():
     """No console output from audit events; any JSON-lines sink a test opened is closed afterwards."""
