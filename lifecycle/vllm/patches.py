@@ -43,7 +43,7 @@ from .epochs import (
     settle_partial,
 )
 from .owners import backbones_in, owner_of
-from .processing import IN_VLLM_RELOAD
+from .processing import IN_VLLM_RELOAD, TOUCHED
 from .quantized import reload_blocker
 from .serving import drafting_allowed
 from .shards import COMPLETING, missing_parts
@@ -100,10 +100,18 @@ def _initialize(original: Callable[..., Any]) -> Callable[..., Any]:
             raise NotImplementedError(f"reload-lifecycle: {why}")
         if reload_in_progress(model):  # the last reload never reached finalize
             end_failed_epoch(model, "abandoned: a new reload began before the previous one was finalized")
-        for backbone in backbones:
-            backbone.on_reload_begin()
-        result = original(model, *args, **kwargs)
-        keep_shared_modules_live(model)  # what the draft shares with the target stays live
+        # what vLLM's initialize moves to META and back: its buffers' persistence, for an interrupted one
+        non_persistent = {m: set(m._non_persistent_buffers_set) for m in model.modules()}
+        TOUCHED.difference_update(non_persistent)
+        try:
+            for backbone in backbones:
+                backbone.on_reload_begin()
+            result = original(model, *args, **kwargs)
+            keep_shared_modules_live(model)  # what the draft shares with the target stays live
+        except BaseException as e:  # an interrupt too: no module may stay on META, the epoch ends here
+            end_failed_epoch(model, f"initialize_layerwise_reload failed: {describe(e)}",
+                             non_persistent=non_persistent)
+            raise
         return result
 
     return initialize_layerwise_reload
@@ -133,6 +141,9 @@ def _finalize(original: Callable[..., Any]) -> Callable[..., Any]:
                 finish_epoch(backbone, outcomes.get(backbone), policies[backbone])
             except Exception as e:
                 errors.append(e)
+            except BaseException as e:  # interrupted: the drafts not finished yet are quarantined, not left open
+                end_failed_epoch(model, f"finalize_layerwise_reload interrupted: {describe(e)}")
+                raise
         if errors:
             raise errors[0]
         return result
@@ -154,6 +165,7 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         complete = not completing and info.load_numel_total is not None \
             and info.load_numel >= info.load_numel_total > 0
         result = _in_vllm_reload(original, layer, info, *args, **kwargs)
+        TOUCHED.discard(layer)  # processed and copied back whole: the reload wrote it (it no longer waits)
         if complete and owner is not None:
             backbone, names = owner
             if backbone.lifecycle.can("weights_loaded"):
@@ -161,6 +173,16 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return layerwise_process
+
+
+def _copy_back(original: Callable[..., Any]) -> Callable[..., Any]:
+    # vLLM copies a processed layer into its live (kernel) tensors one by one: recorded before the first copy, so
+    # an interrupt part way is known to have written the layer (`epochs.unwind` cannot undo it)
+    def copy_back(layer: Any, *args: Any, **kwargs: Any) -> Any:
+        TOUCHED.add(layer)
+        return original(layer, *args, **kwargs)
+
+    return copy_back
 
 
 def _drafting_gate(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -193,6 +215,8 @@ _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 #: (vLLM module, function, wrapper maker): every name the plugin wraps, where vLLM looks it up.
 PATCH_POINTS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
     (_LAYERWISE, "_layerwise_process", _layerwise_process),
+    (_LAYERWISE, "_copy_and_restore_kernel_tensors", _copy_back),
+    (_LAYERWISE, "_reload_attention_scales", _copy_back),
     (_LAYERWISE, "initialize_layerwise_reload", _initialize),
     (_LAYERWISE, "finalize_layerwise_reload", _finalize),
     ("vllm.model_executor.model_loader.reload", "initialize_layerwise_reload", _initialize),
