@@ -6,11 +6,10 @@ interrupted at every write point in turn with RuntimeError, KeyboardInterrupt an
   plain      load_weights in three calls with no initialize, then process_weights_after_loading (trainer path iv)
   transfer   the plugin's transfer engine: start_weight_update, update_weights per file (three), finish (path v)
 
-The write points: every in-place write to a tensor (vLLM's weight loaders into the reload's materialised layers,
-its copy back into the live kernel tensors, the K/V shadows, the in-place refresh), every parameter and buffer
-vLLM registers while it moves layers to META and back, vLLM's reload steps (materialise, copy back, put back),
-every `load_weights` / `update_weights` call, every post-load hook, every trigger the lifecycle fires (before, and
-after its state changed) and every report to it (`support.crash.CORE_PROBES` and `VLLM_PROBES`).
+The write points (`support.crash.CORE_PROBES`, `vllm_probes`): every in-place write to a tensor (vLLM's loaders,
+its copy back into the live kernel tensors, the K/V shadows, the refresh), every parameter and buffer registered
+(layers moved to META and back), vLLM's reload steps, the transfer calls, every post-load hook, every trigger the
+lifecycle fires (before, and after its state changed) and every report to it.
 
 After each interrupt (`check`): the draft is usable and then it is exactly draft A (nothing kept) or exactly draft B
 (the reload completed): every linear layer's effective weight (an identity input through its quant method),
@@ -36,7 +35,7 @@ import torch
 
 from support.needs import needs
 
-__all__ = ["FULL_ENV", "PATHS", "run_crash", "scenario_crash"]
+__all__ = ["FULL_ENV", "PATHS", "canaries", "run_crash", "scenario_crash"]
 
 #: the sweeps' scope: unset, every point once with one interrupt kind in turn, on the CPU layout; "1": every point
 #: with every kind, on both layouts
@@ -174,10 +173,6 @@ def vllm_probes() -> tuple[Any, ...]:
 
 
 # ---- one sweep ---------------------------------------------------------------------------------------------------
-def _other(which: str) -> str:
-    return "B" if which == "A" else "A"
-
-
 @dataclass
 class _Draft:
     """The draft every run of a sweep uses: the checkpoint it holds now (`at`), what a run writes (`to`) and the
@@ -187,6 +182,7 @@ class _Draft:
     pins: dict[str, Any]
     at: str = "A"
     to: str = "B"
+    swallowed: bool = False  # this run's injected error was caught by vLLM's own code
 
 
 class Harness:
@@ -223,8 +219,13 @@ class Harness:
         write(model, self.path, self.tensors[which], self.files[which])
 
     def _fresh(self) -> _Draft:
+        from vllm.model_executor.layers import rotary_embedding
+
         from support.vllm_inprocess import backbone, build
 
+        # a rebuild stands for a restart (a new process): nothing vLLM caches between models (its rotary
+        # embeddings, shared by equal configs) carries over from the draft a run stranded
+        rotary_embedding._ROPE_DICT.clear()
         model = build(self.case, self.a)
         backbone(model).capture_graphs()
         self._write(model, "A")  # one reload first: every run starts from a draft that has reloaded
@@ -238,7 +239,7 @@ class Harness:
             d = self.draft
             if d is None or not self._is(d.at, d):
                 d = self._fresh()
-            d.to = _other(d.at)
+            d.to, d.swallowed = "B" if d.at == "A" else "A", False
             self.draft = d
             return d
 
@@ -265,7 +266,8 @@ class Harness:
             if lc.usable:
                 now = state_of(d.model)
                 if now not in (self.cold["A"], self.cold["B"]):
-                    differ = sorted(n for n in now if now[n] not in (self.cold["A"].get(n), self.cold["B"].get(n)))
+                    differ = sorted(n for n in now.keys() | self.cold["A"].keys()  # one gone (META) too
+                                    if now.get(n) not in (self.cold["A"].get(n), self.cold["B"].get(n)))
                     return Outcome(STALE, f"{lc.state.value}, equal to neither cold A nor cold B: {differ[:4]}")
                 if _pins(d.model) != d.pins:
                     return Outcome(STALE, f"{lc.state.value}: pinned identities moved")
@@ -302,64 +304,44 @@ def _swallowed_by_vllm(injected: BaseException) -> bool:
 
 
 def vllm_sweep(h: Harness, name: str, *, kinds: str | tuple[str, ...], stride: int = 1) -> Any:
-    """`support.crash.sweep` for one harness, with two differences: a run that vLLM's own code ended by catching
-    an injected RuntimeError (`_swallowed_by_vllm`) is checked like the others (the invariant must hold, its
-    outcome is marked as such), and `stride` samples every stride-th point (an offset per scenario)."""
+    """`support.crash.sweep` over the harness, every `stride`-th point (an offset per scenario). An injected
+    RuntimeError that vLLM's own code caught (`_swallowed_by_vllm`) is raised again when the operation ends: the
+    run is checked like the others, its outcome marked as such."""
     import zlib
 
-    from support.crash import (
-        CORE_PROBES,
-        INJECTED,
-        KINDS,
-        LOST,
-        NOT_REACHED,
-        RESULTS,
-        VIOLATIONS,
-        Outcome,
-        SweepResult,
-        WritePoints,
-        _carries,
-        instrumented,
-    )
+    from support.crash import CORE_PROBES, VIOLATIONS, Outcome, Scenario, WritePoints, sweep
 
-    wp = WritePoints()
-    with instrumented(wp, (*CORE_PROBES, *vllm_probes())):
-        d = h.setup()
-        with wp.counting():
+    seen: list[WritePoints] = []
+
+    def grab(points: WritePoints) -> Any:  # a probe that only keeps the sweep's `WritePoints`
+        seen.append(points)
+        return nullcontext()
+
+    def operation(d: _Draft) -> None:
+        try:
             h.operation(d)
-        h.check(d, RuntimeError("counting run"))  # the retry is a no-op write of the same checkpoint
-        result = SweepResult(name, list(wp.labels))
+        except Exception as e:
+            injected = seen[0].injected
+            if injected is not None and e is not injected and _swallowed_by_vllm(injected):
+                d.swallowed = True
+                raise injected from e
+            raise
+        injected = seen[0].injected
+        if injected is not None and _swallowed_by_vllm(injected):
+            d.swallowed = True
+            raise injected
+        d.at = d.to  # it completed
+
+    def check(d: _Draft, raised: BaseException) -> Outcome:
+        out: Outcome = h.check(d, raised)
+        return Outcome(f"{out.kind} (vLLM caught it)") if d.swallowed and out.kind not in VIOLATIONS else out
+
+    def sampled() -> Any:  # iterated once the counting run is done: its points are known
         offset = zlib.crc32(name.encode())
-        for k in range(1 + offset % stride, len(result.points) + 1, stride):
-            for kind in (KINDS[(k + offset) % len(KINDS)],) if kinds == "rotate" else kinds:
-                d = h.setup()
-                raised: BaseException | None = None
-                with wp.failing(k, kind):
-                    try:
-                        h.operation(d)
-                    except BaseException as e:  # the injected interrupts are what is tested
-                        raised = e
-                injected = wp.injected
-                if isinstance(raised, KeyboardInterrupt) and not isinstance(raised, INJECTED["KeyboardInterrupt"]):
-                    raise raised  # a genuine Ctrl-C
-                if injected is None:
-                    outcome = Outcome(NOT_REACHED, f"{len(wp.labels)} points this time")
-                elif _carries(raised, injected):
-                    assert raised is not None
-                    outcome = h.check(d, raised)
-                elif _swallowed_by_vllm(injected):
-                    checked = h.check(d, raised or injected)
-                    outcome = checked if checked.kind in VIOLATIONS else Outcome(f"{checked.kind} (vLLM caught it)")
-                else:
-                    outcome = Outcome(LOST, f"the operation {'returned' if raised is None else f'raised {raised!r}'}")
-                result.runs += 1
-                result.outcomes[kind, outcome.kind] += 1
-                if outcome.kind in VIOLATIONS:
-                    label = result.points[k - 1] if k <= len(result.points) else "?"
-                    result.violations.append(f"point {k} ({label}), {kind}: {outcome.kind}: {outcome.detail}")
-    RESULTS.append(result)
-    print(result.summary(), flush=True)
-    return result
+        yield from range(1 + offset % stride, len(seen[0].labels) + 1, stride)
+
+    scenario = Scenario(name, h.setup, operation, check, probes=(*CORE_PROBES, *vllm_probes(), grab))
+    return sweep(scenario, kinds=kinds, points=None if stride == 1 else sampled())
 
 
 def _sweep(work: Path, layout: str, path: str, full: bool) -> dict[str, Any]:
@@ -371,6 +353,31 @@ def _sweep(work: Path, layout: str, path: str, full: bool) -> dict[str, Any]:
             "violations": result.violations}
 
 
+def canaries(h: Harness) -> dict[str, str]:
+    """The check itself, on drafts known to be wrong: a derived buffer one element off, and a weight left on META
+    while the draft says it is usable. Each must be named usable-but-stale (else a sweep's 0 means nothing)."""
+    from support.vllm_inprocess import backbone
+
+    out = {}
+    for name, spoil in (("derived buffer off by one element", _spoil_derived), ("weight on META", _spoil_weight)):
+        d = h.setup()
+        with h._layout():
+            spoil(backbone(d.model))
+        out[name] = h.check(d, RuntimeError("canary")).kind
+        h.draft = None  # rebuilt for whatever runs next
+    return out
+
+
+def _spoil_derived(b: Any) -> None:
+    with torch.no_grad():
+        b._k_norm_weights.view(-1)[0] += 1
+
+
+def _spoil_weight(b: Any) -> None:
+    module = b.layers[0].input_layernorm
+    module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+
+
 def scenario_crash(work: Path) -> dict[str, Any]:
     from support.vllm_inprocess import setup
 
@@ -378,7 +385,7 @@ def scenario_crash(work: Path) -> dict[str, Any]:
     full = os.environ.get(FULL_ENV) == "1"
     layouts = ("cpu", "gpu") if full else ("cpu",)
     sweeps = [_sweep(work, layout, path, full) for layout in layouts for path in PATHS]
-    return {"full": full, "sweeps": sweeps}
+    return {"full": full, "sweeps": sweeps, "canaries": canaries(Harness(work, "cpu", "layerwise"))}
 
 
 if __name__ == "__main__":
