@@ -52,7 +52,7 @@ def make_variants(work: Path) -> None:
     _variant(work, "only_k0_b", {"layers.0.self_attn.k_proj.weight": b["layers.0.self_attn.k_proj.weight"]})
     k0, q0 = "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.q_proj.weight"
     _variant(work, "dup_q0_no_k0", {**{n: t for n, t in b.items() if n != k0},
-                                    "midlayer.self_attn.q_proj.weight": b[q0]})
+                                    "midlayer.self_attn.q_proj.weight": b[q0].clone()})  # its own bytes on disk
     _variant(work, "changing", b)
     (work / "empty").mkdir(exist_ok=True)
     fifo = work / "fifo.safetensors"
