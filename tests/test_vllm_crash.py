@@ -13,7 +13,9 @@ finishing steps left the draft PARTIALLY_LOADED, where no reload begins).
 
 The suite's run: every point of the layerwise reload and every 4th of the others, one interrupt kind per point in
 turn (every kind over three consecutive points); `LIFECYCLE_CRASH_FULL=1` runs every point with every kind on both
-weight layouts (`python -m support.vllm_crash_scenarios crash WORKDIR` from tests/, with PYTHONPATH set).
+weight layouts (`python -m support.vllm_crash_scenarios crash WORKDIR` from tests/, with PYTHONPATH set). Measured
+with every kind at every point on the CPU layout: 801 points, 2403 interrupted runs; one kind per point on the GPU
+layout: 760 points and runs; 0 usable-but-stale, 0 stranded in either.
 """
 
 from __future__ import annotations
