@@ -111,6 +111,7 @@ class DraftBackbone(nn.Module):
             meta_scan=_weakly(self.meta_or_absent),
             locked=locked,
         )
+        self._lifecycle.constant_tensors = _weakly(self.constant_derived_buffers)
         self._runtime_hooks: list[Hook] = []
         self._derived_fallbacks: dict[str, str] = {}
         self._plan_memory = PlanMemory()  # the last validated plans of its alias, concat, stack buffers
@@ -224,6 +225,18 @@ class DraftBackbone(nn.Module):
     def derived_buffer_names(self) -> list[str]:
         return [s.name for s in self.derived_buffers]
 
+    def constant_derived_buffers(self) -> dict[str, torch.Tensor | None]:
+        """The derived buffers no reload writes, as they are now: an alias of a tensor that is no checkpoint
+        tensor (the RoPE table a cold-load hook computes), a custom buffer with no dependencies. Under captured
+        graphs their content is pinned too (`verify_pinned`)."""
+        specs = self.lifecycle.specs
+        out: dict[str, torch.Tensor | None] = {}
+        for spec in self.derived_buffers:
+            names = spec.source_names(self)
+            if (spec.kind == "alias" and not any(n in specs for n in names)) or (spec.kind == "custom" and not names):
+                out[spec.name] = current_buffer(self, spec.name)
+        return out
+
     # ---- hooks ------------------------------------------------------------------------------------------------
     def register_post_load_hook(self, fn: Callable[[DraftBackbone], Any], *phases: Phase | str,
                                 name: str | None = None) -> None:
@@ -268,6 +281,8 @@ class DraftBackbone(nn.Module):
             ran.extend(self._run_hooks(phase))
             if phase is Phase.COLD_LOAD:
                 self._cold_load_epoch = lc.epoch
+            elif ran:  # a reload's own hooks may write anything: what is constant from here on
+                lc.pin_content()
 
         lc.finalize_loading(keep_untouched=keep_untouched, effect=run_hooks)
         return ran

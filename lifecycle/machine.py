@@ -26,13 +26,13 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from . import events
-from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError, SessionStateError
+from .errors import IllegalTransitionError, LayersNotReadyError, LifecycleError, SessionStateError, StorageDriftError
 from .firing import MetaScan, PinnedTensors, Resolver
 from .guards import ReloadOrigin, recovery_verdict, refusal, require_all_layers_ready, require_pinned_unchanged
 from .load_tracking import LoadTracking
 from .readiness import LayerReadiness, layer_of
 from .states import INITIAL_STATE, QUARANTINE_STATE, USABLE_STATES, LifecycleState
-from .storage import PinnedStorage
+from .storage import PinnedContent, PinnedStorage
 from .types import TensorSpec, capped, clipped
 
 __all__ = ["BackboneLifecycle"]
@@ -51,6 +51,11 @@ class BackboneLifecycle(LoadTracking):
     every checkpoint tensor that is absent or on META now: the full readiness check then needs no per-name
     resolve (it runs at every layer-complete load, finish and refresh). The backbone mixin wires all three.
     """
+
+    #: the constant derived buffers (name -> live tensor), whose content is pinned at capture (`PinnedContent`);
+    #: the backbone mixin sets it
+    constant_tensors: Callable[[], Mapping[str, Any]] | None = None
+    pinned_content: PinnedContent | None = None
 
     def __init__(
         self,
@@ -217,6 +222,7 @@ class BackboneLifecycle(LoadTracking):
             def pin() -> int:
                 tensors = self._pinned_tensors() if self._pinned_tensors else {}
                 self.pinned = PinnedStorage.snapshot({k: v for k, v in tensors.items() if v is not None})
+                self.pin_content()
                 return len(self.pinned)
 
             return self._fire("capture_graphs", pin) or 0
@@ -225,6 +231,7 @@ class BackboneLifecycle(LoadTracking):
         with self._lock:
             def unpin() -> None:
                 self.pinned = None
+                self.pinned_content = None
 
             self._fire("release_graphs", unpin)
 
@@ -349,7 +356,20 @@ class BackboneLifecycle(LoadTracking):
             return refusal(self, trigger)
 
     def verify_pinned(self) -> int:
-        """Check every pinned identity against the live tensors now. Returns how many were checked."""
+        """Check every pinned identity against the live tensors now, and the content of every constant derived
+        buffer against its digest at capture (`StorageDriftError` naming each). Returns how many identities
+        were checked."""
         with self._lock:
             require_pinned_unchanged(self, "verify_pinned")
+            if self.pinned_content is not None and self.constant_tensors is not None:
+                problems = self.pinned_content.changes(self.constant_tensors())
+                if problems:
+                    raise self.record_refusal("verify_pinned", StorageDriftError(problems, backbone=self.name,
+                                                                                 state=self.state.value))
             return len(self.pinned) if self.pinned else 0
+
+    def pin_content(self) -> None:
+        """Pin the content of the constant derived buffers now (at capture; again after a reload's own hooks,
+        which may write anything), while graphs are pinned."""
+        if self.pinned is not None and self.constant_tensors is not None:
+            self.pinned_content = PinnedContent.snapshot(self.constant_tensors())

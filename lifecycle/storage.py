@@ -15,6 +15,7 @@ True
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -29,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .types import dtype_name
 
-__all__ = ["AllocationLog", "AllocationRecord", "IdentityColumns", "PinnedStorage", "StorageIdentity",
-           "count_allocations", "describe_changes"]
+__all__ = ["AllocationLog", "AllocationRecord", "IdentityColumns", "PinnedContent", "PinnedStorage",
+           "StorageIdentity", "content_digest", "count_allocations", "describe_changes"]
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,47 @@ class PinnedStorage:
 
     def __len__(self) -> int:
         return len(self.identities)
+
+
+def content_digest(t: torch.Tensor) -> str:
+    """A digest of `t`'s bytes (blake2b, 128 bits), as they are stored; a device tensor is read back first.
+
+    >>> content_digest(torch.zeros(3)) == content_digest(torch.zeros(3)), content_digest(torch.ones(3))[:8]
+    (True, '0e2942e7')
+    """
+    data = t.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(memoryview(raw), digest_size=16).hexdigest()  # type: ignore[arg-type]  # numpy's stubs
+
+
+@dataclass(frozen=True)
+class PinnedContent:
+    """The CONTENT of the tensors graphs read that no reload writes (constant derived buffers: a RoPE table a
+    cold-load hook computed, a custom buffer with no dependencies), pinned by digest at capture: their storage
+    identity is pinned too, but a write into that memory, or its corruption, keeps the identity. Checked by
+    `verify_pinned()` (not at every refresh: a digest reads every byte)."""
+
+    digests: Mapping[str, str]
+
+    @classmethod
+    def snapshot(cls, tensors: Mapping[str, torch.Tensor | None]) -> PinnedContent:
+        return cls(MappingProxyType({n: content_digest(t) for n, t in tensors.items() if t is not None}))
+
+    def changes(self, live: Mapping[str, torch.Tensor | None]) -> list[str]:
+        problems = []
+        for name, was in self.digests.items():
+            t = live.get(name)
+            if t is None:
+                problems.append(f"{name}: pinned constant buffer is gone")
+            elif (now := content_digest(t)) != was:
+                problems.append(f"{name}: content changed since capture (digest {was} -> {now}); no reload writes "
+                                "this constant derived buffer: its memory was written or corrupted")
+        return problems
+
+    def __len__(self) -> int:
+        return len(self.digests)
 
 
 # ---- counting allocations (tests and benchmarks) ---------------------------------------------------------

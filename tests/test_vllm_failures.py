@@ -320,3 +320,22 @@ def test_a_bad_engine_wide_setting_stops_the_plugin_before_it_patches_anything(m
     with pytest.raises(ValueError, match="RELOAD_LIFECYCLE_PATH_ROOT='relative/folder' must be an absolute path"):
         plugin.activate()
     assert plugin._active is False
+
+
+def test_a_payload_that_resends_a_shard_and_omits_another_is_refused_or_completed_on_an_engine(
+        gpu_layout: dict[str, Any]) -> None:
+    """A real engine, `reload_draft_weights` of B without layer 0's k_proj and with its q_proj also under vLLM's
+    `midlayer.` alias: vLLM's element count for the fused qkv_proj adds up (q twice = q + k + v). Before (issue 24,
+    item 13) the layer was processed with K rows never sent and the draft served them. Now partial='refuse' is
+    refused naming the shard (the draft keeps B's values, a complete reload works), and the engine-wide keep
+    completes the shard never sent with its last values: the draft is B again, bit for bit."""
+    refused = gpu_layout["duplicate_shard_refuse"]
+    assert_quarantined(refused, "LayersNotReadyError", "shard 'k' (layers.0.self_attn.k_proj.weight) never sent")
+    assert "sent 'q' 2 times" in refused["call"]["message"]
+    assert refused["fingerprint"] == gpu_layout["fingerprint_b"]  # nothing of the refused payload was served
+    kept = gpu_layout["duplicate_shard_keep"]
+    assert kept["ok"], kept
+    assert kept["value"][0]["partial"] == "keep"
+    assert gpu_layout["duplicate_shard_keep_state"]["state"] == USABLE
+    assert gpu_layout["duplicate_shard_keep_generate"]["ok"]
+    assert gpu_layout["duplicate_shard_keep_fingerprint"] == gpu_layout["fingerprint_b"]  # k kept: B's, not garbage

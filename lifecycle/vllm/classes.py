@@ -56,8 +56,8 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
             for b in backbones:
                 b.before_write()
             result = base.load_weights(self, weights)
-        except BaseException as e:
-            if reload_in_progress(self):
+        except BaseException as e:  # an interrupt too
+            if reload_in_progress(self) or any(b.reload_open for b in backbones):
                 end_failed_epoch(self, f"load_weights failed: {describe(e)}")
             raise
         for b in backbones:

@@ -42,7 +42,9 @@ from ..events import LIST_CAP
 from ..types import capped
 from ..types import describe_error as describe
 from .owners import VLLMDraftBackbone, backbones_in, owner_of
+from .processing import TOUCHED
 from .shadows import SHADOW_OF
+from .shards import COMPLETING, missing_parts
 
 if TYPE_CHECKING:
     from .settings import PartialPolicy
@@ -79,8 +81,9 @@ def _infos(model: nn.Module) -> list[tuple[nn.Module, Any]]:
 
 
 def reload_in_progress(model: nn.Module) -> bool:
-    """Whether vLLM's layerwise reload of `model` was initialised and not finalised (modules wait on META)."""
-    return bool(_infos(model))
+    """Whether vLLM's layerwise reload of `model` was initialised and not finalised (modules wait on META, or
+    an interrupted initialize left some half-way)."""
+    return bool(_infos(model)) or bool(_half_initialized(model))
 
 
 def _put_back(module: nn.Module, info: Any) -> None:
@@ -90,18 +93,38 @@ def _put_back(module: nn.Module, info: Any) -> None:
     info.reset()
 
 
-def unwind(model: nn.Module) -> int:
+def _half_initialized(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """Modules whose kept tensors vLLM took aside but which it never made loadable: an interrupted
+    `initialize_layerwise_reload` (their tensors may be on META, or gone)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return [(m, info) for m in model.modules() if (info := LAYERWISE_INFO.get(m)) is not None
+            and info.kernel_tensors is not None and not info.can_load()]
+
+
+def unwind(model: nn.Module, *, non_persistent: dict[nn.Module, set[str]] | None = None) -> int:
     """Give every module still in the reload its kept tensors back and end vLLM's reload of `model`. Returns
-    how many of its modules this reload had written (0: the model holds exactly its weights from before)."""
+    how many of its modules this reload had written (0: the model holds exactly its weights from before).
+    `non_persistent`: each module's non-persistent buffer names before `initialize_layerwise_reload` ran, for
+    the modules an interrupted initialize left half-way (`_half_initialized`)."""
     waiting = _infos(model)
-    if not waiting:
-        return 0
+    half = _half_initialized(model)
+    touched = [m for m in model.modules() if m in TOUCHED]
+    TOUCHED.difference_update(touched)
+    if not waiting and not half:
+        return len(touched)
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     skip = {id(m) for m, _ in waiting} | {id(m) for _, m in shared_modules(model)}
     # initialize_layerwise_reload put every module of `model` in the reload (but the shared ones, taken out by
-    # keep_shared_modules_live): one that no longer waits was processed (written into its kernel tensors)
-    written = sum(1 for m in model.modules() if id(m) not in skip and m in LAYERWISE_INFO)
+    # keep_shared_modules_live): one that no longer waits was processed (written into its kernel tensors); one
+    # that still waits may have been written in part (`TOUCHED`: an interrupted copy back)
+    written = 0 if half else sum(1 for m in model.modules() if id(m) not in skip and m in LAYERWISE_INFO)
+    written += sum(1 for m in touched if id(m) in skip)
+    for module, info in half:
+        if non_persistent is not None and module in non_persistent:
+            info.kernel_non_persistent_buffers = non_persistent[module]
+        _put_back(module, info)
     for module, info in waiting:
         _put_back(module, info)
     if hasattr(model, "_original_do_torchao_reload"):
@@ -136,11 +159,12 @@ def keep_shared_modules_live(model: nn.Module) -> list[str]:
     return taken
 
 
-def end_failed_epoch(model: nn.Module, reason: str) -> None:
-    """After a failure anywhere in a draft reload of `model`: unwind vLLM's reload, then roll back exactly
-    and recover (nothing was written) or quarantine (something was). Idempotent; never raises for a draft that
-    is not mid-reload."""
-    written = unwind(model)
+def end_failed_epoch(model: nn.Module, reason: str, *,
+                     non_persistent: dict[nn.Module, set[str]] | None = None) -> None:
+    """After a failure anywhere in a draft reload of `model` (an interrupt too): unwind vLLM's reload, then roll
+    back exactly and recover (nothing was written) or quarantine (something was). Idempotent; never raises for a
+    draft that is not mid-reload. `non_persistent`: see `unwind`."""
+    written = unwind(model, non_persistent=non_persistent)
     for backbone in backbones_in(model):
         backbone.reload_partial = None
         lc = backbone.lifecycle
@@ -171,7 +195,7 @@ def finish_epoch(backbone: VLLMDraftBackbone, outcome: PartialOutcome | None = N
                            completed_with_last_values=sorted(outcome.filled))
         backbone.finalize_loading()
         backbone.refresh_derived_buffers()
-    except Exception as e:
+    except BaseException as e:  # an interrupt too: never left FINALIZED or mid-finish, where no reload begins
         # fail closed: the draft keeps its last good derived buffers and refuses to run until a good reload
         if lc.can("abort_reload"):
             lc.abort_reload(f"{type(e).__name__}: {getattr(e, 'reason', e)}")
@@ -216,6 +240,7 @@ def settle_partial(model: nn.Module, policy_of: Callable[[VLLMDraftBackbone], Pa
             if shadow is not None:
                 out.untouched.append(shadow)
             continue
+        parts = missing_parts(module, info, _leaf_names(names))  # per tensor and shard (`shards.py`)
         sent = f"{info.load_numel} of {info.load_numel_total} elements were sent"
         why = (_must_be_written(backbone, names) or _not_fillable(module, info)) if policy_of(backbone) == "keep" \
             else "partial='refuse'"
@@ -226,7 +251,8 @@ def settle_partial(model: nn.Module, policy_of: Callable[[VLLMDraftBackbone], Pa
             continue
         _put_back(module, info)  # never process the unsent remainder uninitialised
         for n in names + ([shadow] if shadow else []):
-            out.unfilled[n] = f"{sent}; kept unchanged, the sent part dropped ({why})"
+            missing = f"; {parts[n]}" if n in parts else ""
+            out.unfilled[n] = f"{sent}; kept unchanged, the sent part dropped ({why}){missing}"
     for backbone in backbones_in(model):
         outcomes.setdefault(backbone, PartialOutcome())
     return outcomes
@@ -275,4 +301,13 @@ def _complete_with_last_values(module: nn.Module, info: Any) -> None:
         live = getattr(module, name, None)
         if isinstance(live, torch.Tensor) and not live.is_meta and live.shape == kept.shape:
             live.copy_(kept)
-    layerwise._layerwise_process(module, info)
+    token = COMPLETING.set(True)  # the shards never sent hold their last values now: process it
+    try:
+        layerwise._layerwise_process(module, info)
+    finally:
+        COMPLETING.reset(token)
+
+
+def _leaf_names(names: list[str]) -> dict[str, str]:
+    """A module's own tensor leaves -> their lifecycle names (`names`, from `owner_of`)."""
+    return {n.rpartition(".")[2]: n for n in names}

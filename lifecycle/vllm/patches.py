@@ -1,8 +1,10 @@
 """Wrap vLLM's reload entry points where vLLM looks them up, so every load path drives the lifecycle.
 
   initialize_layerwise_reload(model)   -> each lifecycle draft in `model` begins a reload epoch, then vLLM's
-  _layerwise_process(layer, info)       -> after vLLM processed a layer that received ALL its elements, the
-                                           owning draft records that layer's tensors as loaded
+  _layerwise_process(layer, info)       -> a draft's layer is processed only once every tensor and every shard
+                                           of a fused parameter arrived (`shards.py`; vLLM's element count can add
+                                           up without them); after vLLM processed it, the owning draft records
+                                           that layer's tensors as loaded
   finalize_layerwise_reload(model, c)   -> vLLM's finalize first, then each draft finishes (every layer ready?),
                                            runs its reload hooks and refreshes in place; a draft whose reload is
                                            incomplete is quarantined and the error is raised to the caller
@@ -41,9 +43,10 @@ from .epochs import (
     settle_partial,
 )
 from .owners import backbones_in, owner_of
-from .processing import IN_VLLM_RELOAD
+from .processing import IN_VLLM_RELOAD, TOUCHED
 from .quantized import reload_blocker
 from .serving import drafting_allowed
+from .shards import COMPLETING, missing_parts
 
 __all__ = ["ENGINE_NAMES", "PATCH_POINTS", "install"]
 
@@ -97,10 +100,18 @@ def _initialize(original: Callable[..., Any]) -> Callable[..., Any]:
             raise NotImplementedError(f"reload-lifecycle: {why}")
         if reload_in_progress(model):  # the last reload never reached finalize
             end_failed_epoch(model, "abandoned: a new reload began before the previous one was finalized")
-        for backbone in backbones:
-            backbone.on_reload_begin()
-        result = original(model, *args, **kwargs)
-        keep_shared_modules_live(model)  # what the draft shares with the target stays live
+        # what vLLM's initialize moves to META and back: its buffers' persistence, for an interrupted one
+        non_persistent = {m: set(m._non_persistent_buffers_set) for m in model.modules()}
+        TOUCHED.difference_update(non_persistent)
+        try:
+            for backbone in backbones:
+                backbone.on_reload_begin()
+            result = original(model, *args, **kwargs)
+            keep_shared_modules_live(model)  # what the draft shares with the target stays live
+        except BaseException as e:  # an interrupt too: no module may stay on META, the epoch ends here
+            end_failed_epoch(model, f"initialize_layerwise_reload failed: {describe(e)}",
+                             non_persistent=non_persistent)
+            raise
         return result
 
     return initialize_layerwise_reload
@@ -130,6 +141,9 @@ def _finalize(original: Callable[..., Any]) -> Callable[..., Any]:
                 finish_epoch(backbone, outcomes.get(backbone), policies[backbone])
             except Exception as e:
                 errors.append(e)
+            except BaseException as e:  # interrupted: the drafts not finished yet are quarantined, not left open
+                end_failed_epoch(model, f"finalize_layerwise_reload interrupted: {describe(e)}")
+                raise
         if errors:
             raise errors[0]
         return result
@@ -139,11 +153,19 @@ def _finalize(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
     def layerwise_process(layer: Any, info: Any, *args: Any, **kwargs: Any) -> Any:
+        owner = owner_of(layer)
+        completing = COMPLETING.get()  # `epochs.settle_partial` completes it with last values, and marks it
+        # vLLM processes a layer once its copied elements add up, so a shard sent twice can stand in for one
+        # never sent: a draft's layer in a reload is processed only once every tensor and shard arrived
+        # (`shards.py`); until then it keeps buffering, and the finalize decides (`epochs.settle_partial`)
+        if owner is not None and info.kernel_tensors is not None and not completing and missing_parts(layer, info):
+            return None
         # vLLM also processes layers that got only part of their elements (at finalize, with the rest
         # uninitialised); only a layer that received everything counts as loaded
-        complete = info.load_numel_total is not None and info.load_numel >= info.load_numel_total > 0
+        complete = not completing and info.load_numel_total is not None \
+            and info.load_numel >= info.load_numel_total > 0
         result = _in_vllm_reload(original, layer, info, *args, **kwargs)
-        owner = owner_of(layer)
+        TOUCHED.discard(layer)  # processed and copied back whole: the reload wrote it (it no longer waits)
         if complete and owner is not None:
             backbone, names = owner
             if backbone.lifecycle.can("weights_loaded"):
@@ -151,6 +173,16 @@ def _layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return layerwise_process
+
+
+def _copy_back(original: Callable[..., Any]) -> Callable[..., Any]:
+    # vLLM copies a processed layer into its live (kernel) tensors one by one: recorded before the first copy, so
+    # an interrupt part way is known to have written the layer (`epochs.unwind` cannot undo it)
+    def copy_back(layer: Any, *args: Any, **kwargs: Any) -> Any:
+        TOUCHED.add(layer)
+        return original(layer, *args, **kwargs)
+
+    return copy_back
 
 
 def _drafting_gate(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -183,6 +215,8 @@ _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 #: (vLLM module, function, wrapper maker): every name the plugin wraps, where vLLM looks it up.
 PATCH_POINTS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
     (_LAYERWISE, "_layerwise_process", _layerwise_process),
+    (_LAYERWISE, "_copy_and_restore_kernel_tensors", _copy_back),
+    (_LAYERWISE, "_reload_attention_scales", _copy_back),
     (_LAYERWISE, "initialize_layerwise_reload", _initialize),
     (_LAYERWISE, "finalize_layerwise_reload", _finalize),
     ("vllm.model_executor.model_loader.reload", "initialize_layerwise_reload", _initialize),
@@ -202,6 +236,13 @@ ENGINE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.load_numel", "patches._layerwise_process"),
     ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.load_numel_total",
      "patches._layerwise_process"),
+    ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo.loaded_weights",
+     "shards (what each layer received, per shard)"),
+    ("vllm.model_executor.model_loader.reload.utils", "get_layer_tensors", "shards"),
+    ("vllm.model_executor.model_loader.reload.utils", "get_tensor_load_numel", "shards"),
+    ("vllm.model_executor.model_loader.reload.meta", "SKIP_LOAD_TENSORS", "shards"),
+    ("vllm.model_executor.layers.linear", "QKVParallelLinear", "shards (the shards of a fused parameter)"),
+    ("vllm.model_executor.layers.linear", "MergedColumnParallelLinear", "shards"),
     ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase.process_weights_after_loading",
      "processing (shadow capture, deferred processing)"),
     ("vllm.model_executor.models.registry", "ModelRegistry", "plugin (draft class registration)"),

@@ -19,17 +19,22 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from .families import VLLMModule
     from .owners import VLLMDraftBackbone
     from .shadows import Capture
 
-__all__ = ["IN_VLLM_RELOAD", "guard_processing"]
+__all__ = ["IN_VLLM_RELOAD", "TOUCHED", "guard_processing"]
 
 #: True while vLLM's own reload machinery (`_layerwise_process`, `finalize_layerwise_reload`) processes layers.
 IN_VLLM_RELOAD: contextvars.ContextVar[bool] = contextvars.ContextVar("reload_lifecycle_in_vllm_reload",
                                                                       default=False)
+#: modules whose live tensors the current reload began to write (vLLM's copy back into its kernel tensors, the
+#: K/V shadow captured before processing: a view of a derived buffer), recorded BEFORE the write: an interrupt
+#: after it leaves them partly written, which putting their kept tensors back cannot undo (`epochs.unwind`)
+TOUCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def guard_processing(backbone: VLLMDraftBackbone, module: VLLMModule, capture: Capture | None) -> None:
@@ -62,6 +67,7 @@ def guard_processing(backbone: VLLMDraftBackbone, module: VLLMModule, capture: C
             rows, shadow, name = capture
             weight = layer.weight
             if not weight.is_meta and weight.dim() == 2 and weight[rows].shape == shadow.shape:
+                TOUCHED.add(layer)
                 with torch.no_grad():
                     shadow.copy_(weight[rows])
                 lc.weights_loaded([name])

@@ -11,8 +11,10 @@ reload is guarded by the lifecycle. Dequantizing into a shadow was not chosen: i
 copy of every layer's K/V rows and compute from values the engine does not use.
 
 A family whose vLLM class has no non-fused path (Gemma4 DSpark, Laguna DFlash read the raw weight) is refused at
-load with an error naming the method. A kernel whose reload vLLM itself gets wrong is refused at reload, before
-anything is touched (`reload_blocker`).
+load with an error naming the method. A kernel path whose reload vLLM itself gets wrong is refused at reload,
+before anything is touched (`reload_blocker`): decided by the function the kernel applies, as vLLM bound it when
+it processed the layer (the CPU int8 kernel's oneDNN path is refused; its sgl path, which CPUs with AMX take,
+reloads bit-exactly: tests/test_vllm_int8_kernels.py runs both on any CPU).
 """
 
 from __future__ import annotations
@@ -27,15 +29,39 @@ from .families import SHADOW, VLLMDraftFamily
 if TYPE_CHECKING:
     from .owners import VLLMDraftBackbone
 
-__all__ = ["NOT_RELOADABLE", "attention_prefixes", "checkpoint_layout_readable", "quantized_fallback",
-           "reload_blocker"]
+__all__ = ["NOT_RELOADABLE", "PATH_DECIDED_AT_PROCESSING", "attention_prefixes", "checkpoint_layout_readable",
+           "kernel_path", "quantized_fallback", "reload_blocker"]
 
-#: (kernel class, the apply path it chose) -> what goes wrong when vLLM's layerwise reload processes it
+#: (module, qualified name) of the function a kernel applies (`kernel.linear_method`, bound when the layer is
+#: processed) -> what goes wrong when vLLM's layerwise reload processes a layer on it. Keyed by the defining
+#: function, not the kernel's class name: a kernel picks its path per layer at processing
+#: (`CPUInt8ScaledMMLinearKernel`: `_apply_weights_sgl` where `check_cpu_sgl_kernel` holds, on CPUs with AMX, else
+#: `_apply_weights_onednn`), and a subclass that inherits a path inherits what it does.
 NOT_RELOADABLE: dict[tuple[str, str], str] = {
-    ("CPUInt8ScaledMMLinearKernel", "_apply_weights_onednn"): (
-        "vLLM 0.32's layerwise reload rebuilds its oneDNN handle from the reload's temporary tensors: reloading "
-        "the very same checkpoint changes the layer's output (measured, with and without this plugin)"),
+    ("vllm.model_executor.kernels.linear.scaled_mm.cpu", "CPUInt8ScaledMMLinearKernel._apply_weights_onednn"): (
+        "vLLM 0.32's layerwise reload rebuilds its oneDNN handle from the reload's temporary layer, and the handle "
+        "keeps reading that layer's weight scale, which the reload frees once it copied it back: the layer then "
+        "computes from freed memory (measured: reloading the very same checkpoint changes the layer's output, "
+        "with and without this plugin)"),
 }
+#: kernels whose path is decided when the layer is processed: one whose path cannot be read is refused too
+PATH_DECIDED_AT_PROCESSING: tuple[tuple[str, str], ...] = (
+    ("vllm.model_executor.kernels.linear.scaled_mm.cpu", "CPUInt8ScaledMMLinearKernel"),
+)
+
+
+def kernel_path(kernel: object) -> tuple[str, str] | None:
+    """(module, qualified name) of the function `kernel` applies (its `linear_method`, bound at processing), or
+    None when it has none (a kernel with one path, or one not processed yet)."""
+    func = getattr(getattr(kernel, "linear_method", None), "__func__", None)
+    if func is None:
+        return None
+    return func.__module__, func.__qualname__
+
+
+def _path_decided_at_processing(kernel: object) -> bool:
+    return any(cls.__module__ == module and cls.__qualname__ == name
+               for cls in type(kernel).__mro__ for module, name in PATH_DECIDED_AT_PROCESSING)
 
 
 def attention_prefixes(model: nn.Module) -> tuple[str, ...]:
@@ -75,15 +101,24 @@ def quantized_fallback(backbone: VLLMDraftBackbone, family: VLLMDraftFamily, met
 
 
 def reload_blocker(model: nn.Module) -> str | None:
-    """Why a layerwise reload of `model` would leave wrong weights, naming the layer and its method; None if
-    none of its layers uses a kernel listed in `NOT_RELOADABLE`."""
+    """Why a layerwise reload of `model` would leave wrong weights, naming the layer, its method, its kernel and
+    the path the kernel took (`NOT_RELOADABLE`); None if no layer applies such a path."""
     for name, module in model.named_modules():
         scheme = getattr(module, "scheme", None) or getattr(module, "quant_method", None)
         kernel = getattr(scheme, "kernel", None)
-        path = getattr(getattr(kernel, "linear_method", None), "__name__", "")
-        why = NOT_RELOADABLE.get((type(kernel).__name__, path))
-        if why is not None:
-            return (f"draft layer {name} is quantized with {type(scheme).__name__} on {type(kernel).__name__} "
-                    f"({path.lstrip('_')}): {why}. The reload is refused before anything was touched; the draft "
-                    "keeps serving its current weights")
+        if kernel is None:
+            continue
+        path = kernel_path(kernel)
+        if path is not None:
+            why = NOT_RELOADABLE.get(path)
+        elif _path_decided_at_processing(kernel):
+            why = "which path it applies is decided when the layer is processed, and it has none"
+        else:
+            why = None
+        if why is None:
+            continue
+        shown = path[1].rpartition(".")[2].lstrip("_") if path else "no path"
+        return (f"draft layer {name} is quantized with {type(scheme).__name__} on {type(kernel).__name__} "
+                f"({shown}): {why}. The reload is refused before anything was touched; the draft keeps serving "
+                "its current weights")
     return None

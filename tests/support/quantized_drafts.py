@@ -17,7 +17,8 @@ import torch
 from lifecycle.loading import write_checkpoint
 from lifecycle.vllm.tiny import dflash_draft_tensors, make_dflash_draft
 
-__all__ = ["QUANTIZED", "make_quantized_draft"]
+__all__ = ["INT8_PATHS", "QUANTIZED", "force_int8_kernel_path", "kernel_paths", "make_quantized_draft",
+           "sgl_kernel_compiled"]
 
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc")
 
@@ -109,6 +110,46 @@ def make_quantized_draft(folder: str | Path, seed: int, fmt: str | None) -> Path
     return folder
 
 
+# ---- vLLM's CPU int8 kernel: both of its paths on any CPU -----------------------------------------------------
+#: the two paths of vLLM's `CPUInt8ScaledMMLinearKernel`: what `INT8_KERNEL_PATH` forces
+INT8_PATHS = ("onednn", "sgl")
+
+
+def force_int8_kernel_path(path: str) -> None:
+    """Make vLLM's CPU int8 kernel take `path` in this process, whatever the CPU. Its
+    `process_weights_after_loading` takes `_apply_weights_sgl` where `check_cpu_sgl_kernel(N, K, dtype)` holds
+    (AMX and a shape the kernel tiles: on a Xeon with AMX, every layer of the tiny draft), else
+    `_apply_weights_onednn`; it reads that function by the name its own module imported, so that name is the one
+    replaced (replacing `layers.utils.check_cpu_sgl_kernel` would also flip vLLM's unquantized bf16 GEMM
+    dispatch). vLLM's own code runs either way; with VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core runs in
+    this process. The sgl kernel's ops are in vLLM's `_C` library (loaded on AVX512-BF16 CPUs: every CPU with AMX,
+    and this project's AMD EPYC); they need no AMX."""
+    import vllm.model_executor.kernels.linear.scaled_mm.cpu as cpu_int8
+
+    if path not in INT8_PATHS:
+        raise ValueError(f"INT8_KERNEL_PATH={path!r}: expected one of {', '.join(INT8_PATHS)}")
+    sgl = path == "sgl"
+    cpu_int8.check_cpu_sgl_kernel = lambda n, k, dtype: sgl
+
+
+def sgl_kernel_compiled() -> bool:
+    """vLLM's sgl int8 kernel is in the library this CPU loads (`_C`; not in `_C_AVX2` / `_C_AVX512`)."""
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's kernels)
+
+    return hasattr(torch.ops._C, "int8_scaled_mm_with_quant") and hasattr(torch.ops._C, "convert_weight_packed")
+
+
+def kernel_paths(worker: Any) -> list[str]:
+    """`Kernel.function` of every quantized layer of the draft: the function vLLM bound when it processed it."""
+    out = set()
+    for module in worker.model_runner.get_draft_model().modules():
+        kernel = getattr(getattr(module, "scheme", None), "kernel", None)
+        func = getattr(getattr(kernel, "linear_method", None), "__func__", None)
+        if func is not None:
+            out.add(f"{type(kernel).__name__}.{func.__name__}")
+    return sorted(out)
+
+
 # ---- the engine scenario (python -m support.quantized_drafts quantized WORKDIR, QUANTIZED_DRAFT=name) ------
 
 
@@ -123,6 +164,8 @@ def scenario_quantized(work: Path) -> dict[str, Any]:
     from support.vllm_basic_scenarios import _generate, _try, fingerprint
 
     name = os.environ["QUANTIZED_DRAFT"]
+    if os.environ.get("INT8_KERNEL_PATH"):
+        force_int8_kernel_path(os.environ["INT8_KERNEL_PATH"])
     fmt, online = QUANTIZED[name]
     a = make_quantized_draft(work / f"{name}-A", seed=1, fmt=fmt)
     b = make_quantized_draft(work / f"{name}-B", seed=2, fmt=fmt)
@@ -139,6 +182,7 @@ def scenario_quantized(work: Path) -> dict[str, Any]:
     out["quant_methods"] = llm.collective_rpc(lambda w: sorted({type(m.quant_method).__name__ for m in
                                                                w.model_runner.get_draft_model().modules()
                                                                if hasattr(m, "input_size_per_partition")}))
+    out["kernel_paths"] = llm.collective_rpc(kernel_paths)
     out["generate_cold"] = _try(lambda: _generate(llm))
     out["states_cold"] = llm.collective_rpc("lifecycle_states")
     out["fingerprint_cold"] = llm.collective_rpc(fingerprint)

@@ -37,9 +37,11 @@ def _variant(work: Path, name: str, tensors: dict[str, Any], config_from: str = 
 def make_variants(work: Path) -> None:
     """draftM: draft B with layer 1 of draft A (so a keep-reload of B's layer 1 makes B); bad_shape: B with a
     tensor of another shape in layer 1; bogus_first: B plus a name the draft does not have, sorted first;
-    only_k0 / only_k0_b: draft A's / B's layer-0 k_proj alone; changing: a copy of B that a case rewrites; an
-    empty folder; a FIFO; sparse_tib: B whose layer-1 down_proj claims 1 TiB (a hole); deeper_target: the target's
-    checkpoint with two more layers (another model's folder)."""
+    only_k0 / only_k0_b: draft A's / B's layer-0 k_proj alone; dup_q0_no_k0: B without layer 0's k_proj and with
+    its q_proj a second time under `midlayer.` (vLLM's DFlash alias of `layers.0.`: the elements vLLM counts add
+    up); changing: a copy of B that a case rewrites; an empty folder; a FIFO; sparse_tib: B whose layer-1
+    down_proj claims 1 TiB (a hole); deeper_target: the target's checkpoint with two more layers (another model's
+    folder)."""
     import torch
     from safetensors.torch import load_file
 
@@ -53,6 +55,9 @@ def make_variants(work: Path) -> None:
     _variant(work, "bogus_first", {**b, "a_bogus.weight": torch.zeros(4)})
     _variant(work, "only_k0", {"layers.0.self_attn.k_proj.weight": a["layers.0.self_attn.k_proj.weight"]})
     _variant(work, "only_k0_b", {"layers.0.self_attn.k_proj.weight": b["layers.0.self_attn.k_proj.weight"]})
+    k0, q0 = "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.q_proj.weight"
+    _variant(work, "dup_q0_no_k0", {**{n: t for n, t in b.items() if n != k0},
+                                    "midlayer.self_attn.q_proj.weight": b[q0].clone()})  # its own bytes on disk
     _variant(work, "changing", b)
     (work / "empty").mkdir(exist_ok=True)
     big = "layers.1.mlp.down_proj.weight"
@@ -369,6 +374,14 @@ def scenario_gpu_layout(work: Path) -> dict[str, Any]:
     out["keep_k0_generate"] = _served(llm)
     out["refuse_k0"] = _case(llm, _reload(llm, work / "only_k0_b", partial="refuse"),
                              _reload(llm, work / "draftB"), fingerprinted=True)
+    # a payload that only looks complete: layer 0's q_proj twice, its k_proj never (issue 24, item 13)
+    out["fingerprint_b"] = llm.collective_rpc(fingerprint)
+    out["duplicate_shard_refuse"] = _case(llm, _reload(llm, work / "dup_q0_no_k0", partial="refuse"),
+                                          _reload(llm, work / "draftB"), fingerprinted=True)
+    out["duplicate_shard_keep"] = _try(_reload(llm, work / "dup_q0_no_k0"))  # engine-wide keep
+    out["duplicate_shard_keep_state"] = _draft_state(llm)
+    out["duplicate_shard_keep_fingerprint"] = llm.collective_rpc(fingerprint)
+    out["duplicate_shard_keep_generate"] = _served(llm)
     out["verify"] = llm.collective_rpc("lifecycle_verify")
     return out
 
