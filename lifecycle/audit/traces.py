@@ -131,6 +131,13 @@ class ReportCollector:
             tr.refreshed_pinned = r.pinned
         elif name == "storage_check" and f["ok"] is False:
             self._mark(tr, ev.ts, f"storage check failed ({clip(f.get('action'), SHOWN_CAP)})", "mark-drift")
+        elif name == "acceptance_collapse":
+            self._mark(tr, ev.ts, f"acceptance collapse: {f['accepted_share']:.3f} of {f['draft_tokens']} draft "
+                                  f"tokens accepted, {f['previous_share']:.3f} before", "mark-drift")
+        elif name == "acceptance" and f.get("final") is True:
+            share = f.get("accepted_share")
+            self._mark(tr, ev.ts, f"acceptance {'-' if share is None else f'{share:.3f}'} "
+                                  f"({f['accepted_tokens']}/{f['draft_tokens']} draft tokens)", "mark-acceptance")
 
     @staticmethod
     def _layers(tr: EpochTrace, layers: list[str] | tuple[str, ...], kind: str, t: float) -> None:

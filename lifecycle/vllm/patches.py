@@ -14,6 +14,8 @@
 
   GPUModelRunner._input_fits_in_drafter -> False while a draft is not usable (quarantined, mid-reload): vLLM
                                            then runs the step without the drafter (the target's tokens only)
+  DFlashSpeculator.propose (Model        -> the same gate on Model Runner V2 (`runner_v2.py`): zero draft
+  Runner V2)                               tokens without running the draft model
 
 `reload_weights`, the native weight-transfer engines and RL trainers all call these names, so one set of
 wrappers covers cold load, target reload, draft reload and the transfer sessions. A reference taken before the
@@ -30,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from . import settings
+from . import front_view, runner_v2, settings
 from .epochs import (
     describe,
     end_failed_epoch,
@@ -195,6 +197,7 @@ PATCH_POINTS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[...,
      _process_weights_after_loading),
     ("vllm.model_executor.model_loader.utils", "process_weights_after_loading", _process_weights_after_loading),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._input_fits_in_drafter", _drafting_gate),
+    *runner_v2.PATCH_POINTS,
 )
 
 #: (vLLM module, name, who uses it): the other vLLM names the plugin relies on (checked with PATCH_POINTS).
@@ -222,6 +225,8 @@ ENGINE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "quantized, epochs (checkpoint layout)"),
     ("vllm.v1.executor.abstract", "Executor.__init__", "nodes (a Ray executor checks every worker's node)"),
     ("vllm.v1.executor.abstract", "Executor.collective_rpc", "nodes (the per-node probe)"),
+    *runner_v2.ENGINE_NAMES,
+    *front_view.ENGINE_NAMES,
 )
 
 

@@ -41,7 +41,7 @@ def activate() -> None:
     _configure_audit_from_env()
     from vllm import ModelRegistry
 
-    from . import nodes, patches, transfer
+    from . import frontend, nodes, patches, transfer
     from .capabilities import active_families
 
     for family in active_families(version):
@@ -50,6 +50,7 @@ def activate() -> None:
     patches.install()
     transfer.register()
     nodes.install()  # a Ray engine checks that every worker's node runs this plugin
+    frontend.install()  # process 0: pushes, the draft's state and the acceptance canary on /metrics
     _active = True
 
 

@@ -19,6 +19,7 @@ from ..types import capped
 from .epochs import describe, end_failed_epoch
 from .owners import VLLMDraftBackbone, backbones_in
 from .payload import feed, plan_payload
+from .serving_state import ServingStateRPC
 from .settings import PartialPolicy, check_partial
 
 __all__ = ["WORKER_KEYS", "LifecycleWorkerExtension", "draft_model_of", "per_backbone"]
@@ -33,8 +34,9 @@ def per_backbone(answer: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in answer.items() if k not in WORKER_KEYS}
 
 
-class LifecycleWorkerExtension:
-    """Mixed into vLLM's worker class; `self` is the worker."""
+class LifecycleWorkerExtension(ServingStateRPC):
+    """Mixed into vLLM's worker class; `self` is the worker. `lifecycle_serving_state` (the metrics' and the
+    acceptance canary's RPC) comes from `serving_state.ServingStateRPC`."""
 
     # what the worker this is mixed into has (vLLM's `WorkerBase`): declared for the type checker only
     model_runner: Any
