@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from . import settings
+from . import sessions, settings, weight_checker
 from .epochs import (
     describe,
     end_failed_epoch,
@@ -195,6 +195,8 @@ PATCH_POINTS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[...,
      _process_weights_after_loading),
     ("vllm.model_executor.model_loader.utils", "process_weights_after_loading", _process_weights_after_loading),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._input_fits_in_drafter", _drafting_gate),
+    *sessions.PATCH_POINTS,  # vLLM's weight-update session in step with the draft's epoch (sessions.py)
+    *weight_checker.PATCH_POINTS,  # the draft in vLLM's /weight_checker (weight_checker.py)
 )
 
 #: (vLLM module, name, who uses it): the other vLLM names the plugin relies on (checked with PATCH_POINTS).
@@ -222,6 +224,8 @@ ENGINE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "quantized, epochs (checkpoint layout)"),
     ("vllm.v1.executor.abstract", "Executor.__init__", "nodes (a Ray executor checks every worker's node)"),
     ("vllm.v1.executor.abstract", "Executor.collective_rpc", "nodes (the per-node probe)"),
+    *sessions.ENGINE_NAMES,
+    *weight_checker.ENGINE_NAMES,
 )
 
 
