@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from lifecycle.states import LifecycleState
-from lifecycle.vllm.worker import per_backbone
 from support.quantized_drafts import QUANTIZED
 from support.vllm_basic_scenarios import run_scenario
 
@@ -80,7 +79,7 @@ def test_a_bucketed_reload_of_a_quantized_draft_equals_the_cold_engine(quantized
     after = draft(out["states_b"])
     assert after["state"] == LifecycleState.GRAPH_CAPTURED.value and after["epoch"] == 2
     (verify,) = out["verify"]
-    assert all(v["ok"] and v["checked"] > 0 for v in per_backbone(verify).values())
+    assert all(v["ok"] and v["checked"] > 0 for v in verify["backbones"].values())
     assert out["generate_a"]["ok"] and out["generate_b"]["ok"]
 
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .families import VLLMDraftFamily
     from .settings import PartialPolicy
 
-__all__ = ["MODULE_OWNERS", "VLLMDraftBackbone", "backbones_in", "owner_of"]
+__all__ = ["MODULE_OWNERS", "VLLMDraftBackbone", "backbones_in", "draft_model_of", "owner_of"]
 
 
 class VLLMDraftBackbone(DraftBackbone):
@@ -88,3 +88,18 @@ def owner_of(module: nn.Module) -> tuple[VLLMDraftBackbone, list[str]] | None:
 def backbones_in(model: nn.Module) -> list[VLLMDraftBackbone]:
     """Every lifecycle draft backbone among `model`'s modules (none in a target)."""
     return [m for m in model.modules() if isinstance(m, VLLMDraftBackbone)]
+
+
+def draft_model_of(runner: Any) -> Any:
+    """The runner's draft model, unwrapped, or None. Both model runners answer `get_draft_model()`: V1 keeps the
+    draft in `runner.drafter.model` (possibly inside a CUDA-graph wrapper), Model Runner V2 (vLLM's GPU default,
+    the only runner for DSpark) in `runner.speculator.model`; the attributes are the fallback for a runner
+    without the method."""
+    get = getattr(runner, "get_draft_model", None)
+    if callable(get):
+        return get()
+    for holder in ("drafter", "speculator"):
+        model = getattr(getattr(runner, holder, None), "model", None)
+        if model is not None:
+            return model.unwrap() if hasattr(model, "unwrap") else model
+    return None

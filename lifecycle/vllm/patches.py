@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from . import front_view, runner_v2, settings
+from . import front_view, runner_v2, sessions, settings, weight_checker
 from .epochs import (
     describe,
     end_failed_epoch,
@@ -198,6 +198,8 @@ PATCH_POINTS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[...,
     ("vllm.model_executor.model_loader.utils", "process_weights_after_loading", _process_weights_after_loading),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._input_fits_in_drafter", _drafting_gate),
     *runner_v2.PATCH_POINTS,
+    *sessions.PATCH_POINTS,  # vLLM's weight-update session in step with the draft's epoch (sessions.py)
+    *weight_checker.PATCH_POINTS,  # the draft in vLLM's /weight_checker (weight_checker.py)
 )
 
 #: (vLLM module, name, who uses it): the other vLLM names the plugin relies on (checked with PATCH_POINTS).
@@ -227,6 +229,8 @@ ENGINE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.executor.abstract", "Executor.collective_rpc", "nodes (the per-node probe)"),
     *runner_v2.ENGINE_NAMES,
     *front_view.ENGINE_NAMES,
+    *sessions.ENGINE_NAMES,
+    *weight_checker.ENGINE_NAMES,
 )
 
 

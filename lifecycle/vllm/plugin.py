@@ -37,6 +37,9 @@ def activate() -> None:
     version = check_vllm()
     settings.partial_policy()  # a bad engine-wide setting stops the engine here, naming the variable
     settings.allowed_root()
+    from .sessions import takeover_idle_s
+
+    takeover_idle_s()
     forward_switches_to_ray_workers()
     _configure_audit_from_env()
     from vllm import ModelRegistry
