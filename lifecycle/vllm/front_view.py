@@ -45,8 +45,10 @@ PUSH_CALLS: Mapping[str, tuple[str, str]] = {
     "update_weights": ("", "update"), "finish_weight_update": ("", "finish"),
     "reload_draft_weights": ("draft", "once"), "reload_weights": ("policy", "once")}
 _ASYNC_LLM, _LLM_ENGINE = "vllm.v1.engine.async_llm", "vllm.v1.engine.llm_engine"
-#: exception classes that say nothing of the cause (vLLM's transport wraps the worker's error in them)
-_GENERIC = frozenset({"Exception", "RuntimeError", "GracefulHTTPError", "EngineDeadError", "EngineGenerateError"})
+#: exception classes that say nothing of the cause (vLLM's transport wraps the worker's error in them, and
+#: sessions.WeightUpdateRefused the lifecycle's)
+_GENERIC = frozenset({"Exception", "RuntimeError", "GracefulHTTPError", "EngineDeadError", "EngineGenerateError",
+                      "WeightUpdateRefused"})
 _KNOWN = frozenset(n for n, v in {**vars(builtins), **vars(lifecycle_errors)}.items()
                    if isinstance(v, type) and issubclass(v, BaseException))
 _CLASS = re.compile(r"\b([A-Z][A-Za-z0-9]*(?:Error|Exception|Interrupt|Exit))\b")
@@ -155,8 +157,18 @@ class FrontendView:
         return any(c._events for c in self.canaries.values())
 
     def take_events(self) -> list[list[Any]]:
-        return [[name, level, {**fields, "engine": int(engine)}] for engine, c in self.canaries.items()
-                for name, level, fields in c.take_events()]
+        """The canary's events to audit, each `[event, level, fields]`; a collapse is also a warning in this
+        process's log (the server's log, where an operator looks first)."""
+        out = [[name, level, {**fields, "engine": int(engine)}] for engine, c in self.canaries.items()
+               for name, level, fields in c.take_events()]
+        for name, _, f in out:
+            if name == "acceptance_collapse":
+                logger.warning("reload-lifecycle: acceptance collapse on engine %s after a push: %s of %s draft tokens "
+                               "accepted (weight_version %s), %s in the period before (weight_version %s): the push "
+                               "most likely broke the draft; outputs stay the target's", f["engine"],
+                               f["accepted_share"], f["draft_tokens"], f.get("weight_version"), f["previous_share"],
+                               f.get("previous_weight_version"))
+        return out
 
     # ---- worker calls ----------------------------------------------------------------------------------------
     def begin(self, method: str) -> _Call:

@@ -29,6 +29,7 @@ target's); one that sends them is refused, naming them, before anything is writt
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,8 +43,6 @@ _SPECULATOR = "vllm.v1.worker.gpu.spec_decode.speculator"
 OWN_HEADS_FLAG = "dspark_shares_target_embeddings"
 #: optional module (`families.OptionalModule.name`) -> vLLM's flag that keeps the draft's own copy on V2
 _OWN_FLAGS = {"embed_tokens": "has_own_embed_tokens", "lm_head": "has_own_lm_head"}
-_DUMMY_RUN_POSITION = 11  # `dummy_run` among propose's positional arguments after `input_batch` (vLLM passes it
-#                           by keyword; a positional one is read too)
 
 
 def skip_draft(speculator: Any, input_batch: Any) -> Any:
@@ -63,12 +62,26 @@ def skip_draft(speculator: Any, input_batch: Any) -> Any:
     return tokens
 
 
+def _position(original: Callable[..., Any], name: str) -> int | None:
+    """Where `name` comes among the arguments after `self` (vLLM passes `dummy_run` by keyword; a positional one
+    is read too), from the original's own signature: the gate follows vLLM if the order changes."""
+    names = list(inspect.signature(original).parameters)
+    return names.index(name) - 1 if name in names[1:] else None
+
+
 def _v2_drafting_gate(original: Callable[..., Any]) -> Callable[..., Any]:
+    dummy_at, batch_at = _position(original, "dummy_run"), _position(original, "input_batch")
+
+    def argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, at: int | None, default: Any) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        return args[at] if at is not None and len(args) > at else default
+
     def propose(speculator: Any, *args: Any, **kwargs: Any) -> Any:
-        dummy = kwargs.get("dummy_run", args[_DUMMY_RUN_POSITION] if len(args) > _DUMMY_RUN_POSITION else False)
-        if dummy or drafting_allowed_for(getattr(speculator, "model", None)):
+        if argument(args, kwargs, "dummy_run", dummy_at, False) or drafting_allowed_for(
+                getattr(speculator, "model", None)):
             return original(speculator, *args, **kwargs)
-        return skip_draft(speculator, kwargs["input_batch"] if "input_batch" in kwargs else args[0])
+        return skip_draft(speculator, argument(args, kwargs, "input_batch", batch_at, None))
 
     return propose
 
