@@ -161,6 +161,8 @@ class Auditor:
             self._refresh(r, ev)
         elif name == "storage_check":
             self._storage_check(r, ev)
+        elif name == "weight_version":
+            r.note_version(f["weight_version"], f["epoch"])
         r.last_where = ev.where
         return r
 

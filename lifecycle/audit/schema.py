@@ -124,6 +124,7 @@ FIELDS: dict[str, tuple[dict[str, Field], tuple[str, ...]]] = {
     "layers_unchanged": ({"layers": _slow(NAMES), "layers_more": COUNT_F}, ("layers",)),
     "refresh": ({"buffers": _slow(_list_of(_record(BUFFER_FIELDS, ("name",)), "buffer records")),
                  "buffers_more": COUNT_F, "missing": _slow(NAMES), "missing_more": COUNT_F}, ()),
+    "weight_version": ({"weight_version": NAME_F}, ("weight_version",)),
     "storage_check": ({"ok": FLAG_F, "action": NAME_F, "problems": _slow(TEXTS), "problems_more": COUNT_F}, ("ok",)),
 }
 _ABSENT = object()
