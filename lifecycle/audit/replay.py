@@ -163,6 +163,8 @@ class Auditor:
             self._storage_check(r, ev)
         elif name == "acceptance_collapse":
             self._warn(r, "acceptance_collapse", ev.where, collapse_detail(f), f["epoch"])
+        elif name == "weight_version":
+            r.note_version(f["weight_version"], f["epoch"])
         r.last_where = ev.where
         return r
 

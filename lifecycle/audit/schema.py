@@ -133,6 +133,7 @@ FIELDS: dict[str, tuple[dict[str, Field], tuple[str, ...]]] = {
     "layers_unchanged": ({"layers": _slow(NAMES), "layers_more": COUNT_F}, ("layers",)),
     "refresh": ({"buffers": _slow(_list_of(_record(BUFFER_FIELDS, ("name",)), "buffer records")),
                  "buffers_more": COUNT_F, "missing": _slow(NAMES), "missing_more": COUNT_F}, ()),
+    "weight_version": ({"weight_version": NAME_F}, ("weight_version",)),
     "storage_check": ({"ok": FLAG_F, "action": NAME_F, "problems": _slow(TEXTS), "problems_more": COUNT_F}, ("ok",)),
     # the acceptance canary's (lifecycle.vllm.canary): one serving period's figures, a collapse, a recovery
     "acceptance": ({"period": COUNT_F, "draft_tokens": COUNT_F, "accepted_tokens": COUNT_F,

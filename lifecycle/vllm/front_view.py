@@ -159,13 +159,16 @@ class FrontendView:
     def take_events(self) -> list[list[Any]]:
         """The canary's events to audit, each `[event, level, fields]`; a collapse is also a warning in this
         process's log (the server's log, where an operator looks first)."""
-        out = [[name, level, {**fields, "engine": int(engine)}] for engine, c in self.canaries.items()
-               for name, level, fields in c.take_events()]
-        for name, _, f in out:
-            if name == "acceptance_collapse":
-                logger.warning("reload-lifecycle: acceptance collapse on engine %s after a push: %s of %s draft tokens "
-                               "accepted (weight_version %s), %s in the period before (weight_version %s): the push "
-                               "most likely broke the draft; outputs stay the target's", f["engine"],
+        out: list[list[Any]] = []
+        for engine, c in self.canaries.items():
+            for name, level, fields in c.take_events():
+                f = {**fields, "engine": int(engine)}
+                out.append([name, level, f])
+                if name != "acceptance_collapse":
+                    continue
+                logger.warning("reload-lifecycle: acceptance collapse on engine %s after a push: %s of %s draft "
+                               "tokens accepted (weight_version %s), %s in the period before (weight_version %s): "
+                               "the push most likely broke the draft; outputs stay the target's", engine,
                                f["accepted_share"], f["draft_tokens"], f.get("weight_version"), f["previous_share"],
                                f.get("previous_weight_version"))
         return out
