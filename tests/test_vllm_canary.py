@@ -131,6 +131,9 @@ def test_the_metrics_parse_with_prometheus_clients_parser_and_follow_every_phase
 def test_the_auditor_lists_the_collapse_as_a_warning_and_the_report_marks_it(
         canary: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     audit = canary["audit_dir"]
+    lines = [json.loads(x) for f in sorted(Path(audit).glob("*.jsonl")) for x in f.read_text().splitlines()]
+    levels = {(e["event"], e["level"]) for e in lines if e["event"].startswith("acceptance")}
+    assert levels == {("acceptance", "info"), ("acceptance_collapse", "warning"), ("acceptance_recovered", "info")}
     assert main(["audit", "--json", audit]) == 0  # a warning: the exit status does not count it
     doc = json.loads(capsys.readouterr().out)
     assert doc["violation_counts"] == {} and doc["warning_counts"] == {"acceptance_collapse": 1}
