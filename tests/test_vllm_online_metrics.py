@@ -62,8 +62,8 @@ def value(scraped: dict[str, Any], name: str, **labels: str) -> float | None:
 
 def settled(c: RLClient, name: str, expected: float, **labels: str) -> dict[str, Any]:
     """/metrics once `name{labels}` reads `expected` (the front process pulls the workers' state in a task after
-    the step that changed it): at most 10 s."""
-    deadline = time.monotonic() + 10
+    the step that changed it; before any push, vLLM's periodic stats tick, every 10 s, pulls): at most 15 s."""
+    deadline = time.monotonic() + 15
     while True:
         got = scrape(c)
         if value(got, name, **labels) == expected or time.monotonic() > deadline:
@@ -101,6 +101,7 @@ def test_metrics_is_vllms_registry_with_every_reload_lifecycle_family_in_vllms_c
     assert "vllm:spec_decode_num_draft_tokens" in got["families"]  # vLLM's own, on the same /metrics
     assert value(got, "reload_lifecycle_spec_accepted_tokens_total", **ENGINE) == GOOD
     assert value(got, "reload_lifecycle_acceptance_ratio", **ENGINE) == 1.0
+    got = settled(c, "reload_lifecycle_draft_usable", 1, **DRAFT)
     assert value(got, "reload_lifecycle_draft_usable", **DRAFT) == 1
     assert value(got, "reload_lifecycle_draft_epoch", **DRAFT) == 0
 
