@@ -123,7 +123,8 @@ def test_the_metrics_parse_with_prometheus_clients_parser_and_follow_every_phase
     assert value(last, "reload_lifecycle_draft_epoch", **draft) == 6
     assert (value(last, "reload_lifecycle_steps_without_draft_total", **draft) or 0) >= 1
     per_push = value(m["good push"], "reload_lifecycle_written_bytes_total", **draft)
-    assert per_push and value(last, "reload_lifecycle_written_bytes_total", **draft) == 6 * per_push  # refused too
+    total = value(last, "reload_lifecycle_written_bytes_total", **draft) or 0
+    assert per_push and 5 * per_push < total < 6 * per_push  # 5 whole pushes and what the refused one wrote
     versions = {k[1] for k in samples(last) if k[0] == "reload_lifecycle_weight_version_info"}
     assert versions == {(("weight_version", "v6-good"),)}  # the current one only: no unbounded label
 
