@@ -60,6 +60,11 @@ def value(scraped: dict[str, Any], name: str, **labels: str) -> float | None:
     return scraped["values"].get((name, tuple(sorted(labels.items()))))
 
 
+def total(scraped: dict[str, Any], name: str) -> float:
+    """The sum of every sample of `name` (vLLM's own carry labels of their own: model_name, engine)."""
+    return sum(v for (n, _), v in scraped["values"].items() if n == name)
+
+
 def settled(c: RLClient, name: str, expected: float, **labels: str) -> dict[str, Any]:
     """/metrics once `name{labels}` reads `expected` (the front process pulls the workers' state in a task after
     the step that changed it; before any push, vLLM's periodic stats tick, every 10 s, pulls): at most 15 s."""
@@ -146,11 +151,11 @@ def test_online_a_refused_push_is_counted_by_class_and_the_steps_without_the_dra
     assert value(got, "reload_lifecycle_refusals_total", kind="draft", error="LayersNotReadyError") == 1
     assert value(got, "reload_lifecycle_pushes_total", kind="draft", outcome="refused") == 1
     assert value(got, "reload_lifecycle_draft_quarantined", **DRAFT) == 1
-    vllm_accepted = value(before, "vllm:spec_decode_num_accepted_tokens_total") or 0
+    vllm_accepted = total(before, "vllm:spec_decode_num_accepted_tokens_total")
     c.complete()
     got = settled(c, "reload_lifecycle_drafting_paused", 1, **DRAFT)
     # vLLM counts the gate's zero drafts as drafts, all accepted by target Z; the plugin counts them apart
-    assert (value(got, "vllm:spec_decode_num_accepted_tokens_total") or 0) - vllm_accepted == GOOD
+    assert total(got, "vllm:spec_decode_num_accepted_tokens_total") - vllm_accepted == GOOD
     assert value(got, "reload_lifecycle_spec_placeholder_draft_tokens_total", **ENGINE) == GOOD
     assert value(got, "reload_lifecycle_spec_draft_tokens_total", **ENGINE) == value(
         before, "reload_lifecycle_spec_draft_tokens_total", **ENGINE)

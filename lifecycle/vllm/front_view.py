@@ -36,7 +36,8 @@ from .settings import acceptance_thresholds
 __all__ = ["ENGINE_NAMES", "GENERAL_PLUGIN", "METRICS_PLUGIN", "PUSH_CALLS", "FrontendView", "error_class",
            "logger", "logger_created", "metrics_plugin_allowed", "pull_async", "pull_soon", "pull_sync", "view_of"]
 
-logger = logging.getLogger("lifecycle.vllm")
+# under vLLM's own logger: its handler writes the server's log (a logger of ours alone reached nothing online)
+logger = logging.getLogger("vllm.reload_lifecycle")
 GENERAL_PLUGIN = "reload_lifecycle"  # entry point names (pyproject.toml)
 METRICS_PLUGIN = "reload_lifecycle_metrics"
 #: worker call -> (kind, step) of a push; the kind of `update_weights` / `finish_weight_update` is their session's
