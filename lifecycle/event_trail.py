@@ -111,7 +111,7 @@ class AuditTrail:
         self._seq += 1
         # bounded once: the same record is written and kept (a 5 MB reason is cut in memory too)
         self._keep(events.bound_fields({"event": event, "backbone": self.name, "rank": self.rank,
-                                        "epoch": self.epoch, "seq": self._seq, **fields}))
+                                        "epoch": self.epoch, "seq": self._seq, **fields}), level)
 
     def _audit_layers(self, event: str, layers: list[str], tensors: int | None = None, at_ns: int | None = None
                       ) -> None:

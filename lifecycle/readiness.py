@@ -327,6 +327,11 @@ class LayerReadiness:
                 out.setdefault(layer, []).append(f"{name} (a write of it failed part way: send it again)")
         return {k: tuple(v) for k, v in out.items()}
 
+    @property
+    def written(self) -> AbstractSet[str]:
+        """The tensors written in this epoch (not those declared unchanged); the set itself, not a copy: read it."""
+        return self._written
+
     def is_loaded(self, name: str) -> bool:
         if name not in self.layer_of_name:
             raise KeyError(name)

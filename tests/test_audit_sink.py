@@ -347,3 +347,18 @@ def test_api_arguments_are_checked_with_a_clear_message(tiny_cfg: DFlashConfig, 
     for bad in (-1, True, "5"):
         with pytest.raises(ValueError, match="last must be an int >= 0"):
             worker.lifecycle_events(last=bad)  # type: ignore[arg-type]
+
+
+def test_an_event_a_lifecycle_audits_as_a_warning_is_written_as_one(tmp_path: Path) -> None:
+    # the plugin's `weight_update_session_ended` of an abandoned or refused push, the canary's collapse: a warning
+    # that an operator filters on (it was written at info level whatever the caller asked)
+    path = tmp_path / "audit.jsonl"
+    events.configure_audit(json_path=path, console=False, level="warning")
+    try:
+        m = DFlashQwen3Draft(DFlashConfig(num_hidden_layers=1))
+        m.lifecycle.audit_event("weight_update_session_ended", level="warning", outcome="abandoned")
+        m.lifecycle.audit_event("weight_update_session_ended", outcome="finished")  # info: filtered out
+    finally:
+        events.configure_audit(console=False)
+    (line,) = [json.loads(x) for x in path.read_text().splitlines()]
+    assert (line["level"], line["outcome"]) == ("warning", "abandoned")

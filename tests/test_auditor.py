@@ -303,7 +303,7 @@ def test_a_real_reload_abandoned_for_the_next_one_is_a_warning_in_every_view(
     doc = json.loads(capsys.readouterr().out)
     assert doc["status"] == 0 and doc["violation_counts"] == {} and doc["warning_counts"] == {"abandoned_epoch": 1}
     assert doc["warnings"][0]["kind"] == "abandoned_epoch" and doc["streams"][0]["warnings"] == {"abandoned_epoch": 1}
-    assert set(doc["warning_kinds"]) == {"abandoned_epoch"}
+    assert set(doc["warning_kinds"]) == {"abandoned_epoch", "acceptance_collapse"}  # issue 26 added the second
     report = tmp_path / "report.html"
     assert main(["report", str(log), "-o", str(report)]) == 0
     page = report.read_text()

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from lifecycle.states import LifecycleState
-from lifecycle.vllm.worker import per_backbone
 from support.vllm_runs import run_scenario
 from support.vllm_trainer_paths import DRAFT_PATHS, PATHS
 
@@ -134,7 +133,7 @@ def test_trainer_path_on_a_live_engine_equals_a_cold_engine(dflash: dict[str, An
     draft, pinned = draft_of(run["states"]), draft_of(res["cold_A"]["states"])
     assert draft["derived"] == pinned["derived"]  # (c) same storage identity (data_ptr, shape, stride, ...)
     assert draft["state"] == GRAPH_CAPTURED
-    assert all(v["ok"] and v["checked"] for v in per_backbone(run["verify"][0]).values())
+    assert all(v["ok"] and v["checked"] for v in run["verify"][0]["backbones"].values())
     assert got["proposals"] == want["proposals"]  # (d) the draft tokens proposed, step by step
     assert got["counters"] == want["counters"]  # (d) vLLM's acceptance counters
     epochs = [draft_of(r["states"])["epoch"] for r in res["runs"]]
@@ -164,8 +163,8 @@ def test_an_incomplete_payload_quarantines_and_keeps_the_last_good_buffers(dflas
     draft = draft_of(partial["states"])
     assert draft["state"] == LifecycleState.QUARANTINED.value and "layers.1" in draft["quarantine_reason"]
     good, now = res["runs"][-1]["digests"][0], partial["digests"][0]
-    for backbone, digests in per_backbone(good).items():  # computed buffers keep their last good values, bit for bit
-        assert now[backbone]["_k_norm_weights"] == digests["_k_norm_weights"]
+    for backbone, digests in good["backbones"].items():  # computed buffers keep their last good values, bit for bit
+        assert now["backbones"][backbone]["_k_norm_weights"] == digests["_k_norm_weights"]
     before, after = partial["memory_before"]["fused_layers"], partial["memory"]["fused_layers"]
     if layout == "gpu":  # built from the live weights: the last good buffer, bit for bit
         assert after == before
@@ -276,7 +275,7 @@ def test_laguna_trainer_path_on_a_live_engine(laguna: dict[str, Any], path: str)
     assert res["cold_A"]["digests"] != res["cold_B"]["digests"]
     draft = draft_of(run["states"])
     assert draft["derived"] == draft_of(res["cold_A"]["states"])["derived"]
-    assert draft["state"] == GRAPH_CAPTURED and all(v["ok"] for v in per_backbone(run["verify"][0]).values())
+    assert draft["state"] == GRAPH_CAPTURED and all(v["ok"] for v in run["verify"][0]["backbones"].values())
     assert set(draft["derived"]) == {"_kv_weights", "_input_layernorm_weights", "_k_norm_weights",
                                      "_rope_cos_sin_cache"}
 
@@ -310,7 +309,7 @@ def test_optional_submodules_keep_the_cold_structure_on_a_live_engine(
     assert (s["frozen"], s["holds"]) == (cold["frozen"], cold["holds"])
     assert s["digests"] == res[f"cold_{run['draft']}"]["structure"]["digests"]  # equal a cold engine's
     assert s["storage"] == cold["storage"]  # the pinned storage of every optional tensor
-    assert all(v["ok"] and v["checked"] for v in run["verify"][0].values() if isinstance(v, dict))  # per backbone
+    assert all(v["ok"] and v["checked"] for v in run["verify"][0]["backbones"].values())
 
 
 @pytest.mark.parametrize(("fam", "layout"), ENGINE_CASES)
@@ -349,7 +348,7 @@ def test_two_tensor_parallel_ranks_run_every_trainer_path(tp2: dict[str, Any], w
         assert sorted(d["rank"] for d in drafts) == [0, 1]
         assert all(d["state"] == GRAPH_CAPTURED for d in drafts), run["path"]
         assert [d["derived"] for d in drafts] == pinned, f"{run['path']}: a derived buffer moved on some rank"
-        assert all(v["ok"] for per_rank in run["verify"] for v in per_backbone(per_rank).values())
+        assert all(v["ok"] for per_rank in run["verify"] for v in per_rank["backbones"].values())
         assert digests.setdefault(run["draft"], run["digests"]) == run["digests"], run["path"]
     assert digests["A"] != digests["B"]
     assert [r["path"] for r in tp2["runs"]] == list(PATHS) and len(DRAFT_PATHS) == 5

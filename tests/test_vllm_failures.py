@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from lifecycle.states import LifecycleState
-from lifecycle.vllm.worker import per_backbone
 from support.vllm_basic_scenarios import run_scenario
 
 S = LifecycleState
@@ -198,7 +197,7 @@ def test_a_failing_refresh_quarantines(failures: dict[str, Any]) -> None:
 def test_the_engine_ends_every_case_usable_with_every_pinned_address_kept(failures: dict[str, Any]) -> None:
     assert failures["final_state"]["state"] == USABLE and failures["final_state"]["epoch"] >= 20
     (verify,) = failures["verify"]
-    assert all(v["ok"] and v["checked"] > 0 for v in per_backbone(verify).values())
+    assert all(v["ok"] and v["checked"] > 0 for v in verify["backbones"].values())
 
 
 def test_the_failures_audit_log_replays_clean(failures: dict[str, Any], vllm_workdir: Path) -> None:
@@ -290,7 +289,7 @@ def test_partial_keep_completes_a_tensor_sent_in_part_with_its_last_values(gpu_l
     kv = torch.cat([a[p + "k_proj.weight"], b[p + "v_proj.weight"], a["layers.1.self_attn.k_proj.weight"],
                     a["layers.1.self_attn.v_proj.weight"]])
     (digests,) = gpu_layout["keep_k0_digests"]
-    assert digests["dflash-draft"]["_fused_kv_weight"] == _sha(kv)
+    assert digests["backbones"]["dflash-draft"]["_fused_kv_weight"] == _sha(kv)
 
 
 def test_partial_refuse_per_call_overrides_the_engine_setting_and_writes_no_garbage(gpu_layout: dict[str, Any]
@@ -302,7 +301,7 @@ def test_partial_refuse_per_call_overrides_the_engine_setting_and_writes_no_garb
     assert case["fingerprint"] == gpu_layout["keep_k0_fingerprint"]
     assert case["retry"]["value"][0]["partial"] == "keep"
     (verify,) = gpu_layout["verify"]
-    assert all(v["ok"] for v in per_backbone(verify).values())
+    assert all(v["ok"] for v in verify["backbones"].values())
 
 
 def test_a_bad_engine_wide_setting_stops_the_plugin_before_it_patches_anything(monkeypatch: pytest.MonkeyPatch

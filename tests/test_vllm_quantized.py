@@ -26,7 +26,6 @@ from typing import Any
 import pytest
 
 from lifecycle.states import LifecycleState
-from lifecycle.vllm.worker import per_backbone
 from support.quantized_drafts import INT8_PATHS, QUANTIZED, sgl_kernel_compiled
 from support.vllm_basic_scenarios import run_scenario
 
@@ -87,7 +86,7 @@ def assert_bucketed_reload_equals_cold(out: dict[str, Any]) -> None:
     after = draft(out["states_b"])
     assert after["state"] == LifecycleState.GRAPH_CAPTURED.value and after["epoch"] == 2
     (verify,) = out["verify"]
-    assert all(v["ok"] and v["checked"] > 0 for v in per_backbone(verify).values())
+    assert all(v["ok"] and v["checked"] > 0 for v in verify["backbones"].values())
     assert out["generate_a"]["ok"] and out["generate_b"]["ok"]
 
 

@@ -21,7 +21,6 @@ import pytest
 
 from lifecycle.audit.replay import audit_logs
 from lifecycle.states import LifecycleState
-from lifecycle.vllm.worker import per_backbone
 from support.needs import needs
 from support.vllm_runs import PYTHONPATH
 
@@ -76,15 +75,15 @@ def test_each_rank_runs_the_plugin_and_reloads_in_place(tp2: tuple[str, dict[str
     drafts = [s for rank_states in out["states"] for s in rank_states if s["role"] == "draft"]
     assert sorted((d["rank"], d["node"]) for d in drafts) == [(0, HOST), (1, HOST)]
     assert all(d["state"] == LifecycleState.GRAPH_CAPTURED.value and d["epoch"] == 1 for d in drafts)
-    assert all(v["ok"] and v["checked"] > 0 for answer in out["verify"] for v in per_backbone(answer).values())
+    assert all(v["ok"] and v["checked"] > 0 for answer in out["verify"] for v in answer["backbones"].values())
     assert out["generate_after"]["ok"] and out["generate_after"]["value"] == out["generate_before"]["value"]
 
 
 def test_both_ranks_derive_what_a_cold_engine_derives(tp2: tuple[str, dict[str, Any]],
                                                       cold_b: dict[str, Any]) -> None:
     _, out = tp2
-    (cold,) = map(per_backbone, cold_b["digests"])
-    assert cold and all(per_backbone(answer) == cold for answer in out["digests"]), (out["digests"], cold)
+    (cold,) = (answer["backbones"] for answer in cold_b["digests"])
+    assert cold and all(answer["backbones"] == cold for answer in out["digests"]), (out["digests"], cold)
     assert [a["rank"] for a in out["digests"]] == [0, 1]
 
 

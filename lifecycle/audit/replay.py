@@ -63,7 +63,7 @@ from .rules import (
     Check,
     unknown_table_names,
 )
-from .text import clip, shown
+from .text import clip, collapse_detail, shown
 
 __all__ = ["MAX_STREAMS", "VIOLATION_KINDS", "WARNING_KINDS", "AuditResult", "Auditor", "StreamReplay", "Violation",
            "audit_logs", "unknown_table_names"]
@@ -168,6 +168,10 @@ class Auditor:
             self._refresh(r, ev)
         elif name == "storage_check":
             self._storage_check(r, ev)
+        elif name == "acceptance_collapse":
+            self._warn(r, "acceptance_collapse", ev.where, collapse_detail(f), f["epoch"])
+        elif name == "weight_version":
+            r.note_version(f["weight_version"], f["epoch"])
         r.last_where = ev.where
         return r
 

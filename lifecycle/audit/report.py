@@ -98,6 +98,7 @@ _FACT_MS = Markup("{ms:.2f} ms")
 _FACT_REFRESH = Markup("refresh: {modes}")
 _FACT_REFUSED = Markup("{n} refused")
 _FACT_VIOLATIONS = Markup('<span class="bad">{n} violation(s)</span>')
+_FACT_VERSION = Markup('weight_version <code class="weight-version">{v}</code>')
 
 
 def _timeline_figure(st: StreamTrace, tr: EpochTrace, violations: int, node: str | None = None) -> Markup:
@@ -105,7 +106,8 @@ def _timeline_figure(st: StreamTrace, tr: EpochTrace, violations: int, node: str
     uid = _slug("timeline", "r", st.rank, *(("n", node) if node else ()), st.backbone, "i", tr.incarnation, "e",
                 tr.epoch)
     modes = sorted({str(b.get("mode")) for b in tr.buffers.values()})
-    facts: list[Markup] = [
+    facts: list[Markup] = [_FACT_VERSION.format(v=tr.weight_version)] if tr.weight_version is not None else []
+    facts += [
         _FACT_LAYERS.format(ready=len(tr.layers) + tr.layers_more + tr.unchanged_more,
                             total=tr.layers_total if tr.layers_total is not None else "?"),
         _FACT_MS.format(ms=(tr.end - tr.start) * 1e3),
@@ -263,6 +265,9 @@ _PANEL = Markup('<details class="backbone-panel" id="{slug}"{open}><summary>{sum
                 "that epoch.</p>{tables}</details>")
 _NOT_DRAWN = Markup('<p class="dropped">rank {rank}: {n} earlier epoch(s) not drawn ({why})</p>')
 _RANK_TABLE = Markup("<h4>rank {rank}</h4>{table}")
+_VERSIONS = Markup('<table class="weight-versions" id="{id}"><thead><tr><th>weight_version</th><th>epochs</th></tr>'
+                   "</thead><tbody>{rows}</tbody></table>")
+_VERSION_ROW = Markup("<tr><td><code>{v}</code></td><td>{epochs}</td></tr>")
 _PANEL_BAD = Markup(' · <span class="bad">{n} violation(s)</span>')
 _PANEL_CLEAN = Markup(' · <span class="good">clean</span>')
 _PANEL_SUMMARY = Markup('<span class="name">{name}</span> · rank(s) {ranks} · final state(s) {states}{verdict}')
@@ -299,6 +304,12 @@ def _backbone_panel(backbone: str, replays: list[StreamReplay], traces: list[Str
                 why="--max-epochs" if len(drawn) == len(epochs) else "the figure limit of the report"))
         figures += [_timeline_figure(st, tr, per_epoch.get(tr.epoch, 0), node) for tr in drawn]
         tables.append(_RANK_TABLE.format(rank=_rank(st.rank, node), table=_buffers_table(st, drift, node)))
+        versions = next((r.versions for r in replays if (r.rank, r.node) == (st.rank, st.node)), {})
+        if versions:  # the epochs grouped by the trainer's weight_version of their push
+            rows = Markup().join(_VERSION_ROW.format(v=_name(v), epochs=", ".join(map(str, e)))
+                                 for v, e in versions.items())
+            tables.append(_VERSIONS.format(id=_slug("versions", "r", st.rank, *(("n", node) if node else ()),
+                                                    backbone), rows=rows))
     verdict = _PANEL_BAD.format(n=len(bad)) if bad else _PANEL_CLEAN
     summary = _PANEL_SUMMARY.format(name=_name(backbone), ranks=", ".join(str(r.rank) for r in replays),
                                     states=", ".join(sorted(current)), verdict=verdict)

@@ -17,8 +17,8 @@ from ..states import LifecycleState
 from .logstream import InputProblem
 from .rules import INITIAL, STATE_NAMES
 
-__all__ = ["DETAIL_CAP", "MAX_BUFFERS", "MAX_EDGES", "MAX_LAYERS", "MAX_NODES", "AuditResult", "StreamReplay",
-           "Violation", "buffer_key"]
+__all__ = ["DETAIL_CAP", "MAX_BUFFERS", "MAX_EDGES", "MAX_LAYERS", "MAX_NODES", "MAX_VERSIONS", "MAX_VERSION_EPOCHS",
+           "AuditResult", "StreamReplay", "Violation", "buffer_key"]
 
 #: Derived-buffer addresses remembered per stream, at most.
 MAX_BUFFERS = 256
@@ -31,6 +31,8 @@ MAX_EDGES = 64
 DETAIL_CAP = 1000
 #: Nodes (host names) remembered per stream, at most (a rank normally runs on one node; a restart may move it).
 MAX_NODES = 4
+#: Trainer weight versions remembered per stream (the latest), and epochs listed per version, at most.
+MAX_VERSIONS, MAX_VERSION_EPOCHS = 64, 16
 
 
 def buffer_key(name: str) -> str:
@@ -95,6 +97,9 @@ class StreamReplay:
     violations: Counter[str] = field(default_factory=Counter)
     warnings: Counter[str] = field(default_factory=Counter)
     nodes: dict[str, None] = field(default_factory=dict)  # host names, in the order seen (at most MAX_NODES)
+    #: the trainer's `weight_version` of each push (`weight_version` events) -> the epochs that carried it, in the
+    #: order first seen; the latest MAX_VERSIONS kept (a retry under the same version lists several epochs)
+    versions: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def state(self) -> LifecycleState:
@@ -108,6 +113,15 @@ class StreamReplay:
     @property
     def layers_ready(self) -> int:
         return len(self.ready) + self.ready_extra
+
+    def note_version(self, version: str, epoch: int) -> None:
+        """The push of `epoch` carried the trainer's `version`."""
+        epochs = self.versions.pop(version, [])  # re-inserted: the latest version last
+        if epoch not in epochs and len(epochs) < MAX_VERSION_EPOCHS:
+            epochs.append(epoch)
+        self.versions[version] = epochs
+        if len(self.versions) > MAX_VERSIONS:
+            del self.versions[next(iter(self.versions))]
 
     def restart(self) -> None:
         """A new lifecycle under the same (node, rank, backbone): `seq` started again at 1."""
@@ -128,6 +142,7 @@ class StreamReplay:
             "final_state": self.state_name, "final_epoch": self.epoch, "pinned": self.pinned,
             "reloads": self.epochs_begun, "layers_ready": self.layers_ready, "layers_total": self.layers_total,
             "violations": dict(self.violations), "warnings": dict(self.warnings),
+            "weight_versions": [{"weight_version": v, "epochs": e} for v, e in self.versions.items()],
             "transitions": [{"trigger": t, "src": s, "dst": d, "count": n} for (t, s, d), n in self.edges.items()],
         }
 

@@ -164,4 +164,8 @@ WARNING_KINDS: dict[str, str] = {
     "abandoned_epoch": f"a reload epoch was loaded but the next {BEGIN} came before it was refreshed or aborted: "
                        f"a restarted push ({BEGIN} from {_RESTART_STATES} is a row of the table); the dirty set keeps "
                        "the abandoned epoch's writes, so the next refresh still rewrites what they touched",
+    "acceptance_collapse": "after a push the draft's accepted share of draft tokens fell to the floor over enough "
+                           "draft tokens while the serving period before it was clearly above it (the acceptance "
+                           "canary, lifecycle.vllm.canary): the push most likely broke the draft (wrong or corrupt "
+                           "checkpoint, a draft for another target); outputs stay the target's, only slower",
 }

@@ -58,6 +58,15 @@ def _flag(v: Any) -> str | None:
     return None if type(v) is bool else "expected true or false"
 
 
+def _share(v: Any) -> str | None:
+    ok = type(v) in (int, float) and 0 <= v <= 1  # NaN fails both comparisons
+    return None if ok else "expected a share (a number from 0 to 1)"
+
+
+def _share_or_null(v: Any) -> str | None:
+    return None if v is None else _share(v)
+
+
 def _list_of(item: Check, what: str) -> Check:
     def check(v: Any) -> str | None:
         if type(v) is not list or len(v) > LIST_CAP:
@@ -124,7 +133,18 @@ FIELDS: dict[str, tuple[dict[str, Field], tuple[str, ...]]] = {
     "layers_unchanged": ({"layers": _slow(NAMES), "layers_more": COUNT_F}, ("layers",)),
     "refresh": ({"buffers": _slow(_list_of(_record(BUFFER_FIELDS, ("name",)), "buffer records")),
                  "buffers_more": COUNT_F, "missing": _slow(NAMES), "missing_more": COUNT_F}, ()),
+    "weight_version": ({"weight_version": NAME_F}, ("weight_version",)),
     "storage_check": ({"ok": FLAG_F, "action": NAME_F, "problems": _slow(TEXTS), "problems_more": COUNT_F}, ("ok",)),
+    # the acceptance canary's (lifecycle.vllm.canary): one serving period's figures, a collapse, a recovery
+    "acceptance": ({"period": COUNT_F, "draft_tokens": COUNT_F, "accepted_tokens": COUNT_F,
+                    "accepted_share": _slow(_share_or_null), "weight_version": TEXT_F, "final": FLAG_F,
+                    "collapsed": FLAG_F}, ("period", "draft_tokens", "accepted_tokens")),
+    "acceptance_collapse": ({"period": COUNT_F, "draft_tokens": COUNT_F, "accepted_share": _slow(_share),
+                             "previous_period": COUNT_F, "previous_share": _slow(_share),
+                             "weight_version": TEXT_F, "previous_weight_version": TEXT_F, "floor": _slow(_share),
+                             "healthy": _slow(_share)}, ("period", "draft_tokens", "accepted_share", "previous_share")),
+    "acceptance_recovered": ({"period": COUNT_F, "accepted_share": _slow(_share), "collapsed_period": COUNT_F,
+                              "weight_version": TEXT_F}, ("period", "accepted_share")),
 }
 _ABSENT = object()
 _REQUIRED_FIELDS = tuple((k, COMMON[k]) for k in REQUIRED)

@@ -14,8 +14,10 @@ draft\\nRESULT: CLEAN \\x1b[8m
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["VALUE_CAP", "abbreviate", "clip", "printable", "shown"]
+__all__ = ["VALUE_CAP", "abbreviate", "clip", "collapse_detail", "printable", "shown"]
 
 #: Characters of one log value quoted in a message, at most.
 VALUE_CAP = 120
@@ -52,3 +54,14 @@ def abbreviate(name: str, cap: int) -> str:
 def shown(value: object, cap: int = VALUE_CAP) -> str:
     """`value` for a message: clipped and quoted (`repr`) if it is a string, clipped otherwise."""
     return repr(clip(value, cap)) if isinstance(value, str) else clip(value, cap)
+
+
+def collapse_detail(f: Mapping[str, Any]) -> str:
+    """An `acceptance_collapse` event, for the warning list."""
+    def version(key: str) -> str:
+        return f" (weight_version {clip(f[key])})" if key in f else ""
+
+    before = f"period {f['previous_period']}" if "previous_period" in f else "the period before"
+    return (f"accepted share {f['accepted_share']:.3f} over {f['draft_tokens']} draft tokens in serving period "
+            f"{f['period']}{version('weight_version')}, after {f['previous_share']:.3f} in {before}"
+            f"{version('previous_weight_version')}")

@@ -58,6 +58,7 @@ class EpochTrace:
     buffers_more: int = 0
     refreshed_pinned: bool = False
     refused: int = 0
+    weight_version: str | None = None  # the trainer's, for this epoch's push (`weight_version` event)
 
 
 @dataclass
@@ -130,8 +131,17 @@ class ReportCollector:
                           for b in buffers[:MAX_BUFFERS]}
             tr.buffers_more = max(0, len(buffers) - MAX_BUFFERS) + f.get("buffers_more", 0)
             tr.refreshed_pinned = r.pinned
+        elif name == "weight_version":
+            tr.weight_version = clip(f["weight_version"], SHOWN_CAP)
         elif name == "storage_check" and f["ok"] is False:
             self._mark(tr, ev.ts, f"storage check failed ({clip(f.get('action'), SHOWN_CAP)})", "mark-drift")
+        elif name == "acceptance_collapse":
+            self._mark(tr, ev.ts, f"acceptance collapse: {f['accepted_share']:.3f} of {f['draft_tokens']} draft "
+                                  f"tokens accepted, {f['previous_share']:.3f} before", "mark-drift")
+        elif name == "acceptance" and f.get("final") is True:
+            share = f.get("accepted_share")
+            self._mark(tr, ev.ts, f"acceptance {'-' if share is None else f'{share:.3f}'} "
+                                  f"({f['accepted_tokens']}/{f['draft_tokens']} draft tokens)", "mark-acceptance")
 
     @staticmethod
     def _layers(tr: EpochTrace, layers: list[str] | tuple[str, ...], kind: str, t: float) -> None:

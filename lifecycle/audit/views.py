@@ -98,6 +98,12 @@ def render_text(result: AuditResult, *, show: int = 100) -> str:
                 for r in result.streams]
         out += ["", table(["rank", "node", "backbone", "events", "lifecycles", "reloads", "final epoch",
                            "final state", "pinned", "violations", "warnings"], rows)]
+    versions = [[r.rank, r.backbone, v, ", ".join(map(str, e))] for r in result.streams for v, e in r.versions.items()]
+    if versions:
+        out += ["", "epochs by the trainer's weight_version (a push's `weight_version` events):",
+                table(["rank", "backbone", "weight_version", "epochs"], versions[:show])]
+        if len(versions) > show:
+            out.append(f"(first {show} of {len(versions)} shown)")
     if result.input_problem_count:
         out += ["", f"unreadable input ({result.input_problem_count}; exit status 2, the rest was audited):"]
         out += [f"  {cell_text(p.where)}: {cell_text(p.message)}" for p in result.input_problems[:show]]

@@ -17,7 +17,6 @@ from typing import Any, TextIO
 import torch
 
 from ..states import LifecycleState
-from .worker import per_backbone
 
 __all__ = ["expected_dflash_digests", "run_vllm_demo"]
 
@@ -72,7 +71,7 @@ def run_vllm_demo(out_dir: str | Path | None = None, *, bucket_size: int = 5, se
     tokens_a = generate()
     say(f"[1] generate with draft A: {tokens_a}")
     cold = _draft(llm.collective_rpc("lifecycle_states"))
-    pinned = per_backbone(llm.collective_rpc("lifecycle_pin")[0])
+    pinned = llm.collective_rpc("lifecycle_pin")[0]["backbones"]
     say(f"[2] pinned the draft's storage identities: {pinned}")
     result = llm.collective_rpc("reload_draft_weights", args=(str(out / "draftB"),),
                                 kwargs={"bucket_size": bucket_size, "shuffle": True, "seed": seed})[0]
@@ -81,8 +80,8 @@ def run_vllm_demo(out_dir: str | Path | None = None, *, bucket_size: int = 5, se
     tokens_b = generate()
     say(f"[4] generate with draft B: {tokens_b}")
     after = _draft(llm.collective_rpc("lifecycle_states"))
-    verify = per_backbone(llm.collective_rpc("lifecycle_verify")[0])
-    digests = next(iter(per_backbone(llm.collective_rpc("lifecycle_derived_digests")[0]).values()))
+    verify = llm.collective_rpc("lifecycle_verify")[0]["backbones"]
+    digests = next(iter(llm.collective_rpc("lifecycle_derived_digests")[0]["backbones"].values()))
     expected = expected_dflash_digests(out / "draftB")
 
     say("\nbuffer               | kind  | data_ptr cold     | data_ptr after    | shape")

@@ -29,7 +29,6 @@ is refused: only a restart recovered.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,7 +40,7 @@ from ..errors import LayersNotReadyError
 from ..events import LIST_CAP
 from ..types import capped
 from ..types import describe_error as describe
-from .owners import VLLMDraftBackbone, backbones_in, owner_of
+from .owners import VLLMDraftBackbone, backbones_in, owner_of, shared_modules
 from .processing import TOUCHED
 from .shadows import SHADOW_OF
 from .shards import COMPLETING, missing_parts
@@ -49,13 +48,10 @@ from .shards import COMPLETING, missing_parts
 if TYPE_CHECKING:
     from .settings import PartialPolicy
 
-__all__ = ["ENGINE_MODULES", "PartialOutcome", "describe", "end_failed_epoch", "finish_epoch",
-           "keep_shared_modules_live", "note_engine_model", "reload_in_progress", "settle_partial",
-           "shared_modules", "unwind"]
+__all__ = ["PartialOutcome", "describe", "end_failed_epoch", "finish_epoch", "keep_shared_modules_live",
+           "reload_in_progress", "settle_partial", "unwind"]
 
 
-#: modules of the models the engine loaded that hold no lifecycle draft (the target; `note_engine_model`)
-ENGINE_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 @dataclass
@@ -130,18 +126,6 @@ def unwind(model: nn.Module, *, non_persistent: dict[nn.Module, set[str]] | None
     if hasattr(model, "_original_do_torchao_reload"):
         model._do_torchao_reload = model._original_do_torchao_reload
     return written
-
-
-def note_engine_model(model: nn.Module) -> None:
-    """Remember the modules of a model the engine loaded that holds no lifecycle draft (the target)."""
-    if not backbones_in(model):
-        ENGINE_MODULES.update(model.modules())
-
-
-def shared_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules of a draft that belong to the target too: vLLM shares the embedding and LM head with a draft that
-    has none of its own, and one cached rotary embedding between equal configs."""
-    return [(n, m) for n, m in model.named_modules() if m in ENGINE_MODULES]
 
 
 def keep_shared_modules_live(model: nn.Module) -> list[str]:

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from .families import VLLMDraftFamily
     from .settings import PartialPolicy
 
-__all__ = ["MODULE_OWNERS", "VLLMDraftBackbone", "backbones_in", "owner_of"]
+__all__ = ["ENGINE_MODULES", "MODULE_OWNERS", "VLLMDraftBackbone", "backbones_in", "draft_model_of",
+           "note_engine_model", "owner_of", "shared_modules"]
 
 
 class VLLMDraftBackbone(DraftBackbone):
@@ -88,3 +89,34 @@ def owner_of(module: nn.Module) -> tuple[VLLMDraftBackbone, list[str]] | None:
 def backbones_in(model: nn.Module) -> list[VLLMDraftBackbone]:
     """Every lifecycle draft backbone among `model`'s modules (none in a target)."""
     return [m for m in model.modules() if isinstance(m, VLLMDraftBackbone)]
+
+
+def draft_model_of(runner: Any) -> Any:
+    """The runner's draft model, unwrapped, or None. Both model runners answer `get_draft_model()`: V1 keeps the
+    draft in `runner.drafter.model` (possibly inside a CUDA-graph wrapper), Model Runner V2 (vLLM's GPU default,
+    the only runner for DSpark) in `runner.speculator.model`; the attributes are the fallback for a runner
+    without the method."""
+    get = getattr(runner, "get_draft_model", None)
+    if callable(get):
+        return get()
+    for holder in ("drafter", "speculator"):
+        model = getattr(getattr(runner, holder, None), "model", None)
+        if model is not None:
+            return model.unwrap() if hasattr(model, "unwrap") else model
+    return None
+
+
+#: modules of the models the engine loaded that hold no lifecycle draft (the target; `note_engine_model`)
+ENGINE_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def note_engine_model(model: nn.Module) -> None:
+    """Remember the modules of a model the engine loaded that holds no lifecycle draft (the target)."""
+    if not backbones_in(model):
+        ENGINE_MODULES.update(model.modules())
+
+
+def shared_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules of a draft that belong to the target too: vLLM shares the embedding and LM head with a draft that
+    has none of its own, and one cached rotary embedding between equal configs."""
+    return [(n, m) for n, m in model.named_modules() if m in ENGINE_MODULES]

@@ -16,6 +16,8 @@
 
   GPUModelRunner._input_fits_in_drafter -> False while a draft is not usable (quarantined, mid-reload): vLLM
                                            then runs the step without the drafter (the target's tokens only)
+  DFlashSpeculator.propose (Model        -> the same gate on Model Runner V2 (`runner_v2.py`): zero draft
+  Runner V2)                               tokens without running the draft model
 
 `reload_weights`, the native weight-transfer engines and RL trainers all call these names, so one set of
 wrappers covers cold load, target reload, draft reload and the transfer sessions. A reference taken before the
@@ -32,17 +34,16 @@ from typing import Any
 
 from torch import nn
 
-from . import settings
+from . import front_view, runner_v2, sessions, settings, weight_checker
 from .epochs import (
     describe,
     end_failed_epoch,
     finish_epoch,
     keep_shared_modules_live,
-    note_engine_model,
     reload_in_progress,
     settle_partial,
 )
-from .owners import backbones_in, owner_of
+from .owners import backbones_in, note_engine_model, owner_of
 from .processing import IN_VLLM_RELOAD, TOUCHED
 from .quantized import reload_blocker
 from .serving import drafting_allowed
@@ -229,6 +230,9 @@ PATCH_POINTS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[...,
      _process_weights_after_loading),
     ("vllm.model_executor.model_loader.utils", "process_weights_after_loading", _process_weights_after_loading),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._input_fits_in_drafter", _drafting_gate),
+    *runner_v2.PATCH_POINTS,
+    *sessions.PATCH_POINTS,  # vLLM's weight-update session in step with the draft's epoch (sessions.py)
+    *weight_checker.PATCH_POINTS,  # the draft in vLLM's /weight_checker (weight_checker.py)
 )
 
 #: (vLLM module, name, who uses it): the other vLLM names the plugin relies on (checked with PATCH_POINTS).
@@ -263,6 +267,10 @@ ENGINE_NAMES: tuple[tuple[str, str, str], ...] = (
     ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "quantized, epochs (checkpoint layout)"),
     ("vllm.v1.executor.abstract", "Executor.__init__", "nodes (a Ray executor checks every worker's node)"),
     ("vllm.v1.executor.abstract", "Executor.collective_rpc", "nodes (the per-node probe)"),
+    *runner_v2.ENGINE_NAMES,
+    *front_view.ENGINE_NAMES,
+    *sessions.ENGINE_NAMES,
+    *weight_checker.ENGINE_NAMES,
 )
 
 

@@ -34,11 +34,14 @@ def activate() -> None:
     version = check_vllm()
     settings.partial_policy()  # a bad engine-wide setting stops the engine here, naming the variable
     settings.allowed_root()
+    from .sessions import takeover_idle_s
+
+    takeover_idle_s()
     forward_switches_to_ray_workers()
     _configure_audit_from_env()
     from vllm import ModelRegistry
 
-    from . import nodes, patches, transfer
+    from . import frontend, nodes, patches, transfer
     from .capabilities import active_families
 
     for family in active_families(version):
@@ -47,6 +50,7 @@ def activate() -> None:
     patches.install()
     transfer.register()
     nodes.install()  # a Ray engine checks that every worker's node runs this plugin
+    frontend.install()  # process 0: pushes, the draft's state and the acceptance canary on /metrics
     _active = True
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .weight_checker import record_before_processing
+
 if TYPE_CHECKING:
     from .families import VLLMModule
     from .owners import VLLMDraftBackbone
@@ -63,6 +65,7 @@ def guard_processing(backbone: VLLMDraftBackbone, module: VLLMModule, capture: C
         lc = backbone.lifecycle
         if backbone.reload_open and not IN_VLLM_RELOAD.get():
             return None
+        captured = None
         if capture is not None and lc.can("weights_loaded"):
             rows, shadow, name = capture
             weight = layer.weight
@@ -71,6 +74,8 @@ def guard_processing(backbone: VLLMDraftBackbone, module: VLLMModule, capture: C
                 with torch.no_grad():
                     shadow.copy_(weight[rows])
                 lc.weights_loaded([name])
+                captured = (name, shadow)
+        record_before_processing(layer, captured)  # the weight checker's digests of what processing may empty
         return vllm_processing(layer)
 
     quant_method.process_weights_after_loading = process_weights_after_loading

@@ -10,7 +10,9 @@ or `recover()`. (The draft's own KV cache misses the context of the steps it ski
 pause may draft worse afterwards, never wrongly.)
 
 Each pause and resume is one audit event per draft (`drafting_paused` with the state and the quarantine reason;
-`drafting_resumed` with the number of steps served without the draft), never one per step.
+`drafting_resumed` with the number of steps served without the draft), never one per step; the steps served without
+the draft since the process started are counted too (`steps_without_draft_total`, for the metrics). Model Runner V1
+asks through `drafting_allowed(runner)`, V2's speculator through `drafting_allowed_for(model)` (`runner_v2.py`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,19 @@ from torch import nn
 
 from .owners import VLLMDraftBackbone, backbones_in
 
-__all__ = ["drafting_allowed"]
+__all__ = ["drafting_allowed", "drafting_allowed_for", "steps_without_draft_total"]
 
 #: draft model -> its lifecycle drafts, held weakly: each backbone holds its model (`_structure`), so a strong value
 #: would keep its own key alive and the draft, weights and all, would never be freed.
 _BACKBONES: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[VLLMDraftBackbone], ...]] = (
     weakref.WeakKeyDictionary())
+#: steps each backbone was kept out of, since the process started (the pauses' counts reset at each resume)
+_STEPS_WITHOUT: weakref.WeakKeyDictionary[VLLMDraftBackbone, int] = weakref.WeakKeyDictionary()
+
+
+def steps_without_draft_total(backbone: VLLMDraftBackbone) -> int:
+    """Engine steps served without this draft since the process started."""
+    return _STEPS_WITHOUT.get(backbone, 0)
 
 
 def _draft_model(runner: Any) -> nn.Module | None:
@@ -41,7 +50,11 @@ def _draft_model(runner: Any) -> nn.Module | None:
 
 def drafting_allowed(runner: Any) -> bool:
     """False while any lifecycle draft of the runner's draft model is not usable (audited on each change)."""
-    model = _draft_model(runner)
+    return drafting_allowed_for(_draft_model(runner))
+
+
+def drafting_allowed_for(model: nn.Module | None) -> bool:
+    """As `drafting_allowed`, for the draft model itself."""
     if model is None:
         return True
     refs = _BACKBONES.get(model)
@@ -62,4 +75,5 @@ def drafting_allowed(runner: Any) -> bool:
         if paused is None:
             lc.audit_event("drafting_paused", state=lc.state.value, reason=lc.quarantine_reason)
         backbone.drafting_paused_steps = (paused or 0) + 1
+        _STEPS_WITHOUT[backbone] = _STEPS_WITHOUT.get(backbone, 0) + 1
     return allowed

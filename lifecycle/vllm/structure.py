@@ -33,6 +33,7 @@ from torch import nn
 
 from ..errors import FrozenStructureError, IncompleteCheckpointError
 from .families import OptionalModule, VLLMDraftFamily
+from .runner_v2 import declare_own_heads
 
 __all__ = ["DraftStructure", "observe"]
 
@@ -181,6 +182,7 @@ class DraftStructure:
                 owner_path, _, attr = module.path.rpartition(".")
                 setattr(_resolve(self._outer, owner_path) if owner_path else self._outer, attr, None)
         self.frozen = present
+        declare_own_heads(self._outer, present)  # Model Runner V2 keeps what the draft class says is its own
         return present
 
     def shared_now(self) -> set[str]:

@@ -2,8 +2,7 @@
 call them with `llm.collective_rpc("lifecycle_states")` (one answer per worker rank). Every answer is plain data
 (it crosses process boundaries): no tensors. Every answer says which worker gave it, so the answers of several
 nodes can be told apart and merged: a list answer's items each carry `rank` and `node` (the host name); a
-mapping answer carries them as its `rank` and `node` entries beside the per-backbone ones (`per_backbone` drops
-them).
+per-backbone answer is `{"rank": r, "node": host, "backbones": {backbone: ...}}`.
 """
 
 from __future__ import annotations
@@ -17,24 +16,17 @@ from ..events import host_name
 from ..storage import StorageIdentity
 from ..types import capped
 from .epochs import describe, end_failed_epoch
-from .owners import VLLMDraftBackbone, backbones_in
+from .owners import VLLMDraftBackbone, backbones_in, draft_model_of
 from .payload import feed, plan_payload
+from .serving_state import ServingStateRPC
 from .settings import PartialPolicy, check_partial
 
-__all__ = ["WORKER_KEYS", "LifecycleWorkerExtension", "draft_model_of", "per_backbone"]
-
-#: The entries of a mapping answer that name the worker, not a backbone.
-WORKER_KEYS = ("rank", "node")
+__all__ = ["LifecycleWorkerExtension", "draft_model_of"]
 
 
-def per_backbone(answer: dict[str, Any]) -> dict[str, Any]:
-    """A mapping answer (`lifecycle_pin`, `lifecycle_verify`, `lifecycle_derived_digests`) without the entries
-    that name the worker: {backbone: ...}."""
-    return {k: v for k, v in answer.items() if k not in WORKER_KEYS}
-
-
-class LifecycleWorkerExtension:
-    """Mixed into vLLM's worker class; `self` is the worker."""
+class LifecycleWorkerExtension(ServingStateRPC):
+    """Mixed into vLLM's worker class; `self` is the worker. `lifecycle_serving_state` (the metrics' and the
+    acceptance canary's RPC) comes from `serving_state.ServingStateRPC`."""
 
     # what the worker this is mixed into has (vLLM's `WorkerBase`): declared for the type checker only
     model_runner: Any
@@ -89,28 +81,32 @@ class LifecycleWorkerExtension:
             events.extend({**e, "node": node} for e in list(kept)[len(kept) - min(last, len(kept)):])
         return events
 
+    def _lifecycle_per_backbone(self, backbones: dict[str, Any]) -> dict[str, Any]:
+        return {**self._lifecycle_worker(), "backbones": backbones}
+
     def lifecycle_pin(self) -> dict[str, Any]:
         """Pin the storage identity of every draft tensor now (what `capture_graphs` does): later reloads must
         keep every pinned address or refuse. On CUDA, call it after vLLM captured its graphs.
-        {backbone: tensors pinned, "rank", "node"}."""
-        return {**{b.lifecycle.name: b.capture_graphs() for _, b in self._lifecycle_backbones()
-                   if b.lifecycle.can("capture_graphs")}, **self._lifecycle_worker()}
+        {"rank", "node", "backbones": {backbone: tensors pinned}}."""
+        pinned = {b.lifecycle.name: b.capture_graphs() for _, b in self._lifecycle_backbones()
+                  if b.lifecycle.can("capture_graphs")}
+        return self._lifecycle_per_backbone(pinned)
 
     def lifecycle_verify(self) -> dict[str, Any]:
-        """Check every pinned identity against the live tensors. {backbone: {"ok", "checked", "problems"},
-        "rank", "node"}."""
-        out: dict[str, Any] = self._lifecycle_worker()
+        """Check every pinned identity against the live tensors. {"rank", "node", "backbones": {backbone: {"ok",
+        "checked", "problems", "problems_more"}}}."""
+        out: dict[str, Any] = {}
         for _, b in self._lifecycle_backbones():
             problems = b.lifecycle.pinned_changes()
             shown, more = capped(problems, MESSAGE_ITEMS_CAP)
             out[b.lifecycle.name] = {"ok": not problems, "checked": len(b.lifecycle.pinned or ()),
                                      "problems": shown, "problems_more": more}
-        return out
+        return self._lifecycle_per_backbone(out)
 
     def lifecycle_derived_digests(self) -> dict[str, Any]:
         """sha256 of every derived buffer's bytes: compare two engines bit for bit without moving tensors.
-        {backbone: {buffer: sha256}, "rank", "node"}."""
-        out: dict[str, Any] = self._lifecycle_worker()
+        {"rank", "node", "backbones": {backbone: {buffer: sha256}}}."""
+        out: dict[str, Any] = {}
         for _, b in self._lifecycle_backbones():
             digests = {}
             for name in b.derived_buffer_names():
@@ -118,7 +114,16 @@ class LifecycleWorkerExtension:
                 digests[name] = "none" if t is None else hashlib.sha256(
                     t.detach().contiguous().cpu().view(-1).view(dtype=_byte_dtype()).numpy().tobytes()).hexdigest()
             out[b.lifecycle.name] = digests
-        return out
+        return self._lifecycle_per_backbone(out)
+
+    def lifecycle_note_weight_version(self, weight_version: str | None) -> dict[str, Any]:
+        """The trainer's `weight_version` of the weight-update session about to finish (the plugin's finish
+        wrappers send it first: vLLM tells the workers nothing of it); audited in the draft's reload epoch.
+        {"rank", "node", "weight_version"}."""
+        from .sessions import note_weight_version
+
+        note_weight_version(self, weight_version)
+        return {**self._lifecycle_worker(), "weight_version": weight_version}
 
     def reload_draft_weights(self, weights_path: str, bucket_size: int | None = None, shuffle: bool = False,
                              seed: int = 0, exclude_prefixes: Iterable[str] = (),
@@ -158,21 +163,6 @@ class LifecycleWorkerExtension:
             raise
         return {"tensors": payload.tensors, "buckets": len(payload.buckets), "partial": policy,
                 **self._lifecycle_worker()}
-
-
-def draft_model_of(runner: Any) -> Any:
-    """The runner's draft model, unwrapped, or None. Both model runners answer `get_draft_model()`: V1 keeps the
-    draft in `runner.drafter.model` (possibly inside a CUDA-graph wrapper), Model Runner V2 (vLLM's GPU default,
-    the only runner for DSpark) in `runner.speculator.model`; the attributes are the fallback for a runner
-    without the method."""
-    get = getattr(runner, "get_draft_model", None)
-    if callable(get):
-        return get()
-    for holder in ("drafter", "speculator"):
-        model = getattr(getattr(runner, holder, None), "model", None)
-        if model is not None:
-            return model.unwrap() if hasattr(model, "unwrap") else model
-    return None
 
 
 def _byte_dtype() -> Any:

@@ -36,6 +36,7 @@ from support.vllm_inprocess import (
 )
 from support.vllm_structure_runs import frozen_absent, optional_runs, structure_of
 from support.vllm_trainer_paths import DRAFT_PATHS, PATHS, attempt, buckets, read, write_draft
+from support.vllm_v2_runs import run_runner_v2
 
 __all__ = ["INPROCESS_FAMILIES", "MEMORY_ONLY", "make_checkpoints", "run_inprocess"]
 
@@ -77,6 +78,7 @@ def run_inprocess(work: Path, families: str = INPROCESS_FAMILIES, layouts: str =
                     for n in layouts.split(",")}
     out["runner_lookup"] = attempt(lambda: _runner_lookup(work))
     out["frozen_absent"] = attempt(lambda: frozen_absent(work))
+    out["runner_v2"] = run_runner_v2(work)  # Model Runner V2's drafting gate and Gemma4 DSpark's own heads
     # last: a stock reload that fails half way leaves vLLM's shared modules (the cached RoPE) on META
     for fam in families.split(","):
         out[fam]["stock"] = attempt(lambda f=fam: _stock_bucketed_reload(CASES[f].with_structure(), work))

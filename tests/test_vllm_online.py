@@ -1,0 +1,287 @@
+"""The online path: one real `vllm serve` subprocess on 127.0.0.1 with the plugin (support/vllm_server.py), driven
+over HTTP as an RL trainer drives it (support/rl_client.py): vLLM's RL routes `/pause?mode=keep|wait|abort`,
+`/start_draft_weight_update`, `/update_weights`, `/finish_weight_update`, `/resume`, `/start_weight_update` (a
+policy sync) and `/weight_checker`. Issue 26 item 1 and 2, issue 24 items 9-10.
+
+One server for the module (started once: 20-50 s on two shared cores), cold on draft B: its own first answers are
+the references (greedy outputs are the target's, speculative decoding being lossless; the derived digests and
+`/weight_checker` entries of a cold server on B). Every test leaves it as it found it: serving draft B, not paused.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from lifecycle.vllm.sessions import REFUSED
+from lifecycle.vllm.weight_checker import EQUAL, expected_checksums
+from support.rl_client import RLClient
+from support.vllm_server import VllmServer, shm_files
+
+LONG = [[1, 5, 7, 9, 11], [3, 3, 3, 3], [200, 17, 44, 90, 91, 92, 93], [0, 1, 2, 3, 4, 5, 6, 7, 8],
+        [9, 8, 7], [250, 3, 250, 3], [42] * 6, [100, 101, 102]]  # 8 requests: 4 run, 4 wait (max_num_seqs=4)
+LONG_TOKENS = 96
+#: RSS growth allowed per server process over 10 pushes: ~5x the largest growth measured (worker +368 KiB) and
+#: below what keeping one copy of the draft's weights (~330 KiB) per push would add (3.3 MiB)
+RSS_TOLERANCE_KIB = 2048
+
+
+@pytest.fixture(scope="module")
+def served(vllm_workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The server, a trainer's client, and the cold references (target outputs, cold-B digests and checksums).
+    What was measured is written to `measured.json` in the server's folder."""
+    server = VllmServer(vllm_workdir / "target", vllm_workdir / "draftB", tmp_path_factory.mktemp("serve"))
+    shm_before = shm_files()
+    server.start()
+    client = RLClient(server.url, server.model)
+    measured: dict[str, Any] = {"start_s": round(server.start_seconds or 0, 1)}
+    try:
+        ref = {"outputs": client.complete(), "long": _concurrently(server, LONG, LONG_TOKENS),
+               "digests": client.rpc("lifecycle_derived_digests"), "checksums": client.checksums()}
+        yield {"server": server, "client": client, "work": vllm_workdir, "ref": ref, "measured": measured}
+    finally:
+        client.close()
+        stopped = server.stop()
+        measured["stop_s"] = stopped.seconds
+        (server.workdir / "measured.json").write_text(json.dumps(measured, indent=1))
+    assert stopped.left == [] and not stopped.killed, stopped
+    assert shm_files() == shm_before  # nothing of the server left in /dev/shm
+
+
+@pytest.fixture
+def client(served: dict[str, Any]) -> Iterator[RLClient]:
+    """The trainer's client; after the test the server serves draft B again, unpaused, as a cold B server."""
+    c: RLClient = served["client"]
+    resets = c.resets
+    yield c
+    assert c.resets == resets, [str(e) for e in c.log[-8:]]  # the plugin's answers keep the connection
+    assert not c.is_paused()
+    _serving(served, "draftB")
+
+
+def _info(served: dict[str, Any], draft: str, **extra: Any) -> dict[str, Any]:
+    return {"path": str(served["work"] / draft), **extra}
+
+
+def _draft_state(c: RLClient) -> dict[str, Any]:
+    (rank0,) = c.rpc("lifecycle_states")
+    return next(s for s in rank0 if s["role"] == "draft")
+
+
+def _serving(served: dict[str, Any], draft: str) -> None:
+    """The draft serves `draft`: outputs are the target's, the weight checker matches what the trainer sent, and
+    (draft B) the derived buffers equal a cold server's, bit for bit."""
+    c: RLClient = served["client"]
+    assert _draft_state(c)["state"] == "DERIVED_REFRESHED"
+    assert c.complete() == served["ref"]["outputs"]
+    sent = expected_checksums(load_file(str(served["work"] / draft / "model.safetensors")))
+    target = {k: v for k, v in served["ref"]["checksums"].items() if ":draft." not in k}
+    assert c.weight_checker("compare", {**target, **sent}).answer == {"match": True, "mismatches": []}
+    if draft == "draftB":
+        assert c.rpc("lifecycle_derived_digests") == served["ref"]["digests"]
+
+
+def _statuses(steps: list[Any]) -> list[int]:
+    return [s.status for s in steps]
+
+
+class InFlight:
+    """Requests sent from threads (one client each), as several rollout workers would."""
+
+    def __init__(self, server: VllmServer, prompts: list[list[int]], max_tokens: int) -> None:
+        self.results: list[dict[str, Any] | None] = [None] * len(prompts)
+        self.threads = [threading.Thread(target=self._one, args=(server, i, p, max_tokens), daemon=True)
+                        for i, p in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, server: VllmServer, i: int, prompt: list[int], max_tokens: int) -> None:
+        c = RLClient(server.url, server.model)
+        try:
+            self.results[i] = c.completion(prompt, max_tokens)
+        finally:
+            c.close()
+
+    def done(self) -> int:
+        return sum(not t.is_alive() for t in self.threads)
+
+    def join(self, timeout: float = 120) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert all(r is not None for r in self.results), "a request did not finish"
+        return [r for r in self.results if r is not None]
+
+
+def _concurrently(server: VllmServer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return [list(r["token_ids"]) for r in InFlight(server, prompts, max_tokens).join()]
+
+
+def _running(c: RLClient, timeout: float = 60) -> float:
+    """Wait until the server reports requests running (`vllm:num_requests_running` on /metrics)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        running = c.metric("vllm:num_requests_running")
+        if running > 0:
+            return running
+        time.sleep(0.02)
+    raise AssertionError("no request was running")
+
+
+# ---- pushes --------------------------------------------------------------------------------------------------
+
+
+def test_an_idle_push_serves_the_new_draft_and_the_weight_checker_shows_it(served: dict[str, Any],
+                                                                          client: RLClient) -> None:
+    began = time.perf_counter()
+    assert _statuses(client.push(_info(served, "draftA"), weight_version="A-1")) == [200] * 5
+    served["measured"]["idle_push_ms"] = round((time.perf_counter() - began) * 1000)
+    assert client.weight_version() == "A-1"
+    _serving(served, "draftA")
+    # the draft's entries are in vLLM's own checksum answer; comparing with B's lists exactly the draft's weights
+    checks = client.checksums()
+    draft_keys = sorted(k for k in checks if ":draft.model." in k)
+    assert len(draft_keys) == 19 and {v for k, v in checks.items() if ":draft.derived." in k} == {EQUAL}
+    assert client.weight_checker("compare", served["ref"]["checksums"]).answer["mismatches"] == draft_keys
+    assert _statuses(client.push(_info(served, "draftB"), weight_version="B-1")) == [200] * 5
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
+def test_a_push_under_pause_with_requests_in_flight(mode: str, served: dict[str, Any], client: RLClient) -> None:
+    ref = served["ref"]["long"]
+    flight = InFlight(served["server"], LONG, LONG_TOKENS)
+    assert _running(client) > 0  # in flight before the pause
+    assert client.pause(mode).ok
+    done_at_pause = flight.done()
+    steps = client.push(_info(served, "draftA"), weight_version=f"{mode}-A", pause=None)
+    assert _statuses(steps) == [200] * 3
+    assert client.resume().ok
+    results = flight.join()
+    tokens = [list(r["token_ids"]) for r in results]
+    if mode == "keep":  # frozen across the push, then finished with the target's greedy output
+        assert done_at_pause < len(LONG)
+        assert tokens == ref and {r["finish_reason"] for r in results} == {"length"}
+    elif mode == "wait":  # the pause answered once every request had finished
+        assert done_at_pause == len(LONG) or all(r["finish_reason"] == "length" for r in results)
+        assert tokens == ref
+    else:  # aborted where they stood: what they had is the target's, cut short
+        reasons = [r["finish_reason"] for r in results]
+        assert "abort" in reasons and set(reasons) <= {"abort", "length"}
+        assert all(t == full[:len(t)] for t, full in zip(tokens, ref, strict=True))
+        assert all(len(t) < LONG_TOKENS for t, why in zip(tokens, reasons, strict=True) if why == "abort")
+    assert _concurrently(served["server"], LONG, LONG_TOKENS) == ref  # the new draft, after the push
+    assert _statuses(client.push(_info(served, "draftB"))) == [200] * 5
+
+
+def test_an_unpaused_push_with_requests_in_flight(served: dict[str, Any], client: RLClient) -> None:
+    flight = InFlight(served["server"], LONG, LONG_TOKENS)
+    assert _running(client) > 0
+    assert _statuses(client.push(_info(served, "draftA"), weight_version="unpaused", pause=None)) == [200] * 3
+    assert [list(r["token_ids"]) for r in flight.join()] == served["ref"]["long"]
+    assert _statuses(client.push(_info(served, "draftB"), pause=None)) == [200] * 3
+
+
+# ---- refused and abandoned pushes (issue 24 items 9 and 10) ----------------------------------------------------
+
+
+def test_a_refused_finish_answers_422_naming_it_then_a_corrected_push_and_a_policy_sync_proceed(
+        served: dict[str, Any], client: RLClient) -> None:
+    steps = client.push(_info(served, "draftA", exclude_prefixes=["layers.1."]), weight_version="A-bad")
+    assert _statuses(steps) == [200, 200, 200, 422, 200]
+    message = steps[3].message
+    assert message.startswith(f"{REFUSED} the draft weight update: LayersNotReadyError:")
+    assert "layers.1: layers.1.self_attn.qkv_proj.weight" in message and "Call to collective_rpc" not in message
+    state = _draft_state(client)
+    assert state["state"] == "QUARANTINED" and "layers.1" in state["quarantine_reason"]
+    assert client.complete() == served["ref"]["outputs"]  # served without speculation
+    assert {v for k, v in client.checksums().items() if ":draft.derived." in k} == {"not-serving:QUARANTINED"}
+    # before: every later start answered 500 "start_weight_update called while a weight update is already active"
+    assert _statuses(client.push(_info(served, "draftB"), weight_version="B-2")) == [200] * 5
+    _serving(served, "draftB")
+    epoch = _draft_state(client)["epoch"]
+    policy = client.push({"path": str(served["work"] / "target")}, weight_version="policy-1", draft=False)
+    assert _statuses(policy) == [200] * 5 and client.weight_version() == "policy-1"
+    assert _draft_state(client)["epoch"] == epoch  # the target's sync leaves the draft as it was
+
+
+def test_a_start_after_an_abandoned_push_ends_it_audited_and_the_next_push_proceeds(
+        served: dict[str, Any], client: RLClient) -> None:
+    # the trainer dies between /update_weights and /finish_weight_update
+    assert _statuses([client.pause(), client.start_draft(), client.update(_info(served, "draftA")),
+                      client.resume()]) == [200] * 4
+    abandoned = _draft_state(client)
+    assert abandoned["state"] == "PARTIALLY_LOADED"
+    assert client.complete() == served["ref"]["outputs"]
+    assert _statuses(client.push(_info(served, "draftB"), weight_version="B-3")) == [200] * 5
+    (ended,) = [e for e in served["server"].audit_events() if e["event"] == "weight_update_session_ended"
+                and e["epoch"] == abandoned["epoch"]]
+    assert ended["outcome"] == "abandoned" and ended["level"] == "warning" and ended["chunks"] == 1
+    assert ended["reason"].startswith("abandoned: start_draft_weight_update began before finish_weight_update")
+
+
+def test_an_abandoned_draft_push_then_a_policy_sync(served: dict[str, Any], client: RLClient) -> None:
+    assert _statuses([client.start_draft(), client.update(_info(served, "draftA"))]) == [200] * 2
+    policy = client.push({"path": str(served["work"] / "target")}, weight_version="policy-2", draft=False)
+    assert _statuses(policy) == [200] * 5
+    state = _draft_state(client)
+    assert state["state"] == "QUARANTINED" and state["quarantine_reason"].startswith("abandoned: start_weight_update")
+    assert _statuses(client.push(_info(served, "draftB"))) == [200] * 5  # the next draft push recovers it
+
+
+def test_a_refused_chunk_answers_422_and_the_next_push_proceeds(served: dict[str, Any], client: RLClient) -> None:
+    steps = client.push(_info(served, "no-such-draft"))
+    assert _statuses(steps) == [200, 200, 422, 200]
+    assert steps[2].message.startswith(f"{REFUSED} the draft's update_weights chunk: CheckpointError:")
+    assert "Nothing was written" in steps[2].message and _draft_state(client)["state"] == "DERIVED_REFRESHED"
+    assert _statuses(client.push(_info(served, "draftB"))) == [200] * 5
+
+
+def test_ten_successive_pushes_keep_every_process_and_dev_shm_flat(served: dict[str, Any], client: RLClient) -> None:
+    server: VllmServer = served["server"]
+    assert _statuses(client.push(_info(served, "draftA"))) == [200] * 5  # warm: the first push's allocations
+    assert _statuses(client.push(_info(served, "draftB"))) == [200] * 5
+    rss, shm = server.rss(), shm_files()
+    times = []
+    for i in range(10):
+        began = time.perf_counter()
+        assert _statuses(client.push(_info(served, "draftA" if i % 2 == 0 else "draftB"), f"loop-{i}")) == [200] * 5
+        times.append(round((time.perf_counter() - began) * 1000))
+    after = server.rss()
+    grown = {f"{name}/{pid}": after[pid][1] - kib for pid, (name, kib) in rss.items()}
+    served["measured"].update(push_ms=times, rss_kib={f"{n}/{p}": k for p, (n, k) in rss.items()},
+                                     rss_growth_kib=grown)
+    assert set(after) == set(rss) and len(rss) >= 3  # API server, engine core, worker (and the resource tracker)
+    assert all(g <= RSS_TOLERANCE_KIB for g in grown.values()), grown
+    assert shm_files() == shm
+
+
+def test_vllms_own_misuse_answers_stay_vllms(served: dict[str, Any], client: RLClient) -> None:
+    # a chunk or a finish without a session is vLLM's refusal (its generic 500); the plugin adds nothing to it
+    other = RLClient(served["server"].url, served["server"].model)
+    try:
+        update = other.update(_info(served, "draftB"))
+        assert update.status == 500 and "start_weight_update must be called before update_weights" in update.message
+        finish = other.finish()
+        assert finish.status == 500 and "without a matching start_weight_update" in finish.message
+    finally:
+        other.close()
+    assert _draft_state(client)["state"] == "DERIVED_REFRESHED"
+
+
+def test_each_push_audits_the_trainers_weight_version_in_its_epoch(served: dict[str, Any], client: RLClient) -> None:
+    assert _statuses(client.push(_info(served, "draftA"), weight_version="A-audit")) == [200] * 5
+    assert _statuses(client.push(_info(served, "draftB"), weight_version="B-audit")) == [200] * 5
+    events = served["server"].audit_events()
+    noted = {e["weight_version"]: e["epoch"] for e in events if e["event"] == "weight_version"}
+    ended = {e["weight_version"]: (e["epoch"], e["outcome"]) for e in events
+             if e["event"] == "weight_update_session_ended"}
+    assert noted["B-audit"] == noted["A-audit"] + 1 == _draft_state(client)["epoch"]
+    assert ended["A-audit"] == (noted["A-audit"], "finished") and ended["B-audit"] == (noted["B-audit"], "finished")
+    assert not any((e.get("weight_version") or "").startswith("policy") for e in events)  # the target's sync
