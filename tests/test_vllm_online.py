@@ -41,7 +41,7 @@ def served(vllm_workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     shm_before = shm_files()
     server.start()
     client = RLClient(server.url, server.model)
-    measured: dict[str, Any] = {"start_s": round(server.start_seconds or 0, 1)}
+    measured: dict[str, Any] = {"start_s": round(server.start_seconds or 0, 1), "shm_serving": shm_files()}
     try:
         ref = {"outputs": client.complete(), "long": _concurrently(server, LONG, LONG_TOKENS),
                "digests": client.rpc("lifecycle_derived_digests"), "checksums": client.checksums()}
@@ -50,6 +50,7 @@ def served(vllm_workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         client.close()
         stopped = server.stop()
         measured["stop_s"] = stopped.seconds
+        measured["shm_files_idle_serving_stopped"] = [shm_before, measured.get("shm_serving"), shm_files()]
         (server.workdir / "measured.json").write_text(json.dumps(measured, indent=1))
     assert stopped.left == [] and not stopped.killed, stopped
     assert shm_files() == shm_before  # nothing of the server left in /dev/shm
@@ -256,7 +257,7 @@ def test_ten_successive_pushes_keep_every_process_and_dev_shm_flat(served: dict[
     after = server.rss()
     grown = {f"{name}/{pid}": after[pid][1] - kib for pid, (name, kib) in rss.items()}
     served["measured"].update(push_ms=times, rss_kib={f"{n}/{p}": k for p, (n, k) in rss.items()},
-                                     rss_growth_kib=grown)
+                              rss_growth_kib=grown, shm_files_before_after=[shm, shm_files()])
     assert set(after) == set(rss) and len(rss) >= 3  # API server, engine core, worker (and the resource tracker)
     assert all(g <= RSS_TOLERANCE_KIB for g in grown.values()), grown
     assert shm_files() == shm
