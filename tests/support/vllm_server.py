@@ -39,7 +39,7 @@ from typing import Any
 from support.needs import needs
 
 __all__ = ["CLI", "SERVER_ENV", "ServerStartError", "StopReport", "VllmServer", "free_port", "serve_args",
-           "shm_files"]
+           "shm_files", "shm_names"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(__file__).resolve().parent / "vllm_cli.py"
@@ -294,9 +294,14 @@ def _group_pids(pgid: int) -> list[int]:
     return pids
 
 
-def shm_files() -> int:
-    """How many entries /dev/shm holds now (vLLM's shared-memory queues and buffers live there)."""
+def shm_names() -> set[str]:
+    """The entries /dev/shm holds now (vLLM's shared-memory queues and buffers live there)."""
     try:
-        return len(os.listdir("/dev/shm"))
+        return set(os.listdir("/dev/shm"))
     except OSError:
-        return -1
+        return set()
+
+
+def shm_files() -> int:
+    """How many entries /dev/shm holds now."""
+    return len(shm_names())
