@@ -21,7 +21,9 @@ sync's too, until a restart. The wrappers (worker side):
                                 (outcome `refused`), the error names what was refused; a finish that succeeds
                                 is audited (outcome `finished`)
 
-Each refusal is a `WeightUpdateRefused` whose message begins with `REFUSED`. In the API server process (the RL
+Each refusal's message begins with `REFUSED`: a refused start or finish is a `WeightUpdateRefused`; a refused
+chunk keeps its own class (`CheckpointError`, `ValueError`, ...: what callers caught before), its message
+prefixed. In the API server process (the RL
 routes call `AsyncLLM`) the wrappers of `AsyncLLM.start_weight_update`, `start_draft_weight_update`,
 `update_weights` and `finish_weight_update` find that prefix in vLLM's wrapped error (it crosses two processes as
 a string) and answer `GracefulHTTPError` with the plugin's message alone: 409 for a refused start, 422 for a refused
@@ -183,7 +185,13 @@ def _update(original: Callable[..., Any]) -> Callable[..., Any]:
             left = _end_draft_session(worker, "refused", f"update_weights failed: {describe(e)}")
             if not isinstance(e, Exception):
                 raise
-            raise WeightUpdateRefused(f"{REFUSED} the draft's update_weights chunk: {_detail(e)}\n{left}") from e
+            message = f"{REFUSED} the draft's update_weights chunk: {_detail(e)}\n{left}"
+            if type(e).__str__ is BaseException.__str__:
+                # the caller keeps the class it caught before (vLLM closed this session itself); only the message
+                # says what was refused and what it left, for the trainer and the API process's 422
+                e.args = (message,)
+                raise
+            raise WeightUpdateRefused(message) from e
         if session is not None:
             session.chunks += 1
             session.last_call = time.monotonic()
