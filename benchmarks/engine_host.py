@@ -137,10 +137,14 @@ class Host:
 
     def _chunks(self, folder: Path, bucket: str) -> list[dict[str, Any]]:
         from benchmarks.engine_shapes import shard_files
+        from lifecycle.checkpoint import checkpoint_index
+
+        def whole(path: Path) -> dict[str, Any]:  # one load_weights call for what the chunk holds (None streams)
+            return {"path": str(path), "bucket_size": len(checkpoint_index(path))}
 
         if bucket == "layer":
-            return [{"path": str(f)} for f in shard_files(folder)]
-        return [{"path": str(folder), **({"bucket_size": 1} if bucket == "tensor" else {})}]
+            return [whole(f) for f in shard_files(folder)]
+        return [{"path": str(folder), "bucket_size": 1} if bucket == "tensor" else whole(folder)]
 
     def _session(self, folder: Path, bucket: str) -> int:
         """vLLM's native draft session with the plugin's safetensors_file transfer engine."""
