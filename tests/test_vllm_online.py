@@ -27,12 +27,10 @@ from support.vllm_server import VllmServer, shm_names
 
 #: as many requests as the server runs at once (max_num_seqs=4): each is running once it has streamed a token
 LONG = [[1, 5, 7, 9, 11], [3, 3, 3, 3], [200, 17, 44, 90, 91, 92, 93], [0, 1, 2, 3, 4, 5, 6, 7, 8]]
-#: the tiny target's max_position_embeddings: a request in flight can run for seconds (tiny's 128 cannot)
+#: the tiny target's max_position_embeddings: a request can run for seconds (tiny's 128 cannot)
 MAX_MODEL_LEN = 256
-#: an aborted request's budget: no machine generates it between its first token and the pause
-ABORT_TOKENS = MAX_MODEL_LEN - 16
-#: how long a request of the keep/wait/unpaused tests runs (its max_tokens is measured to take this long)
-RUN_S = 3.0
+#: each request's budget (2-4 s here); greedy outputs of this length are the references
+LONG_TOKENS = MAX_MODEL_LEN - 16
 #: after the engine round trip, for the requests' adds to be in the scheduler (they were sent before it)
 SETTLE_S = 0.3
 #: RSS growth allowed per server process over 10 pushes: ~5x the largest growth measured (worker +368 KiB) and
@@ -46,17 +44,12 @@ def served(vllm_workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     What was measured is written to `measured.json` in the server's folder."""
     server = VllmServer(vllm_workdir / "target", vllm_workdir / "draftB", tmp_path_factory.mktemp("serve"),
                         extra_args=["--max-model-len", str(MAX_MODEL_LEN)])
-    shm_before = shm_names()
     server.start()
-    shm_server = shm_names() - shm_before  # this server's (the machine's /dev/shm is shared with other jobs)
+    shm_server = server.shm_entries()  # this server's own (the machine's /dev/shm is shared with other jobs)
     client = RLClient(server.url, server.model)
     measured: dict[str, Any] = {"start_s": round(server.start_seconds or 0, 1), "shm_of_the_server": len(shm_server)}
     try:
-        outputs = client.complete()
-        long_tokens = _tokens_for(server, RUN_S)
-        measured["long_tokens"] = long_tokens
-        ref = {"outputs": outputs, "long_tokens": long_tokens,
-               "long": [r["token_ids"] for r in InFlight(server, LONG, long_tokens).join()],
+        ref = {"outputs": client.complete(), "long": [r["token_ids"] for r in InFlight(server, LONG).join()],
                "digests": client.rpc("lifecycle_derived_digests"), "checksums": client.checksums()}
         yield {"server": server, "client": client, "work": vllm_workdir, "ref": ref, "measured": measured}
     finally:
@@ -127,7 +120,7 @@ class InFlight:
     waits until each stream has its answer's headers, then an engine round trip (`/collective_rpc` goes to the
     engine core behind the requests' adds) and `SETTLE_S`; `resume` then starts every request in the same step."""
 
-    def __init__(self, server: VllmServer, prompts: list[list[int]], max_tokens: int) -> None:
+    def __init__(self, server: VllmServer, prompts: list[list[int]], max_tokens: int = LONG_TOKENS) -> None:
         self.max_tokens = max_tokens
         self.received = [0] * len(prompts)
         self.opened = [threading.Event() for _ in prompts]
@@ -155,10 +148,10 @@ class InFlight:
             c.close()
 
     @classmethod
-    def queued(cls, c: RLClient, server: VllmServer, prompts: list[list[int]], max_tokens: int) -> InFlight:
+    def queued(cls, c: RLClient, server: VllmServer, prompts: list[list[int]] = LONG) -> InFlight:
         """The requests, every one queued in the engine, which `c` leaves paused (`keep`): resume it next."""
         assert c.pause("keep").ok
-        flight = cls(server, prompts, max_tokens)
+        flight = cls(server, prompts)
         for event in flight.opened:
             assert event.wait(60), "a stream did not open within 60 s"
         assert not flight.errors, flight.errors
@@ -166,6 +159,18 @@ class InFlight:
         time.sleep(SETTLE_S)
         assert flight.finished() == 0 and flight.received == [0] * len(prompts)  # nothing ran
         return flight
+
+    def settled(self, quiet_s: float = 0.3, timeout: float = 30) -> tuple[list[int], list[bool]]:
+        """Under a keep pause: wait until the streams have caught up with the frozen engine (nothing arrives for
+        `quiet_s`). Tokens received and finished, per request."""
+        deadline = time.monotonic() + timeout
+        seen = None
+        while True:
+            now = (list(self.received), [at is not None for at in self.finished_at])
+            if now == seen or time.monotonic() > deadline:
+                return now
+            seen = now
+            time.sleep(quiet_s)
 
     def streaming(self, timeout: float = 60) -> None:
         """Wait until every request has streamed a token (or finished): each was scheduled."""
@@ -186,13 +191,20 @@ class InFlight:
         return [r for r in self.results if r is not None]
 
 
-def _tokens_for(server: VllmServer, seconds: float, probe: int = 48) -> int:
-    """max_tokens for the requests of LONG, run together, to take about `seconds` on this machine now (from a
-    probe's wall time: latency included, so rather fewer)."""
-    began = time.monotonic()
-    InFlight(server, LONG, probe).join()
-    rate = probe / max(time.monotonic() - began, 1e-3)
-    return max(probe, min(ABORT_TOKENS // 2, round(rate * seconds)))
+def _frozen_in_flight(c: RLClient, server: VllmServer, attempts: int = 5) -> tuple[InFlight, list[int], list[bool]]:
+    """Requests running in the engine, frozen there by a keep pause (`c` leaves it paused), at least one of them
+    with tokens streamed and unfinished: its tokens and whether it finished, per request. The engine can run
+    ahead of the API server by seconds on a loaded machine (a resume then a pause let 240-token requests finish),
+    so when no request was caught unfinished, the round is run again."""
+    for _ in range(attempts):
+        flight = InFlight.queued(c, server)
+        assert c.resume().ok and c.pause("keep").ok
+        received, finished = flight.settled()
+        if any(n and not done for n, done in zip(received, finished, strict=True)):
+            return flight, received, finished
+        assert c.resume().ok
+        flight.join()
+    raise AssertionError(f"no request was still running when a keep pause landed, {attempts} tries")
 
 
 # ---- pushes --------------------------------------------------------------------------------------------------
@@ -215,47 +227,46 @@ def test_an_idle_push_serves_the_new_draft_and_the_weight_checker_shows_it(serve
 
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
 def test_a_push_under_pause_with_requests_in_flight(mode: str, served: dict[str, Any], client: RLClient) -> None:
-    ref, long_tokens = served["ref"]["long"], served["ref"]["long_tokens"]
-    flight = InFlight.queued(client, served["server"], LONG, ABORT_TOKENS if mode == "abort" else long_tokens)
-    # every request starts in the next step; none can finish before the pause (>= 48 steps, seconds here)
-    assert client.resume().ok
-    if mode == "wait":  # a request still queued would stay queued under `wait`: each must have been scheduled
-        flight.streaming()
-    assert client.pause(mode).ok
-    time.sleep(0.1)  # outputs already on their way to the streams arrive
-    at_pause = (list(flight.received), flight.finished())
-    served["measured"][f"{mode}_tokens_finished_at_pause"] = at_pause
+    ref = served["ref"]["long"]
+    flight, received, finished = _frozen_in_flight(client, served["server"])
+    in_flight = [n > 0 and not done for n, done in zip(received, finished, strict=True)]
+    served["measured"][f"{mode}_tokens_finished_at_pause"] = [received, finished]
+    if mode == "wait":  # running on, drained by the pause (`wait` right after `keep` answered at once: measured)
+        assert client.resume().ok and client.pause("wait").ok
+    elif mode == "abort":  # aborted from the keep pause: where they stand
+        assert client.pause("abort").ok
     steps = client.push(_info(served, "draftA"), weight_version=f"{mode}-A", pause=None)
     assert _statuses(steps) == [200] * 3
-    before_resume = (list(flight.received), flight.finished())
+    before_resume = flight.settled() if mode != "wait" else (list(flight.received), [])
     resumed_at = time.monotonic()
     assert client.resume().ok
     results = flight.join()
     tokens = [r["token_ids"] for r in results]
     reasons = [r["finish_reason"] for r in results]
     if mode == "keep":  # frozen across the push, then finished with the target's greedy output
-        assert before_resume == at_pause and at_pause[1] == 0, (at_pause, before_resume)
+        assert before_resume == (received, finished), ((received, finished), before_resume)
         assert tokens == ref and reasons == ["length"] * len(LONG)
-    elif mode == "wait":  # the pause answered once every request had finished; the push ran after them
-        assert all(a is not None and a < resumed_at for a in flight.finished_at), (at_pause, before_resume)
+    elif mode == "wait":  # the pause answered once the running requests had finished; the push ran after them
+        assert all(at is not None and at < resumed_at for at, now in zip(flight.finished_at, in_flight, strict=True)
+                   if now), (received, flight.finished_at, resumed_at)
         assert tokens == ref and reasons == ["length"] * len(LONG)
-    else:  # every request aborted where it stood (vLLM's FinishReason.ABORT): what it had is the target's
-        assert reasons == ["abort"] * len(LONG), reasons
-        assert all(a is not None and a < resumed_at for a in flight.finished_at)
-        assert all(len(t) < ABORT_TOKENS and t[:long_tokens] == full[:len(t)]
-                   for t, full in zip(tokens, ref, strict=True))
+    else:  # each request running aborted where it stood (vLLM's FinishReason.ABORT): what it had is the target's
+        assert [why for why, now in zip(reasons, in_flight, strict=True) if now] == ["abort"] * sum(in_flight), reasons
+        assert [len(t) for t, now in zip(tokens, in_flight, strict=True) if now] == [
+            n for n, now in zip(received, in_flight, strict=True) if now]
+        assert all(why in ("abort", "length", None) and t == full[:len(t)]
+                   for t, why, full in zip(tokens, reasons, ref, strict=True))
+        assert all(at is not None and at < resumed_at for at in flight.finished_at)  # every one ended by the abort
     # the new draft, after the push
-    assert [r["token_ids"] for r in InFlight(served["server"], LONG, long_tokens).join()] == ref
+    assert [r["token_ids"] for r in InFlight(served["server"], LONG).join()] == ref
     assert _statuses(client.push(_info(served, "draftB"))) == [200] * 5
 
 
 def test_an_unpaused_push_with_requests_in_flight(served: dict[str, Any], client: RLClient) -> None:
-    flight = InFlight.queued(client, served["server"], LONG, served["ref"]["long_tokens"])
-    assert client.resume().ok
+    flight, _, _ = _frozen_in_flight(client, served["server"])
+    assert client.resume().ok  # at least one request runs on
     assert _statuses(client.push(_info(served, "draftA"), weight_version="unpaused", pause=None)) == [200] * 3
-    unfinished_at_push = len(LONG) - flight.finished()
     results = flight.join()
-    assert unfinished_at_push > 0
     assert [r["token_ids"] for r in results] == served["ref"]["long"]
     assert [r["finish_reason"] for r in results] == ["length"] * len(LONG)
     assert _statuses(client.push(_info(served, "draftB"), pause=None)) == [200] * 3
