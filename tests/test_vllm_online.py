@@ -23,12 +23,16 @@ from safetensors.torch import load_file
 from lifecycle.vllm.sessions import REFUSED
 from lifecycle.vllm.weight_checker import EQUAL, expected_checksums
 from support.rl_client import RLClient
-from support.vllm_server import VllmServer, shm_files, shm_names
+from support.vllm_server import VllmServer, shm_names
 
-LONG = [[1, 5, 7, 9, 11], [3, 3, 3, 3], [200, 17, 44, 90, 91, 92, 93], [0, 1, 2, 3, 4, 5, 6, 7, 8],
-        [9, 8, 7], [250, 3, 250, 3], [42] * 6, [100, 101, 102]]  # 8 requests: 4 run, 4 wait (max_num_seqs=4)
-LONG_TOKENS = 96
-SETTLE_S = 0.5
+#: as many requests as the server runs at once (max_num_seqs=4): each is running once it has streamed a token
+LONG = [[1, 5, 7, 9, 11], [3, 3, 3, 3], [200, 17, 44, 90, 91, 92, 93], [0, 1, 2, 3, 4, 5, 6, 7, 8]]
+#: the tiny target's max_position_embeddings: a request can run for seconds (tiny's 128 cannot)
+MAX_MODEL_LEN = 256
+#: each request's budget (2-4 s here); greedy outputs of this length are the references
+LONG_TOKENS = MAX_MODEL_LEN - 16
+#: after the engine round trip, for the requests' adds to be in the scheduler (they were sent before it)
+SETTLE_S = 0.3
 #: RSS growth allowed per server process over 10 pushes: ~5x the largest growth measured (worker +368 KiB) and
 #: below what keeping one copy of the draft's weights (~330 KiB) per push would add (3.3 MiB)
 RSS_TOLERANCE_KIB = 2048
@@ -38,14 +42,14 @@ RSS_TOLERANCE_KIB = 2048
 def served(vllm_workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The server, a trainer's client, and the cold references (target outputs, cold-B digests and checksums).
     What was measured is written to `measured.json` in the server's folder."""
-    server = VllmServer(vllm_workdir / "target", vllm_workdir / "draftB", tmp_path_factory.mktemp("serve"))
-    shm_before = shm_names()
+    server = VllmServer(vllm_workdir / "target", vllm_workdir / "draftB", tmp_path_factory.mktemp("serve"),
+                        extra_args=["--max-model-len", str(MAX_MODEL_LEN)])
     server.start()
-    shm_server = shm_names() - shm_before  # this server's (the machine's /dev/shm is shared with other jobs)
+    shm_server = server.shm_entries()  # this server's own (the machine's /dev/shm is shared with other jobs)
     client = RLClient(server.url, server.model)
     measured: dict[str, Any] = {"start_s": round(server.start_seconds or 0, 1), "shm_of_the_server": len(shm_server)}
     try:
-        ref = {"outputs": client.complete(), "long": _concurrently(server, LONG, LONG_TOKENS),
+        ref = {"outputs": client.complete(), "long": [r["token_ids"] for r in InFlight(server, LONG).join()],
                "digests": client.rpc("lifecycle_derived_digests"), "checksums": client.checksums()}
         yield {"server": server, "client": client, "work": vllm_workdir, "ref": ref, "measured": measured}
     finally:
@@ -64,9 +68,21 @@ def client(served: dict[str, Any]) -> Iterator[RLClient]:
     c: RLClient = served["client"]
     resets = c.resets
     yield c
-    assert c.resets == resets, [str(e) for e in c.log[-8:]]  # the plugin's answers keep the connection
-    assert not c.is_paused()
-    _serving(served, "draftB")
+    try:
+        assert c.resets == resets, [str(e) for e in c.log[-8:]]  # the plugin's answers keep the connection
+        assert not c.is_paused()
+        _serving(served, "draftB")
+    except BaseException:
+        _restore(served)  # a failed test must not fail the next ones
+        raise
+
+
+def _restore(served: dict[str, Any]) -> None:
+    """Back to draft B, unpaused, whatever a failed test left: requests in flight aborted, a session ended."""
+    c: RLClient = served["client"]
+    c.resume()
+    steps = c.push(_info(served, "draftB"), weight_version="restored")
+    assert _statuses(steps) == [200] * 5 and not c.is_paused(), [str(e) for e in steps]
 
 
 def _info(served: dict[str, Any], draft: str, **extra: Any) -> dict[str, Any]:
@@ -96,50 +112,99 @@ def _statuses(steps: list[Any]) -> list[int]:
 
 
 class InFlight:
-    """Requests sent from threads (one client each), as several rollout workers would."""
+    """Streamed requests sent from threads (one client each), as several rollout workers would.
 
-    def __init__(self, server: VllmServer, prompts: list[list[int]], max_tokens: int) -> None:
+    What the client reads is no proof of where the engine stands: on a loaded machine a stream was measured to
+    deliver a whole 240-token request at once, 2 s after it began. So `queued(c)` makes it certain instead: it
+    sends the requests while the engine is paused with `keep` (vLLM queues them in the scheduler, nothing runs),
+    waits until each stream has its answer's headers, then an engine round trip (`/collective_rpc` goes to the
+    engine core behind the requests' adds) and `SETTLE_S`; `resume` then starts every request in the same step."""
+
+    def __init__(self, server: VllmServer, prompts: list[list[int]], max_tokens: int = LONG_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.received = [0] * len(prompts)
+        self.opened = [threading.Event() for _ in prompts]
+        self.finished_at: list[float | None] = [None] * len(prompts)
         self.results: list[dict[str, Any] | None] = [None] * len(prompts)
-        self.threads = [threading.Thread(target=self._one, args=(server, i, p, max_tokens), daemon=True)
+        self.errors: list[BaseException] = []
+        # the clients are made here: making one in its thread, beside streaming threads, took seconds
+        clients = [RLClient(server.url, server.model) for _ in prompts]
+        self.threads = [threading.Thread(target=self._one, args=(clients[i], i, p), daemon=True)
                         for i, p in enumerate(prompts)]
         for t in self.threads:
             t.start()
 
-    def _one(self, server: VllmServer, i: int, prompt: list[int], max_tokens: int) -> None:
-        c = RLClient(server.url, server.model)
+    def _one(self, c: RLClient, i: int, prompt: list[int]) -> None:
+        def got(n: int) -> None:
+            self.received[i] = n
+
         try:
-            self.results[i] = c.completion(prompt, max_tokens)
+            self.results[i] = c.stream(prompt, self.max_tokens, got, opened=self.opened[i].set)
+            self.finished_at[i] = time.monotonic()
+        except BaseException as e:
+            self.errors.append(e)
         finally:
+            self.opened[i].set()  # a failed request must not keep queued() waiting
             c.close()
 
-    def done(self) -> int:
-        return sum(not t.is_alive() for t in self.threads)
+    @classmethod
+    def queued(cls, c: RLClient, server: VllmServer, prompts: list[list[int]] = LONG) -> InFlight:
+        """The requests, every one queued in the engine, which `c` leaves paused (`keep`): resume it next."""
+        assert c.pause("keep").ok
+        flight = cls(server, prompts)
+        for event in flight.opened:
+            assert event.wait(60), "a stream did not open within 60 s"
+        assert not flight.errors, flight.errors
+        c.rpc("lifecycle_states")
+        time.sleep(SETTLE_S)
+        assert flight.finished() == 0 and flight.received == [0] * len(prompts)  # nothing ran
+        return flight
+
+    def settled(self, quiet_s: float = 0.3, timeout: float = 30) -> tuple[list[int], list[bool]]:
+        """Under a keep pause: wait until the streams have caught up with the frozen engine (nothing arrives for
+        `quiet_s`). Tokens received and finished, per request."""
+        deadline = time.monotonic() + timeout
+        seen = None
+        while True:
+            now = (list(self.received), [at is not None for at in self.finished_at])
+            if now == seen or time.monotonic() > deadline:
+                return now
+            seen = now
+            time.sleep(quiet_s)
+
+    def streaming(self, timeout: float = 60) -> None:
+        """Wait until every request has streamed a token (or finished): each was scheduled."""
+        deadline = time.monotonic() + timeout
+        while not all(n or at for n, at in zip(self.received, self.finished_at, strict=True)):
+            assert time.monotonic() < deadline and not self.errors, (self.received, self.errors)
+            time.sleep(0.01)
+
+    def finished(self) -> int:
+        return sum(at is not None for at in self.finished_at)
 
     def join(self, timeout: float = 120) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        assert all(r is not None for r in self.results), "a request did not finish"
+        assert not self.errors, self.errors
+        assert all(r is not None and r["done"] for r in self.results), "a stream did not end with [DONE]"
         return [r for r in self.results if r is not None]
 
 
-def _concurrently(server: VllmServer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    return [list(r["token_ids"]) for r in InFlight(server, prompts, max_tokens).join()]
-
-
-def _running(c: RLClient, timeout: float = 60) -> float:
-    """Wait until the server reports requests running (`vllm:num_requests_running` on /metrics), then
-    `SETTLE_S` more: the gauge can hold the last value of an idle engine, and the requests, sent from threads at
-    once, reach the engine within tens of ms. They cannot finish within it: 8 x 96 tokens at 4 running is at least
-    192 engine steps (at most ~50 steps/s measured here)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        running = c.metric("vllm:num_requests_running")
-        if running > 0:
-            time.sleep(SETTLE_S)
-            return running
-        time.sleep(0.02)
-    raise AssertionError("no request was running")
+def _frozen_in_flight(c: RLClient, server: VllmServer, attempts: int = 5) -> tuple[InFlight, list[int], list[bool]]:
+    """Requests running in the engine, frozen there by a keep pause (`c` leaves it paused), at least one of them
+    with tokens streamed and unfinished: its tokens and whether it finished, per request. The engine can run
+    ahead of the API server by seconds on a loaded machine (a resume then a pause let 240-token requests finish),
+    so when no request was caught unfinished, the round is run again."""
+    for _ in range(attempts):
+        flight = InFlight.queued(c, server)
+        assert c.resume().ok and c.pause("keep").ok
+        received, finished = flight.settled()
+        if any(n and not done for n, done in zip(received, finished, strict=True)):
+            return flight, received, finished
+        assert c.resume().ok
+        flight.join()
+    raise AssertionError(f"no request was still running when a keep pause landed, {attempts} tries")
 
 
 # ---- pushes --------------------------------------------------------------------------------------------------
@@ -163,35 +228,47 @@ def test_an_idle_push_serves_the_new_draft_and_the_weight_checker_shows_it(serve
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort"])
 def test_a_push_under_pause_with_requests_in_flight(mode: str, served: dict[str, Any], client: RLClient) -> None:
     ref = served["ref"]["long"]
-    flight = InFlight(served["server"], LONG, LONG_TOKENS)
-    assert _running(client) > 0  # in flight before the pause
-    assert client.pause(mode).ok
-    done_at_pause = flight.done()
+    flight, received, finished = _frozen_in_flight(client, served["server"])
+    in_flight = [n > 0 and not done for n, done in zip(received, finished, strict=True)]
+    served["measured"][f"{mode}_tokens_finished_at_pause"] = [received, finished]
+    if mode == "wait":  # running on, drained by the pause (`wait` right after `keep` answered at once: measured)
+        assert client.resume().ok and client.pause("wait").ok
+    elif mode == "abort":  # aborted from the keep pause: where they stand
+        assert client.pause("abort").ok
     steps = client.push(_info(served, "draftA"), weight_version=f"{mode}-A", pause=None)
     assert _statuses(steps) == [200] * 3
+    before_resume = flight.settled() if mode != "wait" else (list(flight.received), [])
+    resumed_at = time.monotonic()
     assert client.resume().ok
     results = flight.join()
-    tokens = [list(r["token_ids"]) for r in results]
+    tokens = [r["token_ids"] for r in results]
+    reasons = [r["finish_reason"] for r in results]
     if mode == "keep":  # frozen across the push, then finished with the target's greedy output
-        assert done_at_pause < len(LONG)
-        assert tokens == ref and {r["finish_reason"] for r in results} == {"length"}
-    elif mode == "wait":  # the pause answered once every request had finished
-        assert done_at_pause == len(LONG) or all(r["finish_reason"] == "length" for r in results)
-        assert tokens == ref
-    else:  # aborted where they stood: what they had is the target's, cut short
-        reasons = [r["finish_reason"] for r in results]
-        assert "abort" in reasons and set(reasons) <= {"abort", "length"}
-        assert all(t == full[:len(t)] for t, full in zip(tokens, ref, strict=True))
-        assert all(len(t) < LONG_TOKENS for t, why in zip(tokens, reasons, strict=True) if why == "abort")
-    assert _concurrently(served["server"], LONG, LONG_TOKENS) == ref  # the new draft, after the push
+        assert before_resume == (received, finished), ((received, finished), before_resume)
+        assert tokens == ref and reasons == ["length"] * len(LONG)
+    elif mode == "wait":  # the pause answered once the running requests had finished; the push ran after them
+        assert all(at is not None and at < resumed_at for at, now in zip(flight.finished_at, in_flight, strict=True)
+                   if now), (received, flight.finished_at, resumed_at)
+        assert tokens == ref and reasons == ["length"] * len(LONG)
+    else:  # each request running aborted where it stood (vLLM's FinishReason.ABORT): what it had is the target's
+        assert [why for why, now in zip(reasons, in_flight, strict=True) if now] == ["abort"] * sum(in_flight), reasons
+        assert [len(t) for t, now in zip(tokens, in_flight, strict=True) if now] == [
+            n for n, now in zip(received, in_flight, strict=True) if now]
+        assert all(why in ("abort", "length", None) and t == full[:len(t)]
+                   for t, why, full in zip(tokens, reasons, ref, strict=True))
+        assert all(at is not None and at < resumed_at for at in flight.finished_at)  # every one ended by the abort
+    # the new draft, after the push
+    assert [r["token_ids"] for r in InFlight(served["server"], LONG).join()] == ref
     assert _statuses(client.push(_info(served, "draftB"))) == [200] * 5
 
 
 def test_an_unpaused_push_with_requests_in_flight(served: dict[str, Any], client: RLClient) -> None:
-    flight = InFlight(served["server"], LONG, LONG_TOKENS)
-    assert _running(client) > 0
+    flight, _, _ = _frozen_in_flight(client, served["server"])
+    assert client.resume().ok  # at least one request runs on
     assert _statuses(client.push(_info(served, "draftA"), weight_version="unpaused", pause=None)) == [200] * 3
-    assert [list(r["token_ids"]) for r in flight.join()] == served["ref"]["long"]
+    results = flight.join()
+    assert [r["token_ids"] for r in results] == served["ref"]["long"]
+    assert [r["finish_reason"] for r in results] == ["length"] * len(LONG)
     assert _statuses(client.push(_info(served, "draftB"), pause=None)) == [200] * 3
 
 
@@ -254,19 +331,19 @@ def test_ten_successive_pushes_keep_every_process_and_dev_shm_flat(served: dict[
     server: VllmServer = served["server"]
     assert _statuses(client.push(_info(served, "draftA"))) == [200] * 5  # warm: the first push's allocations
     assert _statuses(client.push(_info(served, "draftB"))) == [200] * 5
-    rss, shm = server.rss(), shm_files()
+    rss, shm = server.rss(), server.shm_entries()
     times = []
     for i in range(10):
         began = time.perf_counter()
         assert _statuses(client.push(_info(served, "draftA" if i % 2 == 0 else "draftB"), f"loop-{i}")) == [200] * 5
         times.append(round((time.perf_counter() - began) * 1000))
-    after = server.rss()
+    after, shm_after = server.rss(), server.shm_entries()
     grown = {f"{name}/{pid}": after[pid][1] - kib for pid, (name, kib) in rss.items()}
     served["measured"].update(push_ms=times, rss_kib={f"{n}/{p}": k for p, (n, k) in rss.items()},
-                              rss_growth_kib=grown, shm_files_before_after=[shm, shm_files()])
+                              rss_growth_kib=grown, shm_of_the_server_before_after=[len(shm), len(shm_after)])
     assert set(after) == set(rss) and len(rss) >= 3  # API server, engine core, worker (and the resource tracker)
     assert all(g <= RSS_TOLERANCE_KIB for g in grown.values()), grown
-    assert shm_files() == shm
+    assert shm and len(shm_after) == len(shm), (sorted(shm), sorted(shm_after))
 
 
 def test_vllms_own_misuse_answers_stay_vllms(served: dict[str, Any], client: RLClient) -> None:

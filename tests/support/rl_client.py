@@ -18,8 +18,9 @@ the server's application).
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,6 +171,36 @@ class RLClient:
         if not ex.ok:
             raise RuntimeError(f"/v1/completions: {ex}")
         return dict(ex.answer["choices"][0])
+
+    def stream(self, prompt: Sequence[int], max_tokens: int,
+               on_tokens: Callable[[int], None] = lambda n: None,
+               opened: Callable[[], None] = lambda: None) -> dict[str, Any]:
+        """One greedy completion STREAMED (server-sent events): `opened()` once the answer's headers came,
+        `on_tokens(n)` after each chunk that brought
+        tokens (n: the tokens received so far). Answers `token_ids` (every delta, joined), `finish_reason` (the
+        last chunk's: "length", or "abort" for a request vLLM's pause aborted) and `done` (the `[DONE]` line came:
+        the stream ended as vLLM ends it, not cut)."""
+        body = {"model": self.model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "stream": True}
+        tokens: list[int] = []
+        reason: str | None = None
+        done = False
+        with self.http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"/v1/completions (stream): {r.status_code} {r.read()[:600]!r}")
+            opened()
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                reason = choice.get("finish_reason") or reason
+                if choice.get("token_ids"):
+                    tokens += choice["token_ids"]
+                    on_tokens(len(tokens))
+        return {"token_ids": tokens, "finish_reason": reason, "done": done}
 
     def complete(self, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = 12) -> list[list[int]]:
         """Greedy token ids per prompt, one request after the other."""

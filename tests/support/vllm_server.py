@@ -238,6 +238,23 @@ class VllmServer:
                 continue
         return out
 
+    def shm_entries(self) -> set[str]:
+        """The /dev/shm entries that are this server's: mapped or held open by one of its processes, or named
+        after one of their pids (vLLM's CPU shared-memory buffers: `<pid>-tp:...-cpushm_N`). Other jobs' entries
+        (the machine's /dev/shm is shared) are not counted."""
+        pids = [p.pid for p in self.processes()]
+        held: set[str] = set()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                held |= {line.split(None, 5)[5].removesuffix(" (deleted)") for line in
+                         Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in line}
+            with contextlib.suppress(OSError):
+                for fd in Path(f"/proc/{pid}/fd").iterdir():
+                    with contextlib.suppress(OSError):
+                        held.add(os.readlink(fd))
+        names = {h.removeprefix("/dev/shm/") for h in held if h.startswith("/dev/shm/")}
+        return names | {n for n in shm_names() if any(n.startswith(f"{pid}-") for pid in pids)}
+
     def log_tail(self, lines: int = 60) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
