@@ -74,7 +74,7 @@ class Host:
         runner = self.worker.model_runner
         self.draft = runner.get_draft_model() if hasattr(runner, "get_draft_model") else runner.drafter.model
         self.last = "A"
-        pinned = self.worker.lifecycle_pin() if self.role == "plugin" else {}
+        pinned = self.worker.lifecycle_pin()["backbones"] if self.role == "plugin" else {}
         # the floor's destinations: tensors of the checkpoint's shapes, and a fused K/V buffer, made once
         from lifecycle.checkpoint import checkpoint_index
 
@@ -86,8 +86,7 @@ class Host:
         self.evict_dst = torch.empty_like(self.evict_src)
         gc.collect()
         return {"start_s": round(start_s, 2), "rss_mib": round(_status_kib("VmRSS") / 1024, 1),
-                "draft_class": type(self.draft).__name__, "pinned": {k: v for k, v in pinned.items()
-                                                                     if k not in ("rank", "node")},
+                "draft_class": type(self.draft).__name__, "pinned": pinned,
                 "layout_weight_shape": list(next(m for n, m in self.draft.named_modules()
                                                  if n.endswith("qkv_proj")).weight.shape)}
 
@@ -258,7 +257,7 @@ class Host:
                                               and torch.equal(fused, kv_rows(kv, self.shape.draft_layers)))
         if self.role == "plugin":
             state = self.worker.lifecycle_states()[0]
-            verify = {k: v for k, v in self.worker.lifecycle_verify().items() if k not in ("rank", "node")}
+            verify = self.worker.lifecycle_verify()["backbones"]
             out.update(state=state["state"], epoch=state["epoch"], quarantine=state["quarantine_reason"],
                        pins_ok=all(v["ok"] for v in verify.values()))
         out["ok"] = out["generate"]["ok"] and out["fused_equals_checkpoint"] and out.get("pins_ok", True) \

@@ -270,6 +270,9 @@ def test_a_real_sigalrm_anywhere_leaves_the_backbone_usable_and_current_or_refus
                 outcomes[outcome.kind] += 1
             else:
                 outcomes["completed"] += 1
+            if not torch.is_grad_enabled():  # an alarm inside a grad-mode switch (torch.no_grad's own __enter__ or
+                outcomes["grad mode left off"] += 1  # __exit__) leaves the thread's mode off: not the backbone's state
+                torch.set_grad_enabled(True)
     finally:
         signal.signal(signal.SIGALRM, previous)
     print(f"dflash/{operation}: 60 real SIGALRMs: {dict(outcomes)}")

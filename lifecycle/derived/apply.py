@@ -34,8 +34,8 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     Runs without autograd (as under `torch.no_grad()`: a copy from a source that requires grad must not make the
     buffer part of a graph), switched in C: the context manager's Python frames would run cold after the copies."""
     grad = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
-    try:
+    try:  # switched inside the try: an interrupt right after the switch must still restore the caller's mode
+        torch._C._set_grad_enabled(False)
         return _apply(backbone, plan)
     finally:
         torch._C._set_grad_enabled(grad)
