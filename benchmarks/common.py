@@ -298,6 +298,24 @@ def mib(nbytes: int) -> float:
     return round(nbytes / 2**20, 2)
 
 
+def read_floor_bucket(index: Mapping[str, Any], names: Sequence[str], staging: torch.Tensor,
+                      fds: dict[Path, int]) -> list[tuple[str, torch.Tensor]]:
+    """The floor's read of one bucket: each tensor's bytes read once (`os.preadv`, one descriptor per file kept in
+    `fds` for the caller to close) into the reused `staging` buffer at 64-byte aligned offsets; returns views of
+    each tensor's dtype and shape into it."""
+    offset, views = 0, []
+    for name in names:
+        e = index[name]
+        fd = fds.get(e.path)
+        if fd is None:
+            fd = fds[e.path] = os.open(e.path, os.O_RDONLY)
+        part = staging[offset:offset + e.nbytes]
+        os.preadv(fd, [memoryview(part.numpy())], e.start)
+        views.append((name, part.view(e.dtype).reshape(e.shape)))
+        offset += -(-e.nbytes // 64) * 64
+    return views
+
+
 # ---- the synthetic many-tensor draft ---------------------------------------------------------------------------
 
 

@@ -192,6 +192,7 @@ class Host:
     def _floor(self, folder: Path, bucket: str) -> int:
         """What a push cannot beat: the same bytes read once, bucket by bucket, into one reused buffer, copied
         once into tensors of the same shapes, and each layer's K/V rows written once into a fused buffer."""
+        from benchmarks.common import read_floor_bucket
         from benchmarks.engine_shapes import buckets_of
         from lifecycle.checkpoint import checkpoint_index
 
@@ -201,17 +202,7 @@ class Host:
         fds: dict[Path, int] = {}
         try:
             for names in buckets_of(folder, bucket):
-                offset = 0
-                views = []
-                for name in names:
-                    e = index[name]
-                    fd = fds.get(e.path)
-                    if fd is None:
-                        fd = fds[e.path] = os.open(e.path, os.O_RDONLY)
-                    part = self.floor_staging[offset:offset + e.nbytes]
-                    os.preadv(fd, [memoryview(part.numpy())], e.start)
-                    views.append((name, part.view(e.dtype).reshape(e.shape)))
-                    offset += -(-e.nbytes // 64) * 64
+                views = read_floor_bucket(index, names, self.floor_staging, fds)
                 for name, value in views:
                     self.floor_dest[name].copy_(value)
                     if name.endswith(("k_proj.weight", "v_proj.weight")):

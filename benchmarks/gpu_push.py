@@ -64,16 +64,7 @@ class Floor:
         fds: dict[Path, int] = {}
         try:
             for names in buckets:
-                offset, views = 0, []
-                for name in names:
-                    e = self.index[name]
-                    fd = fds.get(e.path)
-                    if fd is None:
-                        fd = fds[e.path] = os.open(e.path, os.O_RDONLY)
-                    part = self.staging[offset:offset + e.nbytes]
-                    os.preadv(fd, [memoryview(part.numpy())], e.start)
-                    views.append((name, part.view(e.dtype).reshape(e.shape)))
-                    offset += -(-e.nbytes // 64) * 64
+                views = common.read_floor_bucket(self.index, names, self.staging, fds)
                 for name, value in views:
                     self.dest[name].copy_(value)
                 _sync(self.device)  # the staging buffer is reused by the next bucket
