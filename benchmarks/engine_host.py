@@ -59,7 +59,7 @@ class Host:
 
         from benchmarks.engine_shapes import EngineShape
         from lifecycle.events import configure_audit
-        from lifecycle.vllm.tiny import engine_kwargs
+        from lifecycle.vllm.demo.tiny import engine_kwargs
         from support.vllm_inprocess import gpu_weight_layout
 
         self.shape = EngineShape(**shape)
@@ -266,7 +266,7 @@ def serve(conn: Connection, role: str, log: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the suite's simulated GPU layout (support.vllm_inprocess)
-    from lifecycle.vllm.tiny import ENGINE_ENV
+    from lifecycle.vllm.demo.tiny import ENGINE_ENV
 
     os.environ.update(ENGINE_ENV)
     if role == "stock":

@@ -30,7 +30,7 @@ WHY = {
         "the reader gives each value a fresh tensor: vLLM holds a layer's tensors until the layer is complete, so one "
         "reused buffer cannot back them; fresh memory faults in page by page. Closing it: read into a reused buffer "
         "when every layer a bucket touches completes within its call (whole-file and per-layer buckets), a change to "
-        "`lifecycle.vllm.payload.feed`"),
+        "`lifecycle.vllm.reload.payload.feed`"),
     "vLLM: weight loaders": (
         "vLLM's weight loaders (name mapping, q/k/v and gate/up fused on load, one copy per tensor into the "
         "materialized layer): vLLM's own work, the same with stock vLLM"),

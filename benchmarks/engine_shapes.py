@@ -58,7 +58,7 @@ SHAPES = {
     # of two engines at once modest on a shared 24 GiB machine
     "dflash-2k": EngineShape("dflash-2k", 2048, 2048, 16, 8, 128, 4,
                              note="real width, narrow MLP: hundreds of MB"),
-    # lifecycle.vllm.tiny's sizes: the fixed cost of a push, where the copies are negligible
+    # lifecycle.vllm.demo.tiny's sizes: the fixed cost of a push, where the copies are negligible
     "tiny": EngineShape("tiny", 64, 128, 2, 1, 32, 2, note="the suite's tiny draft: the fixed cost"),
 }
 

@@ -106,7 +106,9 @@ def timed_steps(steps: Steps, draft: Any, *, plugin: bool) -> Iterator[Steps]:
         patch(importlib.import_module("vllm.model_executor.model_loader.utils"), "process_weights_after_loading",
               "vLLM: finalize")
         if plugin:
-            from lifecycle.vllm import drafts, patches, payload
+            from lifecycle.vllm.reload import hooks as patches
+            from lifecycle.vllm.reload import mixin as drafts
+            from lifecycle.vllm.reload import payload
 
             base = type(draft).__mro__[1]  # vLLM's class, which the plugin's calls for the loading itself
             patch(type(draft), "load_weights", "structure checks, write hooks")

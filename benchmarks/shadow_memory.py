@@ -39,7 +39,7 @@ LAYOUTS = ("cpu", "gpu")
 
 def fused_kv_bytes(model: Any, fam: str) -> int:
     """Bytes of the family's fused K/V buffer (the one its shadows back): what main's shadows cost."""
-    from lifecycle.vllm.families import SHADOW, family
+    from lifecycle.vllm.drafts.families import SHADOW, family
 
     inner = model.model
     specs = [s for s in family(fam).derived() if any(src.endswith(SHADOW) for src in s.sources)]
@@ -68,7 +68,7 @@ def measure(fam: str, layout: str, work: Path) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = common.parser(NAME, __doc__.splitlines()[0], repeats=1).parse_args(argv)
     common.setup_run(args, default_repeats=1)
-    from lifecycle.vllm.tiny import make_target
+    from lifecycle.vllm.demo.tiny import make_target
     from support.vllm_inprocess import setup
 
     info = common.machine_info()

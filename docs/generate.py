@@ -151,10 +151,15 @@ def core_layers() -> str:
 
 
 def patch_points() -> str:
-    from lifecycle.vllm.patches import PATCH_POINTS
+    from lifecycle.vllm.compat.records import READS
+    from lifecycle.vllm.compat.registry import PATCHES
 
-    return md_table(["vLLM module", "function", "wrapper"],
-                    [(f"`{module}`", f"`{attr}`", f"`{make.__name__}`") for module, attr, make in PATCH_POINTS])
+    changes = [p for p in PATCHES if p.kind != READS]
+    return md_table(["change", "vLLM module", "name", "by", "since", "why"],
+                    [(p.kind, f"`{p.module}`", f"`{p.target}`", f"`{p.wrapper or p.user}`", p.since, p.why)
+                     for p in changes]) + (
+        f"\n\nBesides these {len(changes)} changes the plugin reads {len(PATCHES) - len(changes)} other vLLM names "
+        "(records of kind `reads` in `lifecycle/vllm/compat/registry.py`); the capability check requires all of them.")
 
 
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {

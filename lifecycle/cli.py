@@ -88,7 +88,7 @@ def _title(text: str) -> str:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from .vllm.demo import run_vllm_demo
+        from .vllm.demo.engine_demo import run_vllm_demo
 
         return 0 if run_vllm_demo(args.out, bucket_size=args.bucket_size or 5, seed=args.seed) else 1
     from models.demo import run_demo

@@ -382,7 +382,7 @@ class StorageDriftError(LifecycleError):
 # ---- engine integration -----------------------------------------------------------------------------------------
 class UnsupportedVLLMError(LifecycleError):
     """The vLLM plugin refused a vLLM that lacks a name it relies on (each missing name is listed, with how to
-    disable the plugin): it patched nothing and registered no draft class (`lifecycle.vllm.version.check_vllm`).
+    disable the plugin): it patched nothing and registered no draft class (`lifecycle.vllm.plugin.capabilities.check_vllm`).
     No backbone is involved."""
 
     def __init__(self, message: str) -> None:
@@ -392,7 +392,7 @@ class UnsupportedVLLMError(LifecycleError):
 class NodeSetupError(LifecycleError):
     """A worker of a vLLM engine under Ray runs without the plugin (the package is not installed on its node,
     cannot be imported there, or `VLLM_PLUGINS` leaves it out): the engine start is refused, naming each such
-    node, rather than serve a draft there without the lifecycle (`lifecycle.vllm.nodes`). `nodes` holds what
+    node, rather than serve a draft there without the lifecycle (`lifecycle.vllm.plugin.nodes`). `nodes` holds what
     each failing worker reported. No backbone is involved."""
 
     def __init__(self, message: str, nodes: Sequence[Mapping[str, object]] = ()) -> None:

@@ -121,7 +121,7 @@ def real_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def vllm_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 target and DFlash drafts A (seed 1) and B (seed 2), made here."""
-    from lifecycle.vllm.tiny import make_dflash_draft, make_target
+    from lifecycle.vllm.demo.tiny import make_dflash_draft, make_target
 
     work = tmp_path_factory.mktemp("vllm")
     make_target(work / "target")

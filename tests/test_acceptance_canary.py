@@ -1,12 +1,13 @@
-"""The acceptance canary's bookkeeping (lifecycle.vllm.canary) and its thresholds (lifecycle.vllm.settings), without
-an engine. The live-engine tests are tests/test_vllm_canary.py (offline) and tests/test_vllm_online_metrics.py."""
+"""The acceptance canary's bookkeeping (lifecycle.vllm.observability.canary) and its thresholds
+(lifecycle.vllm.settings), without an engine. The live-engine tests are tests/test_vllm_canary.py (offline) and
+tests/test_vllm_online_metrics.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from lifecycle.env import EnvSettingError
-from lifecycle.vllm.canary import AcceptanceCanary
+from lifecycle.vllm.observability.canary import AcceptanceCanary
 from lifecycle.vllm.settings import AcceptanceThresholds, acceptance_thresholds
 
 T = AcceptanceThresholds(floor=0.05, healthy=0.15, min_tokens=30, every_steps=0)

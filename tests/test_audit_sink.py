@@ -31,7 +31,7 @@ from lifecycle.events import (
 )
 from lifecycle.loading import load_safetensors
 from lifecycle.testing import cold_load
-from lifecycle.vllm import plugin
+from lifecycle.vllm.plugin import activation as plugin
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 Fault = Callable[[JsonLinesSink], None]

@@ -1,5 +1,5 @@
 """The trainer's `weight_version` in the audit (issue 26 item 5): a push's `weight_version` event (written by
-`lifecycle.vllm.sessions.note_weight_version` in the draft's epoch) groups the epochs in `reload-lifecycle audit`
+`lifecycle.vllm.online.sessions.note_weight_version` in the draft's epoch) groups the epochs in `reload-lifecycle audit`
 (text and JSON) and in the report. Real lifecycles write the log; the event is the one the vLLM session wrapper
 emits, through the same `audit_event` call."""
 

@@ -15,7 +15,7 @@ from support.needs import needs
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKETS = ("whole", "layer", "tensor")
-TINY_TENSORS, TINY_LAYERS = 25, 2  # lifecycle.vllm.tiny's DFlash draft: 3 tensors outside the layers, 11 per layer
+TINY_TENSORS, TINY_LAYERS = 25, 2  # lifecycle.vllm.demo.tiny's DFlash draft: 3 tensors outside the layers, 11 per layer
 
 
 @needs("engine")

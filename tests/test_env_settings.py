@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from lifecycle.env import EnvSettingError
-from lifecycle.vllm import plugin, settings
+from lifecycle.vllm import settings
+from lifecycle.vllm.plugin import activation as plugin
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from lifecycle.checkpoint import checkpoint_index
 from lifecycle.errors import CheckpointError
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.states import LifecycleState
-from lifecycle.vllm.payload import plan_payload
+from lifecycle.vllm.reload.payload import plan_payload
 from models.qwen3_dflash import DFlashQwen3Draft
 
 S = LifecycleState

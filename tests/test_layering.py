@@ -126,6 +126,39 @@ CORE_LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 CORE_ORDER = {layer: i for i, (layer, _, _) in enumerate(CORE_LAYERS)}
 
+#: The vLLM layer's own layers, lowest first, as CORE_LAYERS: a module of `lifecycle.vllm` imports its own layer and
+#: those below, never one above (the observability layer reads every layer below it; nothing below imports it).
+VLLM_LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("settings", "the settings registry: every RELOAD_LIFECYCLE_* setting, parsed and checked",
+     ("lifecycle.vllm.settings",)),
+    ("compat", "vLLM as the plugin finds it: its sources read without importing it, its version, and the mechanics "
+     "of changing it (patch records, the one function that applies them)", ("lifecycle.vllm.compat",)),
+    ("drafts", "what a vLLM draft is: family declarations, owned modules, frozen structure, K/V shadows, quantized "
+     "drafts, the per-draft and per-worker runtime", ("lifecycle.vllm.drafts",)),
+    ("reload", "how a draft reloads: the lifecycle classes and their load paths, the epoch boundary, vLLM's "
+     "layerwise-reload hooks, shards, partial payloads, payload planning", ("lifecycle.vllm.reload",)),
+    ("serving", "whether the engine may run the draft in a step (both model runners)", ("lifecycle.vllm.serving",)),
+    ("online", "trainers' pushes: vLLM's weight-update sessions, the file transfer engine, the worker RPCs",
+     ("lifecycle.vllm.online",)),
+    ("observability", "metrics, the acceptance canary, the front process's view, the weight checker, the stat "
+     "logger", ("lifecycle.vllm.observability",)),
+    ("plugin", "the composition root: activation, the patch registry, the capability check, the Ray nodes check",
+     ("lifecycle.vllm.plugin",)),
+    ("entry", "what vLLM and users name by string (the plugin entry point, the registered classes, the worker "
+     "extension) and the demo", ("lifecycle.vllm", "lifecycle.vllm.registered", "lifecycle.vllm.worker",
+                                 "lifecycle.vllm.demo")),
+)
+VLLM_ORDER = {layer: i for i, (layer, _, _) in enumerate(VLLM_LAYERS)}
+
+
+def vllm_layer(name: str) -> str | None:
+    """The vLLM layer of module `name` (inside `lifecycle.vllm`), None outside them."""
+    for layer_name, _, members in VLLM_LAYERS:
+        for member in members:
+            if name == member or (member != "lifecycle.vllm" and name.startswith(member + ".")):
+                return layer_name
+    return None
+
 
 def core_layer(name: str) -> str | None:
     """The core layer of module `name`, None outside the core's layers."""
@@ -166,6 +199,9 @@ def allowed(src: str, dst: str) -> bool:
     if src_layer == dst_layer == "core":
         below = core_layer(src), core_layer(dst)
         return None not in below and CORE_ORDER[below[1]] <= CORE_ORDER[below[0]]  # type: ignore[index]
+    if src_layer == dst_layer == "lifecycle.vllm":
+        inside = vllm_layer(src), vllm_layer(dst)
+        return None not in inside and VLLM_ORDER[inside[1]] <= VLLM_ORDER[inside[0]]  # type: ignore[index]
     if src_layer == dst_layer:
         return True
     if src_layer == "lifecycle.audit":  # only the table, by module name
@@ -214,10 +250,16 @@ def test_every_core_module_has_a_layer() -> None:
     assert not unplaced, f"core modules in no layer of CORE_LAYERS: {unplaced} (place each in tests/test_layering.py)"
 
 
+def test_every_vllm_module_has_a_layer() -> None:
+    unplaced = sorted(n for n in MODULES if layer(n) == "lifecycle.vllm" and vllm_layer(n) is None)
+    assert not unplaced, f"vLLM modules in no layer of VLLM_LAYERS: {unplaced} (place each in tests/test_layering.py)"
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_imports_follow_the_layering(name: str) -> None:
     bad = sorted(dst for dst in project_imports(name) if not allowed(name, dst))
-    where = f"{layer(name)}" + (f", core layer {core_layer(name)!r}" if layer(name) == "core" else "")
+    where = f"{layer(name)}" + (f", core layer {core_layer(name)!r}" if layer(name) == "core" else "") + (
+        f", vLLM layer {vllm_layer(name)!r}" if layer(name) == "lifecycle.vllm" else "")
     assert not bad, f"{name} ({where}) imports {bad}: not allowed by docs/architecture.md"
 
 
@@ -234,7 +276,7 @@ def test_no_import_cycle_between_project_modules() -> None:
 def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     # the rules can fail: a core module importing the vLLM integration is refused, and so is an upward import
     # inside the core
-    assert not allowed("lifecycle.machine", "lifecycle.vllm.drafts")
+    assert not allowed("lifecycle.machine", "lifecycle.vllm.reload.mixin")
     assert not allowed("lifecycle.audit.replay", "lifecycle.machine")
     assert not allowed("models.qwen3_dflash", "models.registry")
     assert allowed("models.qwen3_dflash2", "models.qwen3_dflash")

@@ -20,7 +20,7 @@ import torch
 from lifecycle.checkpoint import write_checkpoint
 from lifecycle.errors import CheckpointError
 from lifecycle.vllm import settings
-from lifecycle.vllm.payload import feed, plan_payload
+from lifecycle.vllm.reload.payload import feed, plan_payload
 
 SECRET = "secret.weight"
 

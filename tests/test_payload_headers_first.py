@@ -24,7 +24,7 @@ import torch
 
 from lifecycle.checkpoint import write_checkpoint
 from lifecycle.errors import CheckpointError
-from lifecycle.vllm.payload import feed, plan_payload
+from lifecycle.vllm.reload.payload import feed, plan_payload
 from support.sparse_checkpoints import write_with_sparse_tensor
 from support.vllm_payload_scenarios import run_payload_families
 

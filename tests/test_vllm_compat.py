@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle.vllm.capabilities import active_families, missing, requirements
-from lifecycle.vllm.families import FAMILIES
-from lifecycle.vllm.sources import wheel_reader
+from lifecycle.vllm.compat.sources import wheel_reader
+from lifecycle.vllm.drafts.families import FAMILIES
+from lifecycle.vllm.plugin.capabilities import active_families, missing, requirements
 
 pytestmark = pytest.mark.compat
 

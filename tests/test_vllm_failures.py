@@ -275,7 +275,7 @@ def _sha(t: torch.Tensor) -> str:
 def test_partial_keep_completes_a_tensor_sent_in_part_with_its_last_values(gpu_layout: dict[str, Any]) -> None:
     """GPU layout, RELOAD_LIFECYCLE_PARTIAL=keep: draft A's layer-0 k_proj alone into M. vLLM would process the
     fused qkv_proj with its q and v rows uninitialised; the plugin fills them with their last values first."""
-    from lifecycle.vllm.tiny import dflash_draft_tensors
+    from lifecycle.vllm.demo.tiny import dflash_draft_tensors
 
     assert gpu_layout["keep_k0"]["ok"], gpu_layout["keep_k0"]
     assert gpu_layout["keep_k0"]["value"][0]["partial"] == "keep"  # the engine-wide setting
@@ -307,7 +307,7 @@ def test_partial_refuse_per_call_overrides_the_engine_setting_and_writes_no_garb
 def test_a_bad_engine_wide_setting_stops_the_plugin_before_it_patches_anything(monkeypatch: pytest.MonkeyPatch
                                                                               ) -> None:
     """vLLM calls the plugin's entry point unguarded in every process: the engine does not start."""
-    import lifecycle.vllm.plugin as plugin
+    import lifecycle.vllm.plugin.activation as plugin
 
     monkeypatch.setattr(plugin, "_active", False)
     monkeypatch.setenv("RELOAD_LIFECYCLE_PARTIAL", "sometimes")

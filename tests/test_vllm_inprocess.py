@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from lifecycle.states import LifecycleState
-from lifecycle.vllm.families import family
+from lifecycle.vllm.drafts.families import family
 from support.vllm_inprocess_runs import INPROCESS_FAMILIES, MEMORY_ONLY
 from support.vllm_trainer_paths import DRAFT_PATHS, PATHS
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lifecycle.vllm.quantized import NOT_RELOADABLE, PATH_DECIDED_AT_PROCESSING
+from lifecycle.vllm.drafts.quantized import NOT_RELOADABLE, PATH_DECIDED_AT_PROCESSING
 from support.vllm_int8_scenarios import run_int8
 
 CPU_INT8 = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
@@ -69,7 +69,7 @@ def test_the_decision_is_the_bound_function_not_the_class_name() -> None:
     import vllm.model_executor.kernels.linear.scaled_mm.cpu as cpu_int8
     from torch import nn
 
-    from lifecycle.vllm.quantized import reload_blocker
+    from lifecycle.vllm.drafts.quantized import reload_blocker
 
     class Inherits(cpu_int8.CPUInt8ScaledMMLinearKernel):  # type: ignore[misc]
         pass

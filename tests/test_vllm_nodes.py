@@ -16,8 +16,8 @@ import cloudpickle
 import pytest
 
 from lifecycle.errors import NodeSetupError
-from lifecycle.vllm import plugin
-from lifecycle.vllm.nodes import check_reports, node_probe
+from lifecycle.vllm.plugin import activation as plugin
+from lifecycle.vllm.plugin.nodes import check_reports, node_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 # A child interpreter where `import lifecycle` fails, as on a node without the package; it runs the probe it is sent.

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from lifecycle.vllm.sessions import REFUSED
-from lifecycle.vllm.weight_checker import EQUAL, expected_checksums
+from lifecycle.vllm.observability.weight_checker import EQUAL, expected_checksums
+from lifecycle.vllm.online.sessions import REFUSED
 from support.rl_client import RLClient
 from support.vllm_server import VllmServer, shm_names
 

@@ -25,8 +25,10 @@ def run_without_vllm(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_core_and_vllm_subpackage_import_and_run_without_vllm() -> None:
     proc = run_without_vllm(
-        "import lifecycle, lifecycle.vllm, lifecycle.vllm.drafts, lifecycle.vllm.families\n"
-        "import lifecycle.vllm.patches, lifecycle.vllm.worker, lifecycle.vllm.capabilities, lifecycle.vllm.sources\n"
+        "import lifecycle, lifecycle.vllm, lifecycle.vllm.reload.mixin, lifecycle.vllm.drafts.families\n"
+        "import lifecycle.vllm.compat.registry, lifecycle.vllm.reload.hooks, lifecycle.vllm.worker\n"
+        "import lifecycle.vllm.plugin.capabilities\n"
+        "import lifecycle.vllm.compat.sources\n"
         "from models.demo import run_demo\n"
         "import io; r = run_demo(layers=2, stream=io.StringIO()); assert r.ok, r.checks\n"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)\n"

@@ -14,7 +14,7 @@ import torch
 from lifecycle.errors import CheckpointError
 from lifecycle.loading import write_checkpoint
 from lifecycle.vllm import settings
-from lifecycle.vllm.payload import check_path, feed, plan_payload
+from lifecycle.vllm.reload.payload import check_path, feed, plan_payload
 
 
 @pytest.fixture

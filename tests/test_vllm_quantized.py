@@ -130,8 +130,8 @@ def test_an_int8_w8a8_draft_on_the_sgl_path_reloads_and_equals_the_cold_engine(i
 def test_a_family_without_a_non_fused_path_refuses_a_quantized_draft_at_load() -> None:
     """Laguna DFlash and Gemma4 DSpark read the raw weight in their fused path (vLLM 0.32 has no quantized
     branch there): building one with quantized projections is refused, naming the method."""
-    from lifecycle.vllm.families import FAMILIES
-    from lifecycle.vllm.quantized import quantized_fallback
+    from lifecycle.vllm.drafts.families import FAMILIES
+    from lifecycle.vllm.drafts.quantized import quantized_fallback
 
     for family in FAMILIES:
         if family.quantized_fallback:

@@ -45,7 +45,7 @@ def run(script: str, name: str, work: Path, arg: str = "") -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny checkpoints the scenarios load: a target, draft A (cold) and draft B (the reload)."""
-    from lifecycle.vllm.tiny import make_dflash_draft, make_target
+    from lifecycle.vllm.demo.tiny import make_dflash_draft, make_target
 
     work = tmp_path_factory.mktemp("vllm-ray")
     make_target(work / "target")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from lifecycle.states import LifecycleState
-from lifecycle.vllm.capabilities import requirements
+from lifecycle.vllm.plugin.capabilities import requirements
 
 DERIVED_REFRESHED = LifecycleState.DERIVED_REFRESHED.value
 

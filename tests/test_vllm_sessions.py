@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lifecycle.env import EnvSettingError
-from lifecycle.vllm.sessions import REFUSED, TAKEOVER_IDLE_ENV, takeover_idle_s
-from lifecycle.vllm.tiny import dflash_draft_tensors
-from lifecycle.vllm.weight_checker import DIFFERS, EQUAL, digest, expected_checksums
+from lifecycle.vllm.demo.tiny import dflash_draft_tensors
+from lifecycle.vllm.observability.weight_checker import DIFFERS, EQUAL, digest, expected_checksums
+from lifecycle.vllm.online.sessions import REFUSED, TAKEOVER_IDLE_ENV, takeover_idle_s
 from support.vllm_basic_scenarios import run_scenario
 
 OK3 = [{"ok": True}] * 3

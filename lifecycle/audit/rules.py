@@ -166,6 +166,7 @@ WARNING_KINDS: dict[str, str] = {
                        "the abandoned epoch's writes, so the next refresh still rewrites what they touched",
     "acceptance_collapse": "after a push the draft's accepted share of draft tokens fell to the floor over enough "
                            "draft tokens while the serving period before it was clearly above it (the acceptance "
-                           "canary, lifecycle.vllm.canary): the push most likely broke the draft (wrong or corrupt "
-                           "checkpoint, a draft for another target); outputs stay the target's, only slower",
+                           "canary, lifecycle.vllm.observability.canary): the push most likely broke the draft "
+                           "(wrong or corrupt checkpoint, a draft for another target); outputs stay the target's, "
+                           "only slower",
 }

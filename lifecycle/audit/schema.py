@@ -135,7 +135,7 @@ FIELDS: dict[str, tuple[dict[str, Field], tuple[str, ...]]] = {
                  "buffers_more": COUNT_F, "missing": _slow(NAMES), "missing_more": COUNT_F}, ()),
     "weight_version": ({"weight_version": NAME_F}, ("weight_version",)),
     "storage_check": ({"ok": FLAG_F, "action": NAME_F, "problems": _slow(TEXTS), "problems_more": COUNT_F}, ("ok",)),
-    # the acceptance canary's (lifecycle.vllm.canary): one serving period's figures, a collapse, a recovery
+    # the acceptance canary's (lifecycle.vllm.observability.canary): a serving period's figures, a collapse, a recovery
     "acceptance": ({"period": COUNT_F, "draft_tokens": COUNT_F, "accepted_tokens": COUNT_F,
                     "accepted_share": _slow(_share_or_null), "weight_version": TEXT_F, "final": FLAG_F,
                     "collapsed": FLAG_F}, ("period", "draft_tokens", "accepted_tokens")),

@@ -18,6 +18,6 @@ __all__ = ["register"]
 
 def register() -> None:
     """The `vllm.general_plugins` entry point. Idempotent: vLLM may call it several times per process."""
-    from .plugin import activate
+    from .plugin.activation import activate
 
     activate()

@@ -10,8 +10,8 @@ __all__: list[str] = []
 
 
 def __getattr__(name: str) -> Any:
-    from .classes import lifecycle_class
-    from .families import FAMILIES
+    from .drafts.families import FAMILIES
+    from .reload.classes import lifecycle_class
 
     for family in FAMILIES:
         if family.name == name:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lifecycle.loading import write_checkpoint
-from lifecycle.vllm.tiny import dflash_draft_tensors, make_dflash_draft
+from lifecycle.vllm.demo.tiny import dflash_draft_tensors, make_dflash_draft
 
 __all__ = ["INT8_PATHS", "QUANTIZED", "force_int8_kernel_path", "kernel_paths", "make_quantized_draft",
            "sgl_kernel_compiled"]
@@ -160,7 +160,7 @@ def scenario_quantized(work: Path) -> dict[str, Any]:
 
     from vllm import LLM
 
-    from lifecycle.vllm.tiny import engine_kwargs
+    from lifecycle.vllm.demo.tiny import engine_kwargs
     from support.vllm_basic_scenarios import _generate, _try, fingerprint
 
     name = os.environ["QUANTIZED_DRAFT"]

@@ -61,15 +61,15 @@ def _start_ray(hook: Any) -> None:
 def _engine(work: Path, *, plugin: bool = True) -> Any:
     from vllm import LLM
 
-    from lifecycle.vllm.tiny import engine_kwargs
+    from lifecycle.vllm.demo.tiny import engine_kwargs
 
     return LLM(**engine_kwargs(work / "target", work / "draftA", plugin=plugin), tensor_parallel_size=2,
                distributed_executor_backend="ray")
 
 
 def scenario_tp2(work: Path, executor: str) -> dict[str, Any]:
-    from lifecycle.vllm.nodes import node_probe
-    from lifecycle.vllm.plugin import AUDIT_DIR_ENV
+    from lifecycle.vllm.plugin.activation import AUDIT_DIR_ENV
+    from lifecycle.vllm.plugin.nodes import node_probe
 
     os.environ["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = {"v1": "0", "v2": "1"}[executor]
     _start_ray(allow_ray_on_cpu)
@@ -97,7 +97,7 @@ def scenario_bad_node(work: Path, variant: str) -> dict[str, Any]:
 def main() -> None:
     scenario, work, arg = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     refuse_engines()
-    from lifecycle.vllm.tiny import ENGINE_ENV
+    from lifecycle.vllm.demo.tiny import ENGINE_ENV
 
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)

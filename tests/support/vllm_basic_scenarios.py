@@ -34,7 +34,7 @@ def run_scenario(name: str, work: Path, *, script: str = "vllm_basic_scenarios",
 def _engine(work: Path, draft: str, *, plugin: bool = True) -> Any:
     from vllm import LLM
 
-    from lifecycle.vllm.tiny import engine_kwargs
+    from lifecycle.vllm.demo.tiny import engine_kwargs
 
     return LLM(**engine_kwargs(work / "target", work / draft, plugin=plugin))
 
@@ -106,7 +106,7 @@ def fingerprint(worker: Any) -> dict[str, str]:
 def main(namespace: dict[str, Any] | None = None) -> None:
     scenario, work = sys.argv[1], Path(sys.argv[2])
     refuse_engines()  # started by a test not marked `engine`: no engine may start here
-    from lifecycle.vllm.tiny import ENGINE_ENV
+    from lifecycle.vllm.demo.tiny import ENGINE_ENV
 
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)

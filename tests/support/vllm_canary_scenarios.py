@@ -79,7 +79,7 @@ def scenario_canary(work: Path) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from lifecycle.vllm.tiny import engine_kwargs
+    from lifecycle.vllm.demo.tiny import engine_kwargs
 
     audit = work / "canary_audit"
     shutil.rmtree(audit, ignore_errors=True)

@@ -130,7 +130,7 @@ _ENGINE: list[type] = []
 
 def transfer_engine() -> type:
     """The plugin's safetensors_file transfer engine class, made once (`engine_class` makes one per call)."""
-    from lifecycle.vllm.transfer import engine_class
+    from lifecycle.vllm.online.transfer import engine_class
 
     if not _ENGINE:
         _ENGINE.append(engine_class())
@@ -256,7 +256,7 @@ class Harness:
     def check(self, d: _Draft, raised: BaseException) -> Any:
         """The invariant after the interrupt, then the documented retry (see the module docstring)."""
         from lifecycle.errors import LifecycleError
-        from lifecycle.vllm.serving import drafting_allowed
+        from lifecycle.vllm.serving.gate import drafting_allowed
         from support.crash import REFUSED, STALE, STRANDED, USABLE, Outcome
         from support.vllm_inprocess import backbone
 

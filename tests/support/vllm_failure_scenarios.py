@@ -46,7 +46,7 @@ def make_variants(work: Path) -> None:
     from safetensors.torch import load_file
 
     from lifecycle.checkpoint import write_checkpoint
-    from lifecycle.vllm.tiny import dflash_draft_tensors
+    from lifecycle.vllm.demo.tiny import dflash_draft_tensors
     from support.sparse_checkpoints import write_with_sparse_tensor
 
     a, b = dflash_draft_tensors(1), dflash_draft_tensors(2)
@@ -79,7 +79,7 @@ def make_variants(work: Path) -> None:
 def _engine(work: Path, draft: str, **extra: Any) -> Any:
     from vllm import LLM
 
-    from lifecycle.vllm.tiny import engine_kwargs
+    from lifecycle.vllm.demo.tiny import engine_kwargs
 
     return LLM(**engine_kwargs(work / "target", work / draft), **extra)
 
@@ -128,7 +128,7 @@ def _case(llm: Any, call: Any, retry: Any, *, fingerprinted: bool = False, probe
 
 
 def _backbone(worker: Any) -> Any:
-    from lifecycle.vllm.owners import backbones_in
+    from lifecycle.vllm.drafts.owners import backbones_in
 
     (b,) = backbones_in(worker.model_runner.get_draft_model())
     return b

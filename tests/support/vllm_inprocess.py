@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lifecycle.loading import write_checkpoint
-from lifecycle.vllm.tiny import ENGINE_ENV, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB
+from lifecycle.vllm.demo.tiny import ENGINE_ENV, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB
 
 __all__ = ["CASES", "HEAD", "STRUCTURE", "DraftCase", "build", "build_target", "gpu_weight_layout", "make_draft",
            "memory", "setup", "share_target"]
@@ -45,7 +45,7 @@ class DraftCase:
     """A tiny draft of one family: its config, the speculative method that serves it, how its checkpoint names
     relate to vLLM's parameter names."""
 
-    family: str  # lifecycle.vllm.families name
+    family: str  # lifecycle.vllm.drafts.families name
     method: str  # speculative_config["method"]
     config: dict[str, Any]
     split: Callable[[str, torch.Tensor, Any], list[tuple[str, torch.Tensor]]] | None = None  # vLLM name -> ckpt
@@ -164,7 +164,7 @@ def _config(case: DraftCase | None, draft_dir: Path | None, target_dir: Path | N
     from vllm.config import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    from lifecycle.vllm.tiny import make_target
+    from lifecycle.vllm.demo.tiny import make_target
 
     global _TARGET
     if target_dir is None:
@@ -195,7 +195,7 @@ def build(case: DraftCase, draft_dir: Path, target_dir: Path | None = None, *, s
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from lifecycle.vllm.families import family
+    from lifecycle.vllm.drafts.families import family
 
     cfg = _config(case, draft_dir, target_dir)
     cfg.load_config.load_format = load_format
@@ -305,7 +305,7 @@ def gpu_weight_layout() -> Iterator[None]:
 
 # ---- what the tests compare -------------------------------------------------------------------------------------
 def backbone(model: Any) -> Any:
-    from lifecycle.vllm.owners import backbones_in
+    from lifecycle.vllm.drafts.owners import backbones_in
 
     (b,) = backbones_in(model)
     return b
@@ -334,8 +334,8 @@ def memory(model: Any, fam: str) -> dict[str, Any]:
     """What a draft (the plugin's or stock vLLM's) holds: `bytes`, of the distinct storages behind its parameters,
     buffers and the tensors the family's builders set (stock vLLM keeps them as plain attributes); its K/V
     shadows: how many, how many are views of a derived buffer's storage, and the bytes of those that are not."""
-    from lifecycle.vllm.families import SHADOW, family
-    from lifecycle.vllm.shadows import shadow_bytes_apart
+    from lifecycle.vllm.drafts.families import SHADOW, family
+    from lifecycle.vllm.drafts.shadows import shadow_bytes_apart
 
     inner = model.model
     tensors = [*model.parameters(), *model.buffers(), *(getattr(inner, n, None) for n in family(fam).sets)]
@@ -362,7 +362,7 @@ def transfer_session(draft: Any, weights: Path) -> Callable[[], None]:
     def run() -> None:
         from vllm.config.weight_transfer import WeightTransferConfig
 
-        from lifecycle.vllm.transfer import FileUpdateInfo, engine_class
+        from lifecycle.vllm.online.transfer import FileUpdateInfo, engine_class
 
         cfg = draft.vllm_config
         engine = engine_class()(WeightTransferConfig(backend="safetensors_file"), cfg, torch.device("cpu"), draft)
@@ -395,7 +395,7 @@ def vllm_builder_values(model: Any) -> dict[str, Any]:
     their checkpoint layout (the GPU layout)."""
     import copy
 
-    from lifecycle.vllm.families import family
+    from lifecycle.vllm.drafts.families import family
 
     b = backbone(model)
     fam = family(model.lifecycle_family)

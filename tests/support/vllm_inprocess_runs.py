@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lifecycle.vllm.serving import drafting_allowed
+from lifecycle.vllm.serving.gate import drafting_allowed
 from support.vllm_inprocess import (
     CASES,
     HEAD,
@@ -46,10 +46,10 @@ MEMORY_ONLY = "dflash,laguna_dflash"
 
 
 def make_checkpoints(work: Path) -> None:
-    """The tiny target; DFlash drafts A and B without optional submodules (lifecycle.vllm.tiny) and with every one
+    """The tiny target; DFlash drafts A and B without optional submodules (lifecycle.vllm.demo.tiny) and with every one
     (`dflashSA`, `dflashSB`); every other family's drafts A and B with every optional submodule it can have
     (`DraftCase.with_structure`); Qwen3 DSpark drafts with a confidence head only (`qwen3_dspark0A`, `...0B`)."""
-    from lifecycle.vllm.tiny import make_dflash_draft, make_target
+    from lifecycle.vllm.demo.tiny import make_dflash_draft, make_target
 
     make_target(work / "target")
     make_dflash_draft(work / "dflashA", seed=1)
@@ -278,7 +278,7 @@ def _stock_bucketed_reload(case: DraftCase, work: Path) -> dict[str, Any]:
 
 def _stock_buffers(model: Any, fam: str) -> dict[str, torch.Tensor]:
     """The tensors stock vLLM's builder holds for what the family derives (its declared buffers), now."""
-    from lifecycle.vllm.families import family
+    from lifecycle.vllm.drafts.families import family
 
     return {s.name: t for s in family(fam).derived()
             if isinstance(t := getattr(model.model, s.name, None), torch.Tensor)}

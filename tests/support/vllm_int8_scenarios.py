@@ -51,7 +51,7 @@ def _one_path(path: str) -> dict[str, Any]:
         record_metadata_for_reloading,
     )
 
-    from lifecycle.vllm.quantized import kernel_path, reload_blocker
+    from lifecycle.vllm.drafts.quantized import kernel_path, reload_blocker
     from support.quantized_drafts import _FORMATS, force_int8_kernel_path
 
     force_int8_kernel_path(path)

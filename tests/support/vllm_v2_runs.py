@@ -60,12 +60,13 @@ def _gate(work: Path) -> dict[str, Any]:
     from vllm.v1.worker.gpu.spec_decode.dflash2.speculator import DFlash2Speculator
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
-    from lifecycle.vllm import patches, runner_v2
-    from lifecycle.vllm.serving import steps_without_draft_total
+    from lifecycle.vllm.compat import patching
+    from lifecycle.vllm.serving import runner_v2
+    from lifecycle.vllm.serving.gate import steps_without_draft_total
 
     installed = DFlashSpeculator.propose
     out: dict[str, Any] = {
-        "installed": bool(getattr(installed, patches._MARK, False)),
+        "installed": bool(getattr(installed, patching.MARK, False)),
         "inherited_by": [c.__name__ for c in (DSparkSpeculator, DFlash2Speculator) if c.propose is installed]}
     case = CASES["qwen3_dspark"]
     draft = build(case, work / "qwen3_dsparkA", work / "target")
@@ -77,13 +78,13 @@ def _gate(work: Path) -> dict[str, Any]:
 
     calls: list[Any] = []
 
-    @functools.wraps(getattr(installed, patches._ORIGINAL))  # vLLM's signature: the gate reads positions from it
+    @functools.wraps(getattr(installed, patching.ORIGINAL))  # vLLM's signature: the gate reads positions from it
     def recorded(speculator: Any, *args: Any, **kwargs: Any) -> Any:  # what vLLM's propose would return on a GPU
         calls.append(kwargs.get("dummy_run", args[12] if len(args) > 12 else False))  # args[0]: input_batch
         speculator.draft_tokens[:2] = 7
         return speculator.draft_tokens[:2]
 
-    gate = runner_v2._v2_drafting_gate(recorded)
+    gate = runner_v2.wrap_propose(recorded)
     gate(spec, batch)
     out["usable_recorded"] = {"calls": list(calls), "tokens": spec.draft_tokens.tolist()}
     initialize_layerwise_reload(draft)  # vLLM's own reload begins: the draft is not usable until it finishes

@@ -1,0 +1,1 @@
+"""Tiny real checkpoints and the in-process engine demo."""

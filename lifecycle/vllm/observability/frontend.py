@@ -1,0 +1,142 @@
+"""The hooks of the engine's front process (process 0): every weight call a trainer makes reaches the workers
+through the engine client's `collective_rpc` (AsyncLLM online: the RL routes and the dev `/collective_rpc`;
+LLMEngine offline: `LLM.start_weight_update` and friends, `llm.collective_rpc("reload_draft_weights", ...)`), so
+wrapping it sees every push: its kind, outcome and duration (`front_view.FrontendView`). After a call that can
+change the draft, and on vLLM's periodic stats tick, the front process pulls the workers' state through the same
+path (`serving_state.SERVING_RPC`) and hands them the canary's audit events; before a push it hands them the
+ending period's (so they are audited in the epoch they belong to). The engine clients' `__init__` builds the view
+(and adds the stat logger offline); `update_weight_version` / `set_weight_version` label the canary's period.
+
+A wrapper never changes what the call does: its own bookkeeping failing is logged, never raised, and the call's
+result or exception is the caller's. Installed in every vLLM process (cheap: the modules are vLLM's front end);
+only process 0 builds an engine client.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from .front_view import (
+    _VIEWS,
+    FrontendView,
+    _attach,
+    _Call,
+    _safe,
+    metrics_plugin_allowed,
+    pull_async,
+    pull_sync,
+)
+
+__all__ = ["wrap_async_init", "wrap_async_rpc", "wrap_async_version", "wrap_sync_init", "wrap_sync_rpc",
+           "wrap_sync_version"]
+
+# ---- the wrappers --------------------------------------------------------------------------------------------------
+def _begin(engine: Any, method: Any) -> tuple[FrontendView, _Call] | None:
+    view = _VIEWS.get(engine)
+    # the lifecycle's own RPCs change no draft (reload_draft_weights, a push, has no such prefix)
+    if view is None or not isinstance(method, str) or method.startswith("lifecycle_"):
+        return None
+    call = _safe("booking a worker call", view.begin, method)
+    return None if call is None else (view, call)
+
+
+def _sync_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
+    def collective_rpc(engine: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+        booked = _begin(engine, method)
+        if booked is None:
+            return original(engine, method, *args, **kwargs)
+        view, call = booked
+        if view.events_due():  # the period that ends: audited in the epoch it belongs to, before the push
+            pull_sync(engine, view)
+        try:
+            result = original(engine, method, *args, **kwargs)
+        except BaseException as e:
+            if _safe("booking a worker call", view.end, call, e):
+                pull_sync(engine, view)
+            raise
+        if _safe("booking a worker call", view.end, call, None):
+            pull_sync(engine, view)
+        return result
+
+    return collective_rpc
+
+
+def _async_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def collective_rpc(engine: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+        booked = _begin(engine, method)
+        if booked is None:
+            return await original(engine, method, *args, **kwargs)
+        view, call = booked
+        if view.events_due():
+            await pull_async(engine, view)
+        try:
+            result = await original(engine, method, *args, **kwargs)
+        except BaseException as e:
+            if _safe("booking a worker call", view.end, call, e):
+                await pull_async(engine, view)
+            raise
+        if _safe("booking a worker call", view.end, call, None):
+            await pull_async(engine, view)
+        return result
+
+    return collective_rpc
+
+
+def _with_stat_logger(signature: inspect.Signature, engine: Any, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """LLMEngine's arguments with the plugin's stat logger added to `stat_loggers` (an offline `LLM` loads no
+    stat-logger plugin)."""
+    from .stat_logger import LifecycleStatLogger
+
+    bound = signature.bind(engine, *args, **kwargs)
+    loggers = list(bound.arguments.get("stat_loggers") or [])
+    if LifecycleStatLogger not in loggers:
+        bound.arguments["stat_loggers"] = [*loggers, LifecycleStatLogger]
+    return bound.args[1:], bound.kwargs
+
+
+def _init(*, is_async: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def __init__(engine: Any, *args: Any, **kwargs: Any) -> None:
+            if not is_async and metrics_plugin_allowed():
+                args, kwargs = _safe("adding the stat logger", _with_stat_logger, signature, engine, args,
+                                     kwargs) or (args, kwargs)
+            original(engine, *args, **kwargs)
+            view = _safe("building the front view", _attach, engine, is_async)
+            if view is not None and not is_async:
+                pull_sync(engine, view)
+
+        return __init__
+
+    return make
+
+
+def _set_version(original: Callable[..., Any], *, is_async: bool) -> Callable[..., Any]:
+    if is_async:
+        async def update_weight_version(engine: Any, version: str, *args: Any, **kwargs: Any) -> Any:
+            result = await original(engine, version, *args, **kwargs)
+            if (view := _VIEWS.get(engine)) is not None:
+                _safe("booking the weight version", view.weight_version, str(version))
+            return result
+
+        return update_weight_version
+
+    def set_weight_version(engine: Any, version: str, *args: Any, **kwargs: Any) -> Any:
+        result = original(engine, version, *args, **kwargs)
+        if (view := _VIEWS.get(engine)) is not None:
+            _safe("booking the weight version", view.weight_version, str(version))
+        return result
+
+    return set_weight_version
+
+
+#: the makers the registry names (`compat/registry.py`)
+wrap_async_init, wrap_sync_init = _init(is_async=True), _init(is_async=False)
+wrap_async_rpc, wrap_sync_rpc = _async_rpc, _sync_rpc
+wrap_async_version = functools.partial(_set_version, is_async=True)
+wrap_sync_version = functools.partial(_set_version, is_async=False)

@@ -1,0 +1,255 @@
+"""The draft in vLLM's own weight checker (`/weight_checker` `checksum` / `compare`), and the same digests computed
+on the trainer's side from the state dict it sent, so that "what the trainer sent is what the engine serves" is one
+`compare` call.
+
+vLLM's route gathers every worker's `Worker.compute_weight_checksums()`: `{"dp{d}:pp{p}:pcp{c}:tp{t}:" + name:
+sha256}` over `compute_tensor_digests(model_runner.get_model())` (sha256 hex of each parameter's bytes,
+`vllm/model_executor/model_loader/weight_checksum.py`): the target only. The plugin wraps that method (no new
+route) and adds, under the same worker prefix:
+
+  draft.<parameter>           vLLM's digest of each draft parameter that is a checkpoint tensor (what a push
+                              writes; the modules the draft shares with the target are the target's entries, and a
+                              parameter no checkpoint carries, such as DFlash's `mask_embedding` without its
+                              `mask_embedding.pt`, is left out), named as in the draft model
+                              (`draft.model.layers.0.self_attn.qkv_proj.weight`)
+  draft.derived.<buffer>      per derived buffer, whether it is bit-equal to a cold build from the draft's current
+                              weights: `EQUAL` (`equals-cold-build`), `DIFFERS`, `not-built`, or
+                              `not-serving:<STATE>` while the draft does not serve (quarantined, mid-reload)
+
+The two layouts. On CUDA (and the CPU build without oneDNN) a linear layer keeps its weight in checkpoint layout
+after processing: its digest is read live. vLLM's CPU build repacks every linear layer into a oneDNN handle and
+empties its `weight` to shape (0,) (vLLM's own entry then hashes no bytes); the plugin records each such
+parameter's digest right before the layer is processed (`record_before_processing`, called from the processing
+guard), so `draft.<parameter>` is the same value on both layouts: what a CUDA engine holds. The cost is one sha256
+pass over those weights per load, on the CPU build only (a CUDA tensor is never hashed there). Likewise the K/V
+rows the CPU layout keeps only in the fused buffer (`shadows.py`: its per-layer shadows are views of it) are
+checked against the digest of the rows captured from the weight before it was repacked; on CUDA the cold build
+reads the live weight rows.
+
+`/weight_checker reset` (vLLM's `zero_weights(get_model())`) zeroes the target only; the draft is left out of it,
+so no draft ever holds derived buffers that disagree with zeroed weights.
+
+Trainer side: `expected_checksums(state_dict)` maps checkpoint names to the engine's (the DFlash family's loader:
+`model.` prefix; q/k/v fused into `qkv_proj`, gate/up into `gate_up_proj`, in that order), casts to the engine's
+dtype, hashes with vLLM's formula, and expects `EQUAL` for every derived buffer. Tensor parallelism > 1 shards
+the fused weights per rank: not computed here (one prefix, rank 0 of a single-rank engine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...derived import DerivedSpec, resolve_tensor
+from ..drafts.owners import VLLMDraftBackbone, backbones_in, draft_model_of, shared_modules
+
+__all__ = ["DERIVED_PREFIX", "DIFFERS", "DRAFT_PREFIX", "EQUAL", "NOT_BUILT", "NOT_SERVING",
+           "WORKER_PREFIX", "derived_verdicts", "digest", "draft_checksums", "expected_checksums",
+           "record_before_processing"]
+
+DRAFT_PREFIX = "draft."
+DERIVED_PREFIX = "draft.derived."
+#: The values of a `draft.derived.<buffer>` entry.
+EQUAL, DIFFERS, NOT_BUILT, NOT_SERVING = "equals-cold-build", "differs-from-cold-build", "not-built", "not-serving:"
+#: vLLM's key prefix of a single-rank engine's worker (`Worker._weight_checksum_prefix`).
+WORKER_PREFIX = "dp0:pp0:pcp0:tp0:"
+
+#: module -> {parameter name: digest as loaded, taken right before processing} (CPU tensors only)
+_BEFORE_PROCESSING: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+#: linear module -> {the backbone's name of the K/V shadow its processing fills: digest of the rows captured}
+_CAPTURED: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+
+#: Checkpoint names of the DFlash family's draft -> the engine's: each fused parameter and its parts, in order.
+_DFLASH_FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def digest(t: torch.Tensor) -> str:
+    """vLLM's digest of a tensor: sha256 hex of its bytes, contiguous, on the CPU."""
+    flat = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def record_before_processing(layer: nn.Module, shadow: tuple[str, torch.Tensor] | None = None) -> None:
+    """Right before `layer` is processed (repacked): the digest of each of its CPU parameters, and of the K/V
+    rows just captured into `shadow` (the shadow's name in the backbone, the shadow)."""
+    digests = {name: digest(p) for name, p in layer._parameters.items()
+               if p is not None and not p.is_meta and p.device.type == "cpu" and p.numel() > 0}
+    _BEFORE_PROCESSING[layer] = digests
+    if shadow is not None:
+        _CAPTURED.setdefault(layer, {})[shadow[0]] = digest(shadow[1])
+
+
+# ---- engine side ---------------------------------------------------------------------------------------------
+
+
+def _parameter_digest(module: nn.Module, name: str, p: torch.Tensor) -> str:
+    if p.numel() == 0:  # emptied by processing (the CPU repack): what it held right before
+        recorded = _BEFORE_PROCESSING.get(module, {}).get(name)
+        if recorded is not None:
+            return recorded
+    return digest(p)
+
+
+def draft_checksums(draft: nn.Module) -> dict[str, str]:
+    """`{draft.<parameter>: sha256, draft.derived.<buffer>: verdict}` of one draft model (no worker prefix)."""
+    backbones = backbones_in(draft)
+    shared = tuple(name + "." for name, _ in shared_modules(draft))
+    tracked: set[str] = set()
+    for path, module in draft.named_modules():
+        if isinstance(module, VLLMDraftBackbone):
+            tracked.update(f"{path}.{n}" if path else n for n in module.lifecycle.specs)
+    out: dict[str, str] = {}
+    for path, module in draft.named_modules():
+        for name, p in module._parameters.items():
+            full = f"{path}.{name}" if path else name
+            if p is None or full not in tracked or full.startswith(shared) or DRAFT_PREFIX + full in out:
+                continue
+            out[DRAFT_PREFIX + full] = _parameter_digest(module, name, p)
+    for backbone in backbones:
+        out.update({DERIVED_PREFIX + n: v for n, v in derived_verdicts(backbone).items()})
+    return out
+
+
+def derived_verdicts(backbone: VLLMDraftBackbone) -> dict[str, str]:
+    """Per derived buffer: `EQUAL` when bit-equal to a cold build from the backbone's current weights, else
+    `DIFFERS` or `NOT_BUILT`; every buffer `not-serving:<STATE>` while the backbone does not serve."""
+    lc = backbone.lifecycle
+    names = backbone.derived_buffer_names()
+    if not lc.usable:
+        return dict.fromkeys(names, NOT_SERVING + lc.state.value)
+    specs = {s.name: s for s in backbone.derived_buffers}
+    out = {}
+    for name in names:
+        live = backbone._buffers.get(name)
+        if live is None or live.is_meta:
+            out[name] = NOT_BUILT
+            continue
+        out[name] = EQUAL if _equals_cold_build(backbone, specs[name], live) else DIFFERS
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (a NaN equals itself), same shape, dtype and device."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(_bytes(a), _bytes(b))
+
+
+def _equals_cold_build(backbone: VLLMDraftBackbone, spec: DerivedSpec, live: torch.Tensor) -> bool:
+    if spec.kind == "alias":  # the buffer IS its source
+        source = resolve_tensor(backbone, spec.sources[0])
+        return source is not None and source.data_ptr() == live.data_ptr() and _same_bits(live, source)
+    if spec.kind == "custom":
+        return _same_bits(live, spec.build_value(backbone))
+    assert spec.per_layer is not None
+    slices = []
+    for layer in getattr(backbone, spec.layers_attr):
+        out = spec.per_layer(layer)
+        parts = [out] if isinstance(out, torch.Tensor) else list(out)
+        if not _captures_hold(backbone, layer, parts):
+            return False
+        if spec.kind == "concat":
+            slices += parts
+        else:
+            slices.append(parts[0] if len(parts) == 1 else torch.cat(parts, 0))
+    cold = torch.cat(slices, spec.dim) if spec.kind == "concat" else torch.stack(slices)
+    return _same_bits(live, cold)
+
+
+def _captures_hold(backbone: nn.Module, layer: nn.Module, parts: list[torch.Tensor]) -> bool:
+    """A part that is a K/V shadow (the CPU layout: the buffer keeps the only copy of the rows) still holds the
+    rows captured into it from the weight before processing emptied the weight."""
+    for module in layer.modules():
+        for name, recorded in _CAPTURED.get(module, {}).items():
+            shadow = resolve_tensor(backbone, name)
+            if shadow is not None and any(p is shadow for p in parts) and digest(shadow) != recorded:
+                return False
+    return True
+
+
+def wrap_compute(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compute_weight_checksums(worker: Any, *args: Any, **kwargs: Any) -> dict[str, str]:
+        result: dict[str, str] = original(worker, *args, **kwargs)
+        draft = draft_model_of(worker.model_runner)
+        if draft is not None:
+            prefix = worker._weight_checksum_prefix()
+            result.update({prefix + k: v for k, v in draft_checksums(draft).items()})
+        return result
+
+    return compute_weight_checksums
+
+
+# ---- trainer side --------------------------------------------------------------------------------------------
+
+
+def expected_checksums(state_dict: Mapping[str, torch.Tensor], *, family: str = "dflash",
+                       dtype: torch.dtype | None = torch.float32, prefix: str = WORKER_PREFIX,
+                       derived: Iterable[str] | None = None) -> dict[str, str]:
+    """What `/weight_checker checksum` answers for the draft once the engine serves `state_dict` (checkpoint names
+    and layout, as the trainer sends them): `draft.<parameter>` digests and `EQUAL` for every derived buffer,
+    under `prefix` (vLLM's worker prefix; a single-rank engine's by default). `dtype`: the engine's (`--dtype`;
+    None keeps each tensor's). `derived`: the buffer names (default: the family's). Merge it into the engine's
+    own target entries, or compare only the `draft.` keys:
+
+        sent = expected_checksums(state_dict)
+        engine = requests.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"]
+        baseline = {k: v for k, v in engine.items() if ":draft." not in k} | sent
+        requests.post(url + "/weight_checker", json={"action": "compare", "baseline": baseline})  # match: true
+
+    Families: `dflash` (vLLM's Qwen3 DFlash loader naming); another raises ValueError."""
+    if family != "dflash":
+        raise ValueError(f"expected_checksums: family {family!r} is not supported (supported: 'dflash'); its "
+                         "loader's naming and fusion would have to be declared here")
+    given: Mapping[str, object] = state_dict  # checked: a trainer's dict may hold anything
+    for key, value in given.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"expected_checksums: state_dict[{key!r}] is {type(value).__name__}, not a tensor")
+    engine: dict[str, torch.Tensor] = {}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in state_dict.items():
+        mapped = _dflash_name(name)
+        t = t.detach().cpu() if dtype is None else t.detach().cpu().to(dtype)
+        fused = _fused_into(mapped)
+        if fused is None:
+            engine[mapped] = t
+        else:
+            pending.setdefault(fused[0], {})[fused[1]] = t
+    for target, parts in pending.items():
+        order = next(p for f, p in _DFLASH_FUSED if target.rsplit(".", 2)[-2] == f)
+        missing = [p for p in order if p not in parts]
+        if missing:
+            raise ValueError(f"expected_checksums: {target} needs {', '.join(order)}; the state dict lacks "
+                             f"{', '.join(missing)} (the engine fuses them: send every part)")
+        engine[target] = torch.cat([parts[p] for p in order], 0)
+    from ..drafts.families import family as family_of
+
+    names = list(derived) if derived is not None else [s.name for s in family_of(family).derived()
+                                                       if s.enabled is None]
+    out = {prefix + DRAFT_PREFIX + n: digest(t) for n, t in engine.items()}
+    out.update({prefix + DERIVED_PREFIX + n: EQUAL for n in names})
+    return out
+
+
+def _dflash_name(name: str) -> str:
+    """vLLM's DFlash `load_weights`: `d2t` becomes `draft_id_to_target_id`, everything but the LM head gets the
+    inner model's `model.` prefix."""
+    if "d2t" in name:
+        return name.replace("d2t", "draft_id_to_target_id")
+    return name if "lm_head" in name else "model." + name
+
+
+def _fused_into(name: str) -> tuple[str, str] | None:
+    """(the fused parameter, the part) a checkpoint name is loaded into, or None."""
+    head, _, leaf = name.rpartition(".")
+    module_path, _, proj = head.rpartition(".")
+    for fused, parts in _DFLASH_FUSED:
+        if proj in parts:
+            return f"{module_path}.{fused}.{leaf}", proj
+    return None
