@@ -106,7 +106,7 @@ def timed_steps(steps: Steps, draft: Any, *, plugin: bool) -> Iterator[Steps]:
         patch(importlib.import_module("vllm.model_executor.model_loader.utils"), "process_weights_after_loading",
               "vLLM: finalize")
         if plugin:
-            from lifecycle.vllm.reload import hooks as patches
+            from lifecycle.vllm.reload import epoch as patches
             from lifecycle.vllm.reload import mixin as drafts
             from lifecycle.vllm.reload import payload
 
@@ -120,7 +120,7 @@ def timed_steps(steps: Steps, draft: Any, *, plugin: bool) -> Iterator[Steps]:
                 patch(lc_class, method, "lifecycle bookkeeping")
             patch(drafts.LifecycleDraftModel, "begin_reload", "lifecycle bookkeeping")
             for name in ("reload_blocker", "reload_in_progress", "keep_shared_modules_live", "settle_partial",
-                         "end_failed_epoch"):
+                         "fail"):
                 patch(patches, name, "epoch open/close")
             patch(patches, "finish_epoch", "finish: finalize_loading, hooks")
             patch(type(inner), "refresh_derived_buffers", "refresh: plan, checks, events")

@@ -49,7 +49,8 @@ MODULES = sorted(p for pkg in ("lifecycle", "models") for p in (ROOT / pkg).rglo
 
 def test_the_scan_sees_both_packages_and_finds_a_spelled_state() -> None:
     names = {p.relative_to(ROOT).as_posix() for p in MODULES}
-    assert {"lifecycle/states.py", "lifecycle/machine.py", "lifecycle/vllm/reload/mixin.py", "models/registry.py"} <= names
+    assert {"lifecycle/states.py", "lifecycle/machine.py", "lifecycle/vllm/reload/mixin.py",
+            "models/registry.py"} <= names
     # the check itself can fail: a comparison by name is found, the docstring and a longer message are not
     code = '"""Docs may say META."""\ndef f(lc):\n    """Or PARTIALLY_LOADED."""\n' \
            '    return lc.state.value in ("META", "FULLY_LOADED") or print("META placeholders")\n'

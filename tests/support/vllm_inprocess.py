@@ -238,7 +238,8 @@ def build_target(target_dir: Path | None = None) -> Any:
 def share_target(draft: Any, target: Any) -> None:
     """As vLLM's proposer does: a draft without its own embeddings / lm_head (its first load carried none) uses
     the target's modules."""
-    structure = draft.__dict__.get("_lifecycle_structure")
+    inner = getattr(draft, "model", None)
+    structure = inner.lifecycle_runtime.structure if hasattr(inner, "lifecycle_runtime") else None
     own = structure.frozen if structure is not None else {  # stock vLLM: the flags its load_weights set
         "embed_tokens": getattr(draft, "has_own_embed_tokens", False),
         "lm_head": getattr(draft, "has_own_lm_head", False)}

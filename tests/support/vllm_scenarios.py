@@ -147,7 +147,7 @@ def _structure_probe(worker: Any) -> dict[str, Any]:
 
     draft = draft_model_of(worker.model_runner)
     (b,) = backbones_in(draft)
-    structure = draft.__dict__["_lifecycle_structure"]
+    structure = b.lifecycle_runtime.structure
     live = observe(draft)
     return {"frozen": b.lifecycle.structure, "holds": {m: v["present"] for m, v in live.items()},
             "storage": {n: p for v in live.values() for n, p in v["tensors"].items()},

@@ -74,7 +74,7 @@ def _write(model: Any, path: str, calls: list[list[tuple[str, torch.Tensor]]], p
     if path == "transfer":
         _transfer(model, calls, policy, work)
         return
-    backbone(model).reload_partial = policy  # type: ignore[assignment]
+    backbone(model).lifecycle_runtime.reload_partial = policy
     if path == "plain":
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 

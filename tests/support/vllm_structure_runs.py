@@ -43,7 +43,7 @@ def structure_of(model: Any) -> dict[str, Any]:
 def optional_buckets(model: Any, tensors: list[tuple[str, Any]], plan: str) -> list[list[tuple[str, Any]]]:
     """`own_buckets_first`: each optional module's tensors in a bucket of its own, before the layer buckets;
     `left_out`: the layer buckets only (the optional modules are not sent at all)."""
-    structure = model.__dict__["_lifecycle_structure"]
+    structure = backbone(model).lifecycle_runtime.structure
     by_module: dict[str, list[tuple[str, Any]]] = {}
     rest = []
     for name, t in tensors:
@@ -54,7 +54,7 @@ def optional_buckets(model: Any, tensors: list[tuple[str, Any]], plan: str) -> l
 
 
 def _optional_names(model: Any) -> list[str]:
-    structure = model.__dict__["_lifecycle_structure"]
+    structure = backbone(model).lifecycle_runtime.structure
     return [n for m in structure.modules for n in structure.names_of(m) if n in backbone(model).lifecycle.specs]
 
 

@@ -91,7 +91,7 @@ def _gate(work: Path) -> dict[str, Any]:
     calls.clear()
     before = steps_without_draft_total(b)
     out["mid_reload"] = {"state": lc.state.value, **_call_installed(spec, batch), "buffer": spec.draft_tokens.tolist(),
-                         "paused_steps": b.drafting_paused_steps,
+                         "paused_steps": b.lifecycle_runtime.drafting_paused_steps,
                          "steps_without_draft": steps_without_draft_total(b) - before}
     positional = [batch, None, None, None, None, None, None, None, None, None, None, None, True]  # dummy_run: 12th
     gate(spec, batch, dummy_run=True)

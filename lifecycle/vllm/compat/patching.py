@@ -115,13 +115,17 @@ def wrap_instance(key: str, obj: Any, make: Wrapper) -> None:
     if getattr(obj, attr, None) is None:
         raise AttributeError(f"{type(obj).__name__} has no {attr} ({patch.where}: {patch.why})")
     own = obj.__dict__.get(attr)
+    if own is None and isinstance(getattr(type(obj), attr, None), property):
+        own = getattr(obj, attr)  # a property's value (vLLM's parameters keep their loader behind one), bound now
 
     def current(*args: Any, **kwargs: Any) -> Any:
         if own is not None:
             return own(*args, **kwargs)
         return getattr(type(obj), attr)(obj, *args, **kwargs)
 
-    wrapper = make(current)
+    # the replacement shows the replaced one's signature: vLLM binds a weight loader's arguments by it to buffer a
+    # load and replay it (`layerwise.online_process_loader`)
+    wrapper = functools.wraps(getattr(obj, attr))(make(current))
     setattr(wrapper, MARK, True)
     setattr(obj, attr, wrapper)
 

@@ -2,7 +2,7 @@
 
 vLLM reports per module: `_layerwise_process(layer, info)`, a quant method's `process_weights_after_loading(layer)`,
 the per-module reload infos in `LAYERWISE_INFO`. `owner_of(module)` finds the draft whose checkpoint tensors the
-module holds (`MODULE_OWNERS`, filled when the draft claims its modules); `backbones_in(model)` finds every
+module holds (its `DraftRuntime.owned`, filled when the draft claims its modules); `backbones_in(model)` finds every
 lifecycle draft in a model.
 
 `VLLMDraftBackbone` is what such a draft is to the plugin: the hooks vLLM's load paths drive, the state the
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import nn
 
 from ...backbone import DraftBackbone
+from .runtime import WORKER, DraftRuntime
 
 if TYPE_CHECKING:
-    from ..settings import PartialPolicy
     from .families import VLLMDraftFamily
 
-__all__ = ["ENGINE_MODULES", "MODULE_OWNERS", "VLLMDraftBackbone", "backbones_in", "draft_model_of",
-           "note_engine_model", "owner_of", "shared_modules"]
+__all__ = ["VLLMDraftBackbone", "backbones_in", "draft_model_of", "drafts_of", "note_engine_model", "owner_of",
+           "shared_modules"]
 
 
 class VLLMDraftBackbone(DraftBackbone):
@@ -36,10 +36,8 @@ class VLLMDraftBackbone(DraftBackbone):
     _family: ClassVar[VLLMDraftFamily]
     #: vLLM's decoder layers (the inner model's own `nn.ModuleList`, of vLLM's modules: read as Any)
     layers: Any
-    #: this reload's partial policy when the caller chose one (an RPC's `partial=`); None: the engine setting
-    reload_partial: PartialPolicy | None = None
-    #: steps the engine has served without this draft since it stopped being usable (None: drafting)
-    drafting_paused_steps: int | None = None
+    #: what the plugin keeps for this draft (`runtime.DraftRuntime`), set at construction (`reload.classes`)
+    lifecycle_runtime: DraftRuntime
 
     @property
     def reload_open(self) -> bool:
@@ -48,8 +46,8 @@ class VLLMDraftBackbone(DraftBackbone):
         return lc.in_reload and lc.can("finalize_loading")
 
     # ---- the hooks vLLM's load paths drive (the draft class's load_weights and the patched entry points) -------
-    def before_write(self) -> None:
-        """A `load_weights` call is about to write."""
+    def before_write(self, cause: str = "") -> None:
+        """A `load_weights` call is about to write (`cause`: why it may begin an epoch, for the audit)."""
         raise NotImplementedError
 
     def after_write(self) -> None:
@@ -64,26 +62,28 @@ class VLLMDraftBackbone(DraftBackbone):
         """vLLM processed the model after its cold load (no reload epoch open)."""
         raise NotImplementedError
 
-    def on_reload_begin(self) -> None:
-        """vLLM's `initialize_layerwise_reload` is about to run on the model."""
+    def _record_metadata(self) -> None:
+        """Set what vLLM's builders set besides the derived buffers (the precompute metadata)."""
         raise NotImplementedError
 
 
-#: module -> (weak reference to its backbone, tracked tensor names of that module): how vLLM's per-module events
-#: find the lifecycle (`owner_of`). The backbone is held weakly: it holds the module, and a value that held it
-#: would keep its key alive, so no draft would ever be freed, not even by the cyclic collector.
-MODULE_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[VLLMDraftBackbone], list[str]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def owner_of(module: nn.Module) -> tuple[VLLMDraftBackbone, list[str]] | None:
-    """The backbone whose tracked tensors `module` holds, with their names (`MODULE_OWNERS`), or None."""
-    entry = MODULE_OWNERS.get(module)
-    if entry is None:
-        return None
-    backbone = entry[0]()
-    return None if backbone is None else (backbone, entry[1])
+    """The live draft whose tracked tensors `module` holds, with their names, or None (`DraftRuntime.owned`)."""
+    for backbone in WORKER.drafts:
+        names = backbone.lifecycle_runtime.owned.get(module)
+        if names is not None:
+            return backbone, names
+    return None
+
+
+def drafts_of(model: nn.Module) -> list[VLLMDraftBackbone]:
+    """`backbones_in(model)`, cached per model (the drafting gate and every entry point ask, per step or call)."""
+    refs = WORKER.backbones.get(model)
+    found: list[VLLMDraftBackbone] = [b for r in refs if isinstance(b := r(), VLLMDraftBackbone)] if refs else []
+    if refs is None or len(found) != len(refs):
+        found = backbones_in(model)
+        WORKER.backbones[model] = tuple(weakref.ref(b) for b in found)
+    return found
 
 
 def backbones_in(model: nn.Module) -> list[VLLMDraftBackbone]:
@@ -106,17 +106,14 @@ def draft_model_of(runner: Any) -> Any:
     return None
 
 
-#: modules of the models the engine loaded that hold no lifecycle draft (the target; `note_engine_model`)
-ENGINE_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
 def note_engine_model(model: nn.Module) -> None:
     """Remember the modules of a model the engine loaded that holds no lifecycle draft (the target)."""
     if not backbones_in(model):
-        ENGINE_MODULES.update(model.modules())
+        for module in model.modules():
+            WORKER.engine_modules.add(module)
 
 
 def shared_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules of a draft that belong to the target too: vLLM shares the embedding and LM head with a draft that
     has none of its own, and one cached rotary embedding between equal configs."""
-    return [(n, m) for n, m in model.named_modules() if m in ENGINE_MODULES]
+    return [(n, m) for n, m in model.named_modules() if m in WORKER.engine_modules]

@@ -6,15 +6,14 @@ layerwise reload, as each layer completes or at finalize. Each module a draft ow
 processing wrapped (`guard_processing`):
 - right before a load's processing repacks or empties the weight, the shadowed rows (`shadows.py`) are copied in
   checkpoint layout;
-- in the middle of a reload, processing that does not come from vLLM's reload machinery (`IN_VLLM_RELOAD`, set by
-  the patched `_layerwise_process` and `finalize_layerwise_reload`) is skipped: a cold-load pass through a
-  reference to `process_weights_after_loading` taken before the plugin wrapped it would otherwise process a META
-  placeholder. The reload processes each layer once, when it completes or at finalize.
+- in the middle of a reload, processing that does not come from vLLM's reload machinery
+  (`WorkerRuntime.in_vllm_reload`, set by the patched `_layerwise_process` and `finalize_layerwise_reload`) is
+  skipped: a cold-load pass through a reference to `process_weights_after_loading` taken before the plugin wrapped
+  it would otherwise process a META placeholder. The reload processes each layer once, when it completes or at finalize.
 """
 
 from __future__ import annotations
 
-import contextvars
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,13 +22,14 @@ import torch
 from torch import nn
 
 from ..compat.patching import wrap_instance
+from .runtime import WORKER
 
 if TYPE_CHECKING:
     from .families import VLLMModule
     from .owners import VLLMDraftBackbone
     from .shadows import Capture
 
-__all__ = ["IN_VLLM_RELOAD", "TOUCHED", "ProcessingObserver", "guard_processing", "observe_processing"]
+__all__ = ["ProcessingObserver", "guard_processing", "observe_processing"]
 
 #: Called right before a draft layer is processed: (the layer, (the K/V shadow's name, the shadow) just captured or
 #: None). The outside view registers itself here at activation (the weight checker's digests of what processing may
@@ -42,15 +42,6 @@ def observe_processing(observer: ProcessingObserver) -> None:
     """Call `observer` right before every draft layer's processing (once per observer, however often asked)."""
     if observer not in _OBSERVERS:
         _OBSERVERS.append(observer)
-
-#: True while vLLM's own reload machinery (`_layerwise_process`, `finalize_layerwise_reload`) processes layers.
-IN_VLLM_RELOAD: contextvars.ContextVar[bool] = contextvars.ContextVar("reload_lifecycle_in_vllm_reload",
-                                                                      default=False)
-#: modules whose live tensors the current reload began to write (vLLM's copy back into its kernel tensors, the
-#: K/V shadow captured before processing: a view of a derived buffer), recorded BEFORE the write: an interrupt
-#: after it leaves them partly written, which putting their kept tensors back cannot undo (`epochs.unwind`)
-TOUCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
 
 def guard_processing(backbone: VLLMDraftBackbone, module: VLLMModule, capture: Capture | None) -> None:
     """Wrap `module`'s quant method's `process_weights_after_loading` (the very object, wherever vLLM moves the
@@ -70,14 +61,14 @@ def guard_processing(backbone: VLLMDraftBackbone, module: VLLMModule, capture: C
             if backbone is None:  # the draft was dropped: vLLM's processing as it is
                 return vllm_processing(layer)
             lc = backbone.lifecycle
-            if backbone.reload_open and not IN_VLLM_RELOAD.get():
+            if backbone.reload_open and not WORKER.in_vllm_reload:
                 return None
             captured = None
             if capture is not None and lc.can("weights_loaded"):
                 rows, shadow, name = capture
                 weight = layer.weight
                 if not weight.is_meta and weight.dim() == 2 and weight[rows].shape == shadow.shape:
-                    TOUCHED.add(layer)
+                    WORKER.touched.add(layer)
                     with torch.no_grad():
                         shadow.copy_(weight[rows])
                     lc.weights_loaded([name])

@@ -18,7 +18,6 @@ back to `torch.nn.functional.linear`, keeping the weight, where oneDNN is missin
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,10 +31,8 @@ if TYPE_CHECKING:
     from ...backbone import DraftBackbone
     from .owners import VLLMDraftBackbone
 
-__all__ = ["SHADOW_OF", "ShadowPlan", "plan_shadows", "processing_keeps_weight", "shadow_bytes_apart"]
+__all__ = ["ShadowPlan", "plan_shadows", "processing_keeps_weight", "shadow_bytes_apart"]
 
-#: linear module -> the name of the shadow its processing fills (a shadow is current only if its linear is).
-SHADOW_OF: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 #: linear module -> (rows of its weight, the shadow, the shadow's name): what the capture before processing copies
 Capture = tuple[slice, torch.Tensor, str]
 
@@ -97,7 +94,7 @@ def plan_shadows(backbone: VLLMDraftBackbone) -> ShadowPlan:
         name = f"layers.{i}.self_attn.{SHADOW}"
         plan.shadows[name] = buf
         plan.captures[linear] = (rows, buf, name)
-        SHADOW_OF[linear] = name
+        backbone.lifecycle_runtime.shadow_of[linear] = name  # current only if its linear is
     return plan
 
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from ...errors import FrozenStructureError, IncompleteCheckpointError
 from .families import OptionalModule, VLLMDraftFamily
+from .families import family as family_named
 from .own_heads import declare_own_heads
 
 __all__ = ["DraftStructure", "observe"]
@@ -213,7 +214,9 @@ class DraftStructure:
 def observe(outer: nn.Module) -> dict[str, Any]:
     """The draft's optional submodules as they are now (plain data): for each declared module, whether the draft
     holds it (its own copy, for shareable ones) and the storage of its tensors."""
-    structure: DraftStructure = outer.__dict__["_lifecycle_structure"]
+    name: str = getattr(outer, "lifecycle_family")  # noqa: B009  # the lifecycle class's own attribute (typed Any)
+    inner = getattr(outer, family_named(name).inner_model_attr)
+    structure: DraftStructure = inner.lifecycle_runtime.structure
     out: dict[str, Any] = {}
     for name, module in structure.modules.items():
         obj = _resolve(outer, module.path)

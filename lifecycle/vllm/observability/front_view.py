@@ -33,8 +33,23 @@ from .canary import AcceptanceCanary
 from .metrics import metrics
 from .serving_state import SERVING_RPC
 
-__all__ = ["GENERAL_PLUGIN", "METRICS_PLUGIN", "PUSH_CALLS", "FrontendView", "error_class",
-           "logger", "logger_created", "metrics_plugin_allowed", "pull_async", "pull_soon", "pull_sync", "view_of"]
+__all__ = [
+    "FRONT",
+    "GENERAL_PLUGIN",
+    "METRICS_PLUGIN",
+    "PUSH_CALLS",
+    "FrontProcess",
+    "FrontendView",
+    "attach",
+    "error_class",
+    "logger",
+    "logger_created",
+    "metrics_plugin_allowed",
+    "pull_async",
+    "pull_soon",
+    "pull_sync",
+    "view_of",
+]
 
 # under vLLM's own logger: its handler writes the server's log (a logger of ours alone reached nothing online)
 logger = logging.getLogger("vllm.reload_lifecycle")
@@ -98,6 +113,7 @@ class FrontendView:
         self.refused: tuple[str, BaseException] | None = None  # a refusal to classify after the next pull
         self.pulling = False
         self.tasks: set[asyncio.Task[None]] = set()
+        self.requeued: list[list[Any]] = []  # events taken for a call that failed: handed over with the next
 
     def canary(self, engine: str) -> AcceptanceCanary:
         c = self.canaries.get(engine)
@@ -137,12 +153,17 @@ class FrontendView:
         self._inc_by_delta(m.collapses.labels(engine), (engine, "collapses"), c.collapses)
 
     def events_due(self) -> bool:
-        return any(c._events for c in self.canaries.values())
+        return bool(self.requeued) or any(c._events for c in self.canaries.values())
+
+    def requeue(self, events: list[list[Any]] | None) -> None:
+        """Events taken for a worker call that failed: the next call or pull hands them over (none lost)."""
+        if events:
+            self.requeued = [*events, *self.requeued]
 
     def take_events(self) -> list[list[Any]]:
         """The canary's events to audit, each `[event, level, fields]`; a collapse is also a warning in this
         process's log (the server's log, where an operator looks first)."""
-        out: list[list[Any]] = []
+        out, self.requeued = self.requeued, []
         for engine, c in self.canaries.items():
             for name, level, fields in c.take_events():
                 f = {**fields, "engine": int(engine)}
@@ -261,29 +282,39 @@ class FrontendView:
         self.apply(None)
 
 
-_VIEWS: weakref.WeakKeyDictionary[Any, FrontendView] = weakref.WeakKeyDictionary()
-_LOGGERS: list[weakref.ref[Any]] = []  # stat loggers not yet bound to their engine's view
+class FrontProcess:
+    """The front process's state (one object): each engine client's view, and the stat loggers vLLM built inside
+    an engine client's `__init__`, not yet bound to its view."""
+
+    def __init__(self) -> None:
+        self.views: weakref.WeakKeyDictionary[Any, FrontendView] = weakref.WeakKeyDictionary()
+        self.loggers: list[weakref.ref[Any]] = []
+
+
+#: This process's front state.
+FRONT = FrontProcess()
 
 
 def view_of(engine: Any) -> FrontendView | None:
-    return _VIEWS.get(engine)
+    return FRONT.views.get(engine)
 
 
 def logger_created(stat_logger: Any) -> None:
     """A stat logger was built (inside its engine's __init__): bound to the engine's view once that exists."""
-    _LOGGERS.append(weakref.ref(stat_logger))
+    FRONT.loggers.append(weakref.ref(stat_logger))
 
 
-def _attach(engine: Any, is_async: bool) -> FrontendView:
-    view = _VIEWS[engine] = FrontendView(engine, is_async=is_async)
+def attach(engine: Any, is_async: bool) -> FrontendView:
+    """The engine client's view, made now (its `__init__` returned), with the stat loggers built inside it bound."""
+    view = FRONT.views[engine] = FrontendView(engine, is_async=is_async)
     bound = 0
-    for ref in list(_LOGGERS):
+    for ref in list(FRONT.loggers):
         stat_logger = ref()
         if stat_logger is None:
-            _LOGGERS.remove(ref)
+            FRONT.loggers.remove(ref)
         elif stat_logger.vllm_config is engine.vllm_config:
             stat_logger.view = view
-            _LOGGERS.remove(ref)
+            FRONT.loggers.remove(ref)
             bound += 1
     if not metrics_plugin_allowed():
         logger.warning("reload-lifecycle: VLLM_PLUGINS=%r leaves out %r (vLLM's allowlist is one for every plugin "

@@ -19,12 +19,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ..online.sessions import LIFECYCLE_KW
 from .front_view import (
-    _VIEWS,
+    FRONT,
     FrontendView,
-    _attach,
     _Call,
     _safe,
+    attach,
     metrics_plugin_allowed,
     pull_async,
     pull_sync,
@@ -35,12 +36,39 @@ __all__ = ["wrap_async_init", "wrap_async_rpc", "wrap_async_version", "wrap_sync
 
 # ---- the wrappers --------------------------------------------------------------------------------------------------
 def _begin(engine: Any, method: Any) -> tuple[FrontendView, _Call] | None:
-    view = _VIEWS.get(engine)
+    view = FRONT.views.get(engine)
     # the lifecycle's own RPCs change no draft (reload_draft_weights, a push, has no such prefix)
     if view is None or not isinstance(method, str) or method.startswith("lifecycle_"):
         return None
     call = _safe("booking a worker call", view.begin, method)
     return None if call is None else (view, call)
+
+
+def _carrying(view: FrontendView, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[tuple[Any, ...], dict[str, Any], list[list[Any]]]:
+    """A finish's arguments with the plugin's options (`sessions.LIFECYCLE_KW`: the trainer's version when the
+    finish wrapper put it there) carrying the canary's events too: the workers answer their state with vLLM's
+    result, so the finish is the push's only round trip. Returns the events taken (handed back if it fails)."""
+    kwargs = dict(kwargs)
+    positional = len(args) > 2  # collective_rpc(method, timeout, args, kwargs): the RPC's kwargs by position
+    rpc = dict((args[2] if positional else kwargs.get("kwargs")) or {})
+    events = _safe("taking the canary's events", view.take_events) or []
+    rpc[LIFECYCLE_KW] = {**(rpc.get(LIFECYCLE_KW) or {}), "events": events}
+    if positional:
+        args = (*args[:2], rpc, *args[3:])
+    else:
+        kwargs["kwargs"] = rpc
+    return args, kwargs, events
+
+
+def _answers(view: FrontendView, result: Any) -> Any:
+    """vLLM's results of a carried finish (what its caller gets), the workers' states applied to the view."""
+    if not isinstance(result, list) or not all(isinstance(r, dict) and "result" in r for r in result):
+        return result
+    states = [r[LIFECYCLE_KW] for r in result if isinstance(r.get(LIFECYCLE_KW), dict)]
+    if states:
+        _safe("booking the workers' state", view.apply, states)
+    return [r["result"] for r in result]
 
 
 def _sync_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -49,15 +77,22 @@ def _sync_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
         if booked is None:
             return original(engine, method, *args, **kwargs)
         view, call = booked
-        if view.events_due():  # the period that ends: audited in the epoch it belongs to, before the push
+        carried: list[list[Any]] | None = None
+        if method == "finish_weight_update":
+            args, kwargs, carried = _carrying(view, args, kwargs)
+        elif view.events_due():  # the period that ends: audited in the epoch it belongs to, before the push
             pull_sync(engine, view)
         try:
             result = original(engine, method, *args, **kwargs)
         except BaseException as e:
+            view.requeue(carried)
             if _safe("booking a worker call", view.end, call, e):
                 pull_sync(engine, view)
             raise
-        if _safe("booking a worker call", view.end, call, None):
+        pull = _safe("booking a worker call", view.end, call, None)
+        if carried is not None:
+            return _answers(view, result)
+        if pull:
             pull_sync(engine, view)
         return result
 
@@ -70,15 +105,22 @@ def _async_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
         if booked is None:
             return await original(engine, method, *args, **kwargs)
         view, call = booked
-        if view.events_due():
+        carried: list[list[Any]] | None = None
+        if method == "finish_weight_update":
+            args, kwargs, carried = _carrying(view, args, kwargs)
+        elif view.events_due():
             await pull_async(engine, view)
         try:
             result = await original(engine, method, *args, **kwargs)
         except BaseException as e:
+            view.requeue(carried)
             if _safe("booking a worker call", view.end, call, e):
                 await pull_async(engine, view)
             raise
-        if _safe("booking a worker call", view.end, call, None):
+        pull = _safe("booking a worker call", view.end, call, None)
+        if carried is not None:
+            return _answers(view, result)
+        if pull:
             await pull_async(engine, view)
         return result
 
@@ -107,7 +149,7 @@ def _init(*, is_async: bool) -> Callable[[Callable[..., Any]], Callable[..., Any
                 args, kwargs = _safe("adding the stat logger", _with_stat_logger, signature, engine, args,
                                      kwargs) or (args, kwargs)
             original(engine, *args, **kwargs)
-            view = _safe("building the front view", _attach, engine, is_async)
+            view = _safe("building the front view", attach, engine, is_async)
             if view is not None and not is_async:
                 pull_sync(engine, view)
 
@@ -120,7 +162,7 @@ def _set_version(original: Callable[..., Any], *, is_async: bool) -> Callable[..
     if is_async:
         async def update_weight_version(engine: Any, version: str, *args: Any, **kwargs: Any) -> Any:
             result = await original(engine, version, *args, **kwargs)
-            if (view := _VIEWS.get(engine)) is not None:
+            if (view := FRONT.views.get(engine)) is not None:
                 _safe("booking the weight version", view.weight_version, str(version))
             return result
 
@@ -128,7 +170,7 @@ def _set_version(original: Callable[..., Any], *, is_async: bool) -> Callable[..
 
     def set_weight_version(engine: Any, version: str, *args: Any, **kwargs: Any) -> Any:
         result = original(engine, version, *args, **kwargs)
-        if (view := _VIEWS.get(engine)) is not None:
+        if (view := FRONT.views.get(engine)) is not None:
             _safe("booking the weight version", view.weight_version, str(version))
         return result
 

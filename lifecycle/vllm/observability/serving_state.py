@@ -13,40 +13,34 @@ from __future__ import annotations
 
 import math
 import re
-import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...events import host_name
 from ...states import LifecycleState
 from ..drafts.families import SHADOW
-from ..drafts.owners import VLLMDraftBackbone
+from ..drafts.owners import VLLMDraftBackbone, backbones_in, draft_model_of
 from ..serving.gate import steps_without_draft_total
 from .canary import CANARY_EVENTS
 
-__all__ = ["SERVING_RPC", "ServingStateRPC", "failure_class", "written_bytes_total"]
+__all__ = ["SERVING_RPC", "ServingStateRPC", "failure_class", "finish_report", "serving_state", "written_bytes_total"]
 
 #: The RPC's name (the front process skips it in its own bookkeeping).
 SERVING_RPC = "lifecycle_serving_state"
 _CLASS = re.compile(r"\b([A-Z][A-Za-z0-9]*(?:Error|Exception))\b")
 
-# per backbone: [epoch counted, tensors of it counted, bytes of it counted, bytes of every epoch before]
-_WRITTEN: weakref.WeakKeyDictionary[VLLMDraftBackbone, list[int]] = weakref.WeakKeyDictionary()
-
-
 def written_bytes_total(backbone: VLLMDraftBackbone) -> int:
     """Bytes of the draft's checkpoint tensors that reloads (epoch >= 1) wrote since the process started: what
     each epoch wrote, a failed one included (the shadows, copies of written rows, are not counted)."""
-    lc = backbone.lifecycle
-    entry = _WRITTEN.setdefault(backbone, [0, 0, 0, 0])
+    lc, counted = backbone.lifecycle, backbone.lifecycle_runtime.written
     epoch, names = lc.epoch, lc.readiness.written
-    if epoch != entry[0]:
-        entry[:] = [epoch, 0, 0, entry[3] + entry[2]]
-    if epoch >= 1 and len(names) != entry[1]:
+    if epoch != counted.epoch:
+        counted.epoch, counted.tensors, counted.before, counted.bytes = epoch, 0, counted.before + counted.bytes, 0
+    if epoch >= 1 and len(names) != counted.tensors:
         specs = lc.specs
-        entry[1], entry[2] = len(names), sum(
+        counted.tensors, counted.bytes = len(names), sum(
             math.prod(specs[n].shape) * specs[n].dtype.itemsize for n in names if n in specs and not n.endswith(SHADOW))
-    return entry[3] + entry[2]
+    return counted.before + counted.bytes
 
 
 def failure_class(reason: str | None) -> str | None:
@@ -57,7 +51,7 @@ def failure_class(reason: str | None) -> str | None:
 
 def _state(backbone: VLLMDraftBackbone) -> dict[str, Any]:
     lc = backbone.lifecycle
-    paused = backbone.drafting_paused_steps
+    paused = backbone.lifecycle_runtime.drafting_paused_steps
     return {"state": lc.state.value, "epoch": lc.epoch, "usable": lc.usable,
             "quarantined": lc.state is LifecycleState.QUARANTINED, "drafting_paused": paused is not None,
             "steps_without_draft": paused or 0, "steps_without_draft_total": steps_without_draft_total(backbone),
@@ -95,12 +89,24 @@ class ServingStateRPC:
         it is about) on every draft backbone of this worker's engine, then answer
         `{"rank", "node", "backbones": {backbone: {state, epoch, usable, quarantined, drafting_paused,
         steps_without_draft, steps_without_draft_total, written_bytes_total, quarantine_reason, failure}}}`."""
-        checked = _checked_events(events)
         drafts = [b for role, b in self._lifecycle_backbones() if role == "draft"]
-        engine = getattr(getattr(self.vllm_config, "parallel_config", None), "data_parallel_rank", 0) or 0
-        for name, level, fields in checked:
-            if fields.get("engine", 0) != engine:
-                continue
-            for backbone in drafts:
-                backbone.lifecycle.audit_event(name, level=level, **fields)
-        return {"rank": self.rank, "node": host_name(), "backbones": {b.lifecycle.name: _state(b) for b in drafts}}
+        return serving_state(self, drafts, events)
+
+
+def serving_state(worker: Any, drafts: Sequence[VLLMDraftBackbone], events: object = None) -> dict[str, Any]:
+    """Write the canary's `events` for this worker's data-parallel engine on each of `drafts`, then answer their
+    state (`ServingStateRPC.lifecycle_serving_state`'s answer)."""
+    checked = _checked_events(events)
+    engine = getattr(getattr(worker.vllm_config, "parallel_config", None), "data_parallel_rank", 0) or 0
+    for name, level, fields in checked:
+        if fields.get("engine", 0) != engine:
+            continue
+        for backbone in drafts:
+            backbone.lifecycle.audit_event(name, level=level, **fields)
+    return {"rank": worker.rank, "node": host_name(), "backbones": {b.lifecycle.name: _state(b) for b in drafts}}
+
+
+def finish_report(worker: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+    """What a worker's finish answers the front process (`WorkerRuntime.finish_report`, set at activation): the
+    serving state after the finish, the events the call carried written first; one round trip, not a pull."""
+    return serving_state(worker, backbones_in(draft_model_of(worker.model_runner)), options.get("events"))

@@ -38,7 +38,6 @@ the fused weights per rank: not computed here (one prefix, rank 0 of a single-ra
 from __future__ import annotations
 
 import hashlib
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -46,7 +45,7 @@ import torch
 from torch import nn
 
 from ...derived import DerivedSpec, resolve_tensor
-from ..drafts.owners import VLLMDraftBackbone, backbones_in, draft_model_of, shared_modules
+from ..drafts.owners import VLLMDraftBackbone, backbones_in, draft_model_of, owner_of, shared_modules
 
 __all__ = ["DERIVED_PREFIX", "DIFFERS", "DRAFT_PREFIX", "EQUAL", "NOT_BUILT", "NOT_SERVING",
            "WORKER_PREFIX", "derived_verdicts", "digest", "draft_checksums", "expected_checksums",
@@ -59,10 +58,6 @@ EQUAL, DIFFERS, NOT_BUILT, NOT_SERVING = "equals-cold-build", "differs-from-cold
 #: vLLM's key prefix of a single-rank engine's worker (`Worker._weight_checksum_prefix`).
 WORKER_PREFIX = "dp0:pp0:pcp0:tp0:"
 
-#: module -> {parameter name: digest as loaded, taken right before processing} (CPU tensors only)
-_BEFORE_PROCESSING: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
-#: linear module -> {the backbone's name of the K/V shadow its processing fills: digest of the rows captured}
-_CAPTURED: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 #: Checkpoint names of the DFlash family's draft -> the engine's: each fused parameter and its parts, in order.
 _DFLASH_FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
@@ -77,11 +72,15 @@ def digest(t: torch.Tensor) -> str:
 def record_before_processing(layer: nn.Module, shadow: tuple[str, torch.Tensor] | None = None) -> None:
     """Right before `layer` is processed (repacked): the digest of each of its CPU parameters, and of the K/V
     rows just captured into `shadow` (the shadow's name in the backbone, the shadow)."""
-    digests = {name: digest(p) for name, p in layer._parameters.items()
-               if p is not None and not p.is_meta and p.device.type == "cpu" and p.numel() > 0}
-    _BEFORE_PROCESSING[layer] = digests
+    owner = owner_of(layer)
+    if owner is None:
+        return
+    runtime = owner[0].lifecycle_runtime
+    runtime.digests_before_processing[layer] = {
+        name: digest(p) for name, p in layer._parameters.items()
+        if p is not None and not p.is_meta and p.device.type == "cpu" and p.numel() > 0}
     if shadow is not None:
-        _CAPTURED.setdefault(layer, {})[shadow[0]] = digest(shadow[1])
+        runtime.captured_digests.setdefault(layer, {})[shadow[0]] = digest(shadow[1])
 
 
 # ---- engine side ---------------------------------------------------------------------------------------------
@@ -89,7 +88,8 @@ def record_before_processing(layer: nn.Module, shadow: tuple[str, torch.Tensor] 
 
 def _parameter_digest(module: nn.Module, name: str, p: torch.Tensor) -> str:
     if p.numel() == 0:  # emptied by processing (the CPU repack): what it held right before
-        recorded = _BEFORE_PROCESSING.get(module, {}).get(name)
+        owner = owner_of(module)
+        recorded = owner[0].lifecycle_runtime.digests_before_processing.get(module, {}).get(name) if owner else None
         if recorded is not None:
             return recorded
     return digest(p)
@@ -163,11 +163,11 @@ def _equals_cold_build(backbone: VLLMDraftBackbone, spec: DerivedSpec, live: tor
     return _same_bits(live, cold)
 
 
-def _captures_hold(backbone: nn.Module, layer: nn.Module, parts: list[torch.Tensor]) -> bool:
+def _captures_hold(backbone: VLLMDraftBackbone, layer: nn.Module, parts: list[torch.Tensor]) -> bool:
     """A part that is a K/V shadow (the CPU layout: the buffer keeps the only copy of the rows) still holds the
     rows captured into it from the weight before processing emptied the weight."""
     for module in layer.modules():
-        for name, recorded in _CAPTURED.get(module, {}).items():
+        for name, recorded in backbone.lifecycle_runtime.captured_digests.get(module, {}).items():
             shadow = resolve_tensor(backbone, name)
             if shadow is not None and any(p is shadow for p in parts) and digest(shadow) != recorded:
                 return False

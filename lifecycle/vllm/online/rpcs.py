@@ -19,7 +19,7 @@ from ...events import host_name
 from ...storage import StorageIdentity
 from ...types import capped
 from ..drafts.owners import VLLMDraftBackbone, backbones_in, draft_model_of
-from ..reload.epochs import describe, end_failed_epoch
+from ..reload.epoch import entered
 from ..reload.payload import feed, plan_payload
 from ..settings import PartialPolicy, check_partial
 
@@ -139,7 +139,7 @@ class ReloadRPCs:
         Every argument and the checkpoint's headers are checked before the draft is touched, and the payload
         against the draft from the headers alone (`expected.check_payload`: names, sizes), before any data is
         read (an error then changes nothing). A failure after that ends the reload epoch
-        (`lifecycle.vllm.epochs`): rolled back exactly when nothing was written yet, else the draft is
+        (`lifecycle.vllm.reload.epoch`): rolled back exactly when nothing was written yet, else the draft is
         quarantined and the engine serves without it; the error is raised either way, and the same call,
         corrected, works without a restart."""
         from vllm.model_executor.model_loader.reload import (
@@ -154,15 +154,12 @@ class ReloadRPCs:
         payload = plan_payload(weights_path, bucket_size=bucket_size, shuffle=shuffle, seed=seed,
                                exclude_prefixes=exclude_prefixes, model=draft)  # checked against the draft
         config = self.vllm_config.speculative_config.draft_model_config
-        initialize_layerwise_reload(draft)  # the model is touched from here on
-        try:
+        with entered(draft, "reload_draft_weights"):  # a failure from here on ends the epoch, once
+            initialize_layerwise_reload(draft)  # the model is touched from here on
             for backbone in backbones_in(draft):
-                backbone.reload_partial = policy
+                backbone.lifecycle_runtime.reload_partial = policy
             feed(draft, payload)
             finalize_layerwise_reload(draft, config)
-        except BaseException as e:
-            end_failed_epoch(draft, f"reload_draft_weights failed: {describe(e)}")  # no-op if already ended
-            raise
         return {"tensors": payload.tensors, "buckets": len(payload.buckets), "partial": policy,
                 **self._lifecycle_worker()}
 

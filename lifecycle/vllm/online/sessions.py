@@ -7,53 +7,45 @@ flag stays set and the transfer engine's target stays the draft). So a refused d
 between `/update_weights` and `/finish_weight_update`, left a session that refused every later start, the policy
 sync's too, until a restart. The wrappers (worker side):
 
-  Worker._start_weight_update   an open DRAFT session is abandoned: its epoch ends (`epochs.end_failed_epoch`:
-                                an exact rollback when nothing was written, else quarantine), the end is audited
+  Worker._start_weight_update   an open DRAFT session is abandoned: its epoch ends (`reload.epoch.fail`: an
+                                exact rollback when nothing was written, else quarantine), the end is audited
                                 (`weight_update_session_ended`, outcome `abandoned`), vLLM's session is closed and
                                 the new start proceeds, draft or policy. Unless it had a call less than
                                 `RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S` seconds ago (default 0: always): then
                                 the start is refused, naming the open session, and nothing changes. An open
                                 POLICY session is vLLM's (its target reload cannot be unwound without leaving a
                                 target that mixes two checkpoints): refused, naming it.
-  Worker.update_weights         a draft chunk that raises: the epoch ends (whatever the transfer engine), the end
-                                is audited (outcome `refused`), and the error names what was refused
-  Worker.finish_weight_update   a draft finish that raises: the epoch ends, vLLM's session is closed, audited
-                                (outcome `refused`), the error names what was refused; a finish that succeeds
-                                is audited (outcome `finished`)
+  Worker.update_weights         the outermost entry of the epoch boundary for a draft chunk (`reload.epoch.entered`):
+                                a chunk that raises ends the epoch once there (whatever the transfer engine), the
+                                end is audited (outcome `refused`), and the error names what was refused and what
+                                it left (the boundary's outcome)
+  Worker.finish_weight_update   likewise for the finish; vLLM's session is closed too (vLLM leaves it open); a
+                                finish that succeeds is audited (outcome `finished`). The plugin's own finish calls
+                                carry `lifecycle=` (the trainer's `weight_version`, the outside view's events) and
+                                get back, beside vLLM's answer, the draft's serving state: one worker round trip
 
 Each refusal's message begins with `REFUSED`: a refused start or finish is a `WeightUpdateRefused`; a refused
-chunk keeps its own class (`CheckpointError`, `ValueError`, ...: what callers caught before), its message
-prefixed. In the API server process (the RL
-routes call `AsyncLLM`) the wrappers of `AsyncLLM.start_weight_update`, `start_draft_weight_update`,
-`update_weights` and `finish_weight_update` find that prefix in vLLM's wrapped error (it crosses two processes as
-a string) and answer `GracefulHTTPError` with the plugin's message alone: 409 for a refused start, 422 for a refused
-chunk or finish. vLLM's own handler answers it on the same connection (a raw exception reaches Starlette's
-ServerErrorMiddleware, and uvicorn then closes the keep-alive connection under the trainer's next request).
-
-`weight_version`: vLLM sets it in the engine core only after a successful finish, and never tells the workers.
-The finish wrappers (`AsyncLLM`, and `LLM`'s for the offline path) send it first, through the worker RPC
-`lifecycle_note_weight_version` (when the engine runs `LifecycleWorkerExtension`); a draft session then audits
-`weight_version` in its epoch, and its `weight_update_session_ended` carries it.
+chunk keeps its own class (`CheckpointError`, `ValueError`, ...: what callers caught before), its message prefixed.
+The API server process answers them as HTTP errors naming them (`answers.py`).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 from ...env import EnvSettingError
 from ..compat.patching import write_private
 from ..drafts.owners import backbones_in, draft_model_of
-from ..reload.epochs import describe, end_failed_epoch
+from ..drafts.runtime import WORKER
+from ..reload.epoch import QUARANTINED, describe, entered, fail
 
-__all__ = ["REFUSED", "TAKEOVER_IDLE_ENV", "WeightUpdateRefused", "note_weight_version",
-           "takeover_idle_s"]
+__all__ = ["LIFECYCLE_KW", "REFUSED", "TAKEOVER_IDLE_ENV", "Session", "WeightUpdateRefused", "note_weight_version",
+           "takeover_idle_s", "wrap_finish", "wrap_start", "wrap_update"]
 
 #: The start of every refusal message: the API server process finds it in vLLM's wrapped error.
 REFUSED = "reload-lifecycle refused"
@@ -65,11 +57,9 @@ _QUARANTINED = ("The session is closed: the engine serves the target's tokens wi
 _ROLLED_BACK = (f"Nothing was written: the draft serves its last weights (rolled back exactly). The session is closed; "
                 f"{_NEXT}.")
 _DETAIL_CAP = 4000
-_SESSION = "_lifecycle_session"  # the worker's attribute holding the open session's `Session`
-_WORKER = "vllm.v1.worker.gpu_worker"
-_ASYNC_LLM = "vllm.v1.engine.async_llm"
-_OFFLINE = "vllm.entrypoints.rl.offline"
-_EXTENSION = "lifecycle.vllm.worker.LifecycleWorkerExtension"
+#: The keyword of the plugin's own finish calls: {"weight_version": ..., "events": [...]} (`answers.py`, the outside
+#: view); the worker answers {"result": vLLM's, "lifecycle": the serving state} to them.
+LIFECYCLE_KW = "lifecycle"
 
 
 class WeightUpdateRefused(RuntimeError):
@@ -109,7 +99,7 @@ def takeover_idle_s() -> float:
 
 
 def _session(worker: Any) -> Session | None:
-    found: Session | None = worker.__dict__.get(_SESSION)
+    found: Session | None = WORKER.sessions.get(worker)
     return found
 
 
@@ -122,21 +112,24 @@ def _audit_end(worker: Any, session: Session | None, outcome: str, reason: str |
                                        else "warning", **fields)
 
 
-def _end_draft_session(worker: Any, outcome: str, reason: str) -> str:
-    """End the draft's epoch (a no-op when the plugin already did), audit, close vLLM's session as its own
-    successful finish does. Returns what that left, for the trainer's message."""
-    draft = draft_model_of(worker.model_runner)
+def _close(worker: Any, outcome: str, reason: str) -> None:
+    """Audit the draft session's end and close vLLM's session as its own successful finish does."""
     try:
-        if draft is not None:
-            end_failed_epoch(draft, reason)
         _audit_end(worker, _session(worker), outcome, reason)
     finally:
-        worker.__dict__.pop(_SESSION, None)
+        WORKER.sessions.pop(worker, None)
         if worker._weight_update_active:
             worker.weight_transfer_engine.reset_weight_update_target()
             write_private("Worker._weight_update_active", worker, False)
-    serving = all(b.lifecycle.usable for b in backbones_in(draft)) if draft is not None else False
-    return _ROLLED_BACK if serving else _QUARANTINED
+
+
+def _left(draft: Any) -> str:
+    """What an ended draft session left, for the trainer's message."""
+    drafts = backbones_in(draft) if draft is not None else []
+    if drafts and all(b.lifecycle.usable for b in drafts) \
+            and all(b.lifecycle_runtime.last_outcome != QUARANTINED for b in drafts):
+        return _ROLLED_BACK
+    return _QUARANTINED
 
 
 def _detail(e: BaseException) -> str:
@@ -164,11 +157,16 @@ def _start(original: Callable[..., Any]) -> Callable[..., Any]:
                     f"{REFUSED} {what}: a draft weight update is open{since}, and {TAKEOVER_IDLE_ENV}={minimum:g} "
                     f"takes an open session over only after {minimum:g} s without a call: finish it, or retry in "
                     f"{minimum - (now - session.last_call):.1f} s. Nothing was changed")
-            _end_draft_session(worker, "abandoned",
-                               f"abandoned: {what} began before finish_weight_update of the open draft session")
+            reason = f"abandoned: {what} began before finish_weight_update of the open draft session"
+            draft = draft_model_of(worker.model_runner)
+            try:
+                if draft is not None:
+                    fail(draft, reason)  # the take-over's decision: the open epoch ends here
+            finally:
+                _close(worker, "abandoned", reason)
         result = original(worker, is_draft=is_draft)
         now = time.monotonic()
-        worker.__dict__[_SESSION] = Session(draft=is_draft, started=now, last_call=now)
+        WORKER.sessions[worker] = Session(draft=is_draft, started=now, last_call=now)
         return result
 
     return _start_weight_update
@@ -177,13 +175,15 @@ def _start(original: Callable[..., Any]) -> Callable[..., Any]:
 def _update(original: Callable[..., Any]) -> Callable[..., Any]:
     def update_weights(worker: Any, *args: Any, **kwargs: Any) -> Any:
         session = _session(worker) if worker._weight_update_active else None
+        draft = draft_model_of(worker.model_runner) if session is not None and session.draft else None
         try:
-            result = original(worker, *args, **kwargs)
+            with entered(draft, "update_weights"):  # a chunk that fails ends the epoch there, once
+                result = original(worker, *args, **kwargs)
         except BaseException as e:
             if session is None or not session.draft or worker._weight_update_active:
                 raise
-            # vLLM closed its session; end the epoch too, whichever transfer engine ran the chunk
-            left = _end_draft_session(worker, "refused", f"update_weights failed: {describe(e)}")
+            _close(worker, "refused", f"update_weights failed: {describe(e)}")  # vLLM closed its session
+            left = _left(draft)
             if not isinstance(e, Exception):
                 raise
             message = f"{REFUSED} the draft's update_weights chunk: {_detail(e)}\n{left}"
@@ -203,20 +203,28 @@ def _update(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _finish(original: Callable[..., Any]) -> Callable[..., Any]:
     def finish_weight_update(worker: Any, *args: Any, **kwargs: Any) -> Any:
+        options = kwargs.pop(LIFECYCLE_KW, None)  # the plugin's own call: the version, the outside view's events
         session = _session(worker) if worker._weight_update_active else None
         was_draft = worker._weight_update_active and worker._weight_update_is_draft
+        if isinstance(options, dict):
+            note_weight_version(worker, options.get("weight_version"))
+        draft = draft_model_of(worker.model_runner) if was_draft else None
         try:
-            result = original(worker, *args, **kwargs)
+            with entered(draft, "finish_weight_update"):
+                result = original(worker, *args, **kwargs)
         except BaseException as e:
             if not (was_draft and worker._weight_update_active):
                 raise
-            left = _end_draft_session(worker, "refused", f"finish_weight_update failed: {describe(e)}")
+            _close(worker, "refused", f"finish_weight_update failed: {describe(e)}")
             if not isinstance(e, Exception):
                 raise
-            raise WeightUpdateRefused(f"{REFUSED} the draft weight update: {_detail(e)}\n{left}") from e
+            raise WeightUpdateRefused(f"{REFUSED} the draft weight update: {_detail(e)}\n{_left(draft)}") from e
         _audit_end(worker, session, "finished")
-        worker.__dict__.pop(_SESSION, None)
-        return result
+        WORKER.sessions.pop(worker, None)
+        if options is None:
+            return result
+        report = WORKER.finish_report(worker, options) if WORKER.finish_report is not None else None
+        return {"result": result, LIFECYCLE_KW: report}
 
     return finish_weight_update
 
@@ -237,80 +245,5 @@ def note_weight_version(worker: Any, weight_version: str | None) -> None:
             backbone.lifecycle.audit_event("weight_version", weight_version=weight_version)
 
 
-# ---- the API server process, and the offline `LLM` --------------------------------------------------------------
-
-
-def runs_lifecycle_rpcs(vllm_config: Any) -> bool:
-    """Whether the engine's workers have the lifecycle RPCs (`worker_extension_cls` is, or subclasses, ours)."""
-    name = getattr(getattr(vllm_config, "parallel_config", None), "worker_extension_cls", "") or ""
-    if not name:
-        return False
-    if name == _EXTENSION:
-        return True
-    module, _, qualname = name.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), qualname)
-    except (ImportError, AttributeError, ValueError):
-        return False
-    return callable(getattr(cls, "lifecycle_note_weight_version", None))
-
-
-def _answer_refusal(e: Exception, status: HTTPStatus) -> Exception | None:
-    """The plugin's refusal inside vLLM's wrapped error ("Call to collective_rpc method failed: Worker failed with
-    error '<message>', please check the stack trace above ..."), as the HTTP error vLLM answers; None otherwise."""
-    message = str(e)
-    at = message.find(REFUSED)
-    if at < 0:
-        return None
-    from vllm.exceptions import GracefulHTTPError
-
-    inner = message[at:]
-    end = inner.rfind("', please check")
-    return GracefulHTTPError(inner[:end] if end > 0 else inner, status)  # type: ignore[no-any-return]  # vLLM's class
-
-
-def _answered(status: HTTPStatus) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        async def call(engine: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return await original(engine, *args, **kwargs)
-            except Exception as e:
-                answer = _answer_refusal(e, status)
-                if answer is None:
-                    raise
-                raise answer from e
-
-        return call
-
-    return make
-
-
-def _async_finish(original: Callable[..., Any]) -> Callable[..., Any]:
-    async def finish_weight_update(engine: Any, weight_version: str | None = None) -> Any:
-        if weight_version is not None and runs_lifecycle_rpcs(engine.vllm_config):
-            await engine.collective_rpc("lifecycle_note_weight_version", args=(weight_version,))
-        try:
-            return await original(engine, weight_version)
-        except Exception as e:
-            answer = _answer_refusal(e, HTTPStatus.UNPROCESSABLE_ENTITY)
-            if answer is None:
-                raise
-            raise answer from e
-
-    return finish_weight_update
-
-
-def _offline_finish(original: Callable[..., Any]) -> Callable[..., Any]:
-    def finish_weight_update(llm: Any, weight_version: str | None = None) -> Any:
-        if weight_version is not None and runs_lifecycle_rpcs(llm.llm_engine.vllm_config):
-            llm.llm_engine.collective_rpc("lifecycle_note_weight_version", args=(weight_version,))
-        return original(llm, weight_version)
-
-    return finish_weight_update
-
-
 #: the makers the registry names (`compat/registry.py`)
 wrap_start, wrap_update, wrap_finish = _start, _update, _finish
-answer_conflict = _answered(HTTPStatus.CONFLICT)
-answer_unprocessable = _answered(HTTPStatus.UNPROCESSABLE_ENTITY)
-wrap_async_finish, wrap_offline_finish = _async_finish, _offline_finish

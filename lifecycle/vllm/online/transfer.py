@@ -35,7 +35,7 @@ def engine_class() -> type:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
     from ..drafts.owners import backbones_in
-    from ..reload.epochs import describe, end_failed_epoch
+    from ..reload.epoch import entered
     from ..reload.payload import feed, plan_payload
     from ..settings import check_partial
 
@@ -54,13 +54,11 @@ def engine_class() -> type:
             initialize_layerwise_reload(self.model)
 
         def update_weights(self, update_info: Any) -> None:
-            # vLLM ends the session on any exception here (a bad update_info included) without calling finish:
-            # end the draft's reload epoch too, or its modules stay on META
-            try:
+            # vLLM ends the session on any exception here (a bad update_info included) without calling finish: an
+            # entry point of the epoch boundary (the worker's update_weights is the outer one; a caller of the
+            # engine itself has only this), so the draft's epoch ends too, or its modules stay on META
+            with entered(self.model, "update_weights"):
                 super().update_weights(update_info)
-            except BaseException as e:
-                end_failed_epoch(self.model, f"update_weights failed: {describe(e)}")
-                raise
 
         def receive_weights(self, update_info: FileUpdateInfo) -> None:
             policy = check_partial(update_info.partial, "update_info['partial']")
@@ -70,7 +68,7 @@ def engine_class() -> type:
                                    exclude_prefixes=update_info.exclude_prefixes, what="update_info['path']",
                                    model=self.model)
             for backbone in backbones_in(self.model):
-                backbone.reload_partial = policy
+                backbone.lifecycle_runtime.reload_partial = policy
             feed(self.model, payload)
 
         def finish_weight_update(self) -> None:

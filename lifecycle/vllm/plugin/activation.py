@@ -44,6 +44,8 @@ def activate() -> None:
     from ..compat import patching
     from ..compat.registry import PATCHES
     from ..drafts.processing import observe_processing
+    from ..drafts.runtime import WORKER
+    from ..observability.serving_state import finish_report
     from ..observability.weight_checker import record_before_processing
     from ..online import transfer
     from .capabilities import active_families
@@ -54,6 +56,7 @@ def activate() -> None:
             ModelRegistry.register_model(arch, f"lifecycle.vllm.registered:{family.name}")
     transfer.register()
     observe_processing(record_before_processing)  # the weight checker's digests of what processing may empty
+    WORKER.finish_report = finish_report  # a finish answers the draft's serving state: one worker round trip
     _active = True
 
 

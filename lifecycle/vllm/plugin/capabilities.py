@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import cast
 
 from ...errors import UnsupportedVLLMError
+from ..compat import sources
 from ..compat.records import SWAPS_CLASS, WRITES, Patch
 from ..compat.registry import PATCHES
-from ..compat import sources
 from ..compat.sources import Reader, SourceIndex
 from ..compat.version import check_vllm_version, installed_version
 from ..drafts.families import FAMILIES, VLLMDraftFamily

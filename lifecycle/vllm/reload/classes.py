@@ -1,15 +1,18 @@
 """The lifecycle-enabled versions of vLLM's draft classes, made per family on first use.
 
 `lifecycle_class(family)` subclasses the family's vLLM ForCausalLM. Its `__init__` swaps the inner model's class for
-one mixing in `drafts.LifecycleDraftModel` (the family's builders replaced by one that records metadata only) and
-enables the lifecycle; its `load_weights` and `process_weights_after_loading` drive the mixin's hooks, so a caller
-holding a reference taken before the plugin wrapped vLLM's functions (`patches.py`) still reaches the lifecycle.
+one mixing in `mixin.LifecycleDraftModel` (the family's builders replaced: `writes.builder_called`; the inner
+model's own `load_weights` made an entry point: `writes.inner_load_weights`), gives the draft its runtime
+(`drafts.runtime.DraftRuntime`) and enables the lifecycle; its `load_weights` and `process_weights_after_loading`
+are entry points of the epoch boundary (`epoch.entered`) driving the mixin's hooks, so a caller holding a
+reference taken before the plugin wrapped vLLM's functions (`hooks.py`) still reaches the lifecycle.
 `registered.py` hands these classes to vLLM's model registry by family name.
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,10 +20,13 @@ from torch import nn
 
 from ..compat.patching import swap_class
 from ..drafts.families import VLLMDraftFamily
-from ..drafts.owners import backbones_in
+from ..drafts.owners import drafts_of
+from ..drafts.runtime import DraftRuntime
 from ..drafts.structure import DraftStructure, Weights
-from .epochs import describe, end_failed_epoch, reload_in_progress
-from .mixin import LifecycleDraftModel, layerwise_function
+from .epoch import entered
+from .mixin import LifecycleDraftModel
+from .unwind import layerwise_function
+from .writes import inner_load_weights
 
 __all__ = ["lifecycle_class"]
 
@@ -42,25 +48,22 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
     def __init__(self: nn.Module, *, vllm_config: Any, prefix: str = "") -> None:
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
         spec = getattr(vllm_config, "speculative_config", None)
-        self._lifecycle_model_config = getattr(spec, "draft_model_config", None) or vllm_config.model_config
         inner = getattr(self, family.inner_model_attr)
         swap_class("inner_model.__class__", inner, _inner_class(family, type(inner)))
-        inner.__dict__["_structure"] = self.__dict__["_lifecycle_structure"] = DraftStructure(self, inner, family)
+        inner.lifecycle_runtime = DraftRuntime(
+            outer=weakref.ref(self), structure=DraftStructure(self, inner, family),
+            model_config=getattr(spec, "draft_model_config", None) or vllm_config.model_config)
         inner.enable_lifecycle(name=f"{family.name}-draft", rank=_rank())
         inner.claim_structure()
 
     def load_weights(self: nn.Module, weights: Weights) -> Any:
-        backbones = backbones_in(self)
-        # a bucket that fails inside a reload (a bad name or shape, a loader or a source that raises) ends the
-        # epoch here: otherwise modules stay on META and the next reload is refused
-        try:
+        # an entry point of the epoch boundary: a bucket that fails inside a reload (a bad name or shape, a loader
+        # or a source that raises) ends the epoch (else modules stay on META and the next reload is refused)
+        backbones = drafts_of(self)
+        with entered(self, "load_weights"):
             for b in backbones:
                 b.before_write()
             result = base.load_weights(self, weights)
-        except BaseException as e:  # an interrupt too
-            if reload_in_progress(self) or any(b.reload_open for b in backbones):
-                end_failed_epoch(self, f"load_weights failed: {describe(e)}")
-            raise
         for b in backbones:
             b.after_write()
         return result
@@ -68,14 +71,15 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
     def process_weights_after_loading(self: nn.Module) -> None:
         """vLLM's `process_weights_after_loading` calls this last, whichever reference to it ran: it finishes
         an open reload epoch (as `finalize_layerwise_reload` would), or builds the buffers after a cold load."""
-        if base_hook is not None:
-            base_hook(self)
-        backbones = backbones_in(self)
-        if any(b.reload_open for b in backbones):
-            layerwise_function("finalize_layerwise_reload")(self, self._lifecycle_model_config)
-            return
-        for b in backbones:
-            b.on_cold_load_processed()
+        backbones = drafts_of(self)
+        with entered(self, "process_weights_after_loading"):
+            if base_hook is not None:
+                base_hook(self)  # a builder it calls (Kimi K3's) records metadata: inside an entry point
+            if any(b.reload_open for b in backbones):
+                layerwise_function("finalize_layerwise_reload")(self, backbones[0].lifecycle_runtime.model_config)
+                return
+            for b in backbones:
+                b.on_cold_load_processed()
 
     cls = type(f"Lifecycle{family.causal_lm}", (base,), {
         "__init__": __init__, "load_weights": _structure_preserving(load_weights),
@@ -91,12 +95,11 @@ def _structure_preserving(load: LoadWeights) -> LoadWeights:
     vLLM's per-call decisions and checks are neutralized around the call (`structure.within_call`)."""
 
     def load_weights(self: nn.Module, weights: Weights) -> Any:
-        structure = self.__dict__["_lifecycle_structure"]
-        backbones = backbones_in(self)
-        weights, refusal = structure.admit(weights, backbones[0].lifecycle if backbones else None)
+        backbones = drafts_of(self)
+        structure = backbones[0].lifecycle_runtime.structure
+        weights, refusal = structure.admit(weights, backbones[0].lifecycle)
         for b in backbones:
-            if refusal is not None:
-                b.__dict__["_structure_refusal"] = refusal
+            b.lifecycle_runtime.structure_refusal = refusal
         with structure.within_call():
             result = load(self, weights)
         carried = structure.carried(weights)
@@ -110,10 +113,15 @@ def _structure_preserving(load: LoadWeights) -> LoadWeights:
 def _inner_class(family: VLLMDraftFamily, base: type) -> type:
     key = (family.name, base)
     if key not in _INNER_CLASSES:
-        # the lifecycle mixin first, so its precompute override wins; the family's builders record metadata only
-        builders = {name: LifecycleDraftModel._record_metadata for name in family.builders}
+        # the lifecycle mixin first, so its overrides win; the family's builders record metadata only inside an entry
+        # point and finish an open epoch when called by hand (`writes.builder_called`); an inner model's own
+        # load_weights is an entry point too
+        methods: dict[str, Any] = {name: LifecycleDraftModel._derived_builder for name in family.builders}
+        vllm_load = getattr(base, "load_weights", None)
+        if callable(vllm_load):
+            methods["load_weights"] = inner_load_weights(vllm_load)
         _INNER_CLASSES[key] = type(f"Lifecycle{base.__name__}", (LifecycleDraftModel, base),
-                                   {"_family": family, **builders})
+                                   {"_family": family, **methods})
     return _INNER_CLASSES[key]
 
 

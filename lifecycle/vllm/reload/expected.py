@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from ...errors import MESSAGE_ITEMS_CAP, CheckpointError
 from ...types import capped
@@ -124,9 +124,10 @@ def check_payload(index: dict[str, Any], names: Iterable[str], model: Any, *, tp
         return
     names = list(names)
     lc = backbones[0].lifecycle
-    structure = getattr(model, "__dict__", {}).get("_lifecycle_structure")
+    structure = backbones[0].lifecycle_runtime.structure
     if structure is not None:
-        _, refusal = structure.admit([(n, None) for n in names], lc)
+        names_only = cast("list[tuple[str, Any]]", [(n, None) for n in names])  # admit reads the names alone
+        _, refusal = structure.admit(names_only, lc)
         if refusal is not None:
             try:
                 raise lc.record_refusal("weights_loaded", refusal)

@@ -25,9 +25,7 @@ Each claimed module's processing is guarded (`processing.py`); a reload epoch en
 
 from __future__ import annotations
 
-import importlib
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,15 +33,18 @@ from torch import nn
 
 from ...errors import raise_unheld
 from ..drafts.families import SHADOW
-from ..drafts.owners import MODULE_OWNERS, VLLMDraftBackbone
+from ..drafts.owners import VLLMDraftBackbone
 from ..drafts.processing import guard_processing
 from ..drafts.quantized import attention_prefixes
+from ..drafts.runtime import WORKER
 from ..drafts.shadows import plan_shadows
+from .epoch import begin_implicit
+from .writes import builder_called, guard_weight_loaders
 
 if TYPE_CHECKING:
     from ..drafts.structure import DraftStructure
 
-__all__ = ["IMPLICIT_CAUSE", "LOADER_VALUES", "LifecycleDraftModel", "layerwise_function"]
+__all__ = ["IMPLICIT_CAUSE", "LOADER_VALUES", "LifecycleDraftModel"]
 
 #: why a `load_weights` call began a reload epoch by itself (the `implicit_reload` event's cause)
 IMPLICIT_CAUSE = "load_weights after a completed load, outside initialize_layerwise_reload"
@@ -52,20 +53,13 @@ LOADER_VALUES = ("holds what vLLM's loader put there without load_weights (load_
                  "not a checkpoint's")
 
 
-def layerwise_function(name: str) -> Callable[..., Any]:
-    """vLLM's layerwise reload function `name`, looked up now (so the plugin's wrapper, once installed)."""
-    function: Callable[..., Any] = getattr(
-        importlib.import_module("vllm.model_executor.model_loader.reload.layerwise"), name)
-    return function
-
-
 class LifecycleDraftModel(VLLMDraftBackbone):
     """Mixed into vLLM's inner draft model class (DFlashQwen3Model and its relatives) at construction
     (`classes.py`); implements the hooks of `owners.VLLMDraftBackbone`."""
 
     def enable_lifecycle(self, *, name: str, rank: int) -> None:
         """Declare the draft's derived buffers and checkpoint tensors, claim the modules holding them
-        (`MODULE_OWNERS`) and guard each one's processing."""
+        (`DraftRuntime.owned`), guard each one's processing and its parameters' weight loaders."""
         family = self._family
         plan = plan_shadows(self)  # the fused K/V buffer: live weight rows, backed shadows, or vLLM's non-fused path
         self.derived_buffers = plan.derived  # type: ignore[misc]  # the class's declarations, as planned for this draft
@@ -80,13 +74,15 @@ class LifecycleDraftModel(VLLMDraftBackbone):
             names = [f"{mod_name}.{leaf}" if mod_name else leaf for leaf in module._parameters]
             names = [n for n in names if n in tracked]
             if names:
-                MODULE_OWNERS[module] = (weakref.ref(self), names)
+                self.lifecycle_runtime.owned[module] = names
                 owned.append(module)
                 guard_processing(self, module, plan.captures.get(module))
+                guard_weight_loaders(self, module, names)
         # the outermost modules holding the draft's own checkpoint tensors: what an implicit reload hands to vLLM's
         # layerwise reload (never the modules shared with the target, nor the RoPE cache vLLM shares between models)
         inner = {id(d) for m in owned for d in m.modules() if d is not m}
-        self.__dict__["_own_roots"] = [m for m in owned if id(m) not in inner]
+        self.lifecycle_runtime.roots = [m for m in owned if id(m) not in inner]
+        WORKER.drafts.add(self)
 
     def meta_or_absent(self) -> set[str]:
         """As the core's, except a parameter slot its quant method emptied after processing (the CPU int8
@@ -100,8 +96,12 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         return out
 
     def _record_metadata(self) -> None:
-        """What each declared builder does instead of vLLM's: set the non-tensor precompute metadata."""
+        """What each declared builder sets besides its tensors: the non-tensor precompute metadata."""
         self._family.set_metadata(self)
+
+    def _derived_builder(self) -> None:
+        """Each declared builder of vLLM's class (`_build_fused_kv_buffers` and the like): `writes.builder_called`."""
+        builder_called(self)
 
     def precompute_and_store_context_kv(self, *args: Any, **kwargs: Any) -> Any:
         slots = args[2] if len(args) > 2 else kwargs.get("context_slot_mapping")
@@ -114,21 +114,17 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         return super().precompute_and_store_context_kv(*args, **kwargs)  # type: ignore[misc]  # not in a base mypy sees
 
     # ---- driven by the draft's load_weights and the patched vLLM entry points -------------------------------
-    def before_write(self) -> None:
+    def before_write(self, cause: str = IMPLICIT_CAUSE) -> None:
         """A `load_weights` call is about to write. After a completed load (and outside a reload vLLM began),
         that write begins a reload epoch, audited, and starts vLLM's layerwise reload on the modules holding the
         draft's own checkpoint tensors (not on those it shares with the target, which keeps serving meanwhile).
         A call the frozen structure refused (`structure.admit`) raises here, before anything is written."""
-        lc = self.lifecycle
-        if "_structure_refusal" in self.__dict__:
-            raise_unheld(lc.record_refusal("weights_loaded", self.__dict__.pop("_structure_refusal")))
-        if not (lc.usable or lc.quarantined):
-            return
-        lc.audit_event("implicit_reload", cause=IMPLICIT_CAUSE, from_state=lc.state.value)
-        self.begin_reload()
-        initialize = layerwise_function("initialize_layerwise_reload")
-        for module in self.__dict__["_own_roots"]:
-            initialize(module)
+        lc, runtime = self.lifecycle, self.lifecycle_runtime
+        if runtime.structure_refusal is not None:
+            refusal, runtime.structure_refusal = runtime.structure_refusal, None
+            raise_unheld(lc.record_refusal("weights_loaded", refusal))
+        if lc.usable or lc.quarantined:
+            begin_implicit(self, cause)
 
     def after_write(self) -> None:
         """A `load_weights` call wrote. During the cold load (epoch 0): the tensors it wrote count as loaded."""
@@ -137,14 +133,14 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         # start from a checkpoint comes here; only a dummy start never does (`on_cold_load_processed`).
         lc = self.lifecycle
         if lc.epoch == 0 and lc.awaiting_weights:
-            self.__dict__["_cold_load_written"] = True
+            self.lifecycle_runtime.cold_load_written = True
             lc.weights_loaded(self._structure.loaded_at_cold(n for n in lc.specs if not n.endswith(SHADOW)))
 
     def on_cold_load_processed(self) -> None:
         """After vLLM processed the cold-loaded model: finish the cold load and build the derived buffers (from
         the loader's own values when no load_weights call wrote them)."""
         lc = self.lifecycle
-        if lc.epoch == 0 and lc.awaiting_weights and not self.__dict__.get("_cold_load_written"):
+        if lc.epoch == 0 and lc.awaiting_weights and not self.lifecycle_runtime.cold_load_written:
             self._adopt_loader_values()
         if lc.epoch == 0 and lc.can("finalize_loading"):
             self.finalize_loading()
@@ -159,18 +155,12 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         self._record_metadata()  # what vLLM's builder would have set at the end of load_weights
         lc.audit_event("loaded_without_load_weights", cause=LOADER_VALUES)
         lc.weights_loaded(structure.loaded_at_cold(n for n in lc.specs if not n.endswith(SHADOW)))
-        self.__dict__["_loader_values"] = True
-
-    def on_reload_begin(self) -> None:
-        """vLLM's layerwise reload is about to begin: so does a reload epoch (never before a first load)."""
-        if not self.lifecycle.unloaded:
-            self.begin_reload()
+        self.lifecycle_runtime.loader_values = True
 
     # ---- the frozen structure (`structure.py`): optional submodules decided by the first load --------------------
     @property
     def _structure(self) -> DraftStructure:
-        structure: DraftStructure = self.__dict__["_structure"]  # set by the class's __init__ before the lifecycle
-        return structure
+        return self.lifecycle_runtime.structure  # made by the class's __init__ before the lifecycle
 
     def init_lifecycle(self, name: str | None = None, **kwargs: Any) -> Any:
         """Track the optional modules' tensors too (those outside this module through slots), until the first
@@ -180,26 +170,27 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         return super().init_lifecycle(name, slots=structure.outer_slots(), **kwargs)
 
     def claim_structure(self) -> None:
-        """Claim the tracked optional tensors like the layers' (`MODULE_OWNERS`, guarded processing, the modules
-        an implicit reload hands to vLLM's layerwise reload); run again once the first load froze the structure,
-        which releases the absent ones."""
-        structure, specs = self._structure, self.lifecycle.specs
-        roots: list[nn.Module] = self.__dict__["_own_roots"]
+        """Claim the tracked optional tensors like the layers' (`DraftRuntime.owned`, guarded processing and
+        weight loaders, the modules an implicit reload hands to vLLM's layerwise reload); run again once the first
+        load froze the structure, which releases the absent ones."""
+        structure, specs, runtime = self._structure, self.lifecycle.specs, self.lifecycle_runtime
+        owned, roots = runtime.owned, runtime.roots
         for module in structure.modules:
             for name, owner, _ in structure.slots[module]:
-                entry = MODULE_OWNERS.get(owner)
-                names = [n for n in (entry[1] if entry else []) if n != name] + ([name] if name in specs else [])
+                entry = owned.get(owner)
+                names = [n for n in (entry or []) if n != name] + ([name] if name in specs else [])
                 if names:
-                    MODULE_OWNERS[owner] = (weakref.ref(self), names)
-                    if entry is None:  # not claimed with the layers: process it as they are
+                    owned[owner] = names
+                    if entry is None:  # not claimed with the layers: process and load it as they are
                         guard_processing(self, owner, None)
+                        guard_weight_loaders(self, owner, names)
                 elif entry is not None:
-                    del MODULE_OWNERS[owner]
+                    del owned[owner]
                 # roots: never a module holding this backbone (the ForCausalLM, which holds d2t)
                 if names and owner not in roots and not any(m is self for m in owner.modules()) \
                         and not any(owner in r.modules() for r in roots):
                     roots.append(owner)
-        roots[:] = [r for r in roots if any(m in MODULE_OWNERS for m in r.modules())]
+        roots[:] = [r for r in roots if any(m in owned for m in r.modules())]
 
     def begin_reload(self) -> int:
         """Begin a reload epoch; optional modules the draft shares with the target since its load (the proposer
@@ -208,7 +199,8 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         shared = self._structure.shared_now()
         if shared:
             self.weights_unchanged(n for m in sorted(shared) for n in self._structure.names_of(m))
-        if self.__dict__.pop("_loader_values", False):  # the cold load's values are nothing to keep
+        if self.lifecycle_runtime.loader_values:  # the cold load's values are nothing to keep
+            self.lifecycle_runtime.loader_values = False
             readiness = self.lifecycle.readiness
             readiness.require_full_write(readiness.untouched_layers(), LOADER_VALUES)
         return epoch

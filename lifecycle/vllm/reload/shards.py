@@ -19,16 +19,12 @@ buffering, and the finalize decides (`epochs.settle_partial`: refused naming the
 
 from __future__ import annotations
 
-import contextvars
 from collections import Counter
 from typing import Any
 
 from torch import nn
 
-__all__ = ["COMPLETING", "expected_shards", "missing_parts", "received"]
-
-#: True while `epochs._complete_with_last_values` has vLLM process a layer it completed with its last values
-COMPLETING: contextvars.ContextVar[bool] = contextvars.ContextVar("reload_lifecycle_completing", default=False)
+__all__ = ["expected_shards", "missing_parts", "received"]
 
 _SHARD_ARG = "loaded_shard_id"  # the name in every vLLM linear weight loader (v1 and v2)
 

@@ -17,27 +17,18 @@ asks through `drafting_allowed(runner)`, V2's speculator through `drafting_allow
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from ..drafts.owners import VLLMDraftBackbone, backbones_in
+from ..drafts.owners import VLLMDraftBackbone, drafts_of
 
 __all__ = ["drafting_allowed", "drafting_allowed_for", "steps_without_draft_total", "wrap_fits"]
 
-#: draft model -> its lifecycle drafts, held weakly: each backbone holds its model (`_structure`), so a strong value
-#: would keep its own key alive and the draft, weights and all, would never be freed.
-_BACKBONES: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[VLLMDraftBackbone], ...]] = (
-    weakref.WeakKeyDictionary())
-#: steps each backbone was kept out of, since the process started (the pauses' counts reset at each resume)
-_STEPS_WITHOUT: weakref.WeakKeyDictionary[VLLMDraftBackbone, int] = weakref.WeakKeyDictionary()
-
-
 def steps_without_draft_total(backbone: VLLMDraftBackbone) -> int:
     """Engine steps served without this draft since the process started."""
-    return _STEPS_WITHOUT.get(backbone, 0)
+    return backbone.lifecycle_runtime.steps_without_draft_total
 
 
 def _draft_model(runner: Any) -> nn.Module | None:
@@ -58,25 +49,20 @@ def drafting_allowed_for(model: nn.Module | None) -> bool:
     """As `drafting_allowed`, for the draft model itself."""
     if model is None:
         return True
-    refs = _BACKBONES.get(model)
-    backbones = [b for r in refs if (b := r()) is not None] if refs is not None else []
-    if refs is None or len(backbones) != len(refs):
-        backbones = backbones_in(model)
-        _BACKBONES[model] = tuple(weakref.ref(b) for b in backbones)
     allowed = True
-    for backbone in backbones:
-        lc = backbone.lifecycle
-        paused = backbone.drafting_paused_steps
+    for backbone in drafts_of(model):  # cached per model: asked every engine step
+        lc, runtime = backbone.lifecycle, backbone.lifecycle_runtime
+        paused = runtime.drafting_paused_steps
         if lc.usable:
             if paused is not None:
-                backbone.drafting_paused_steps = None
+                runtime.drafting_paused_steps = None
                 lc.audit_event("drafting_resumed", steps_without_draft=paused)
             continue
         allowed = False
         if paused is None:
             lc.audit_event("drafting_paused", state=lc.state.value, reason=lc.quarantine_reason)
-        backbone.drafting_paused_steps = (paused or 0) + 1
-        _STEPS_WITHOUT[backbone] = _STEPS_WITHOUT.get(backbone, 0) + 1
+        runtime.drafting_paused_steps = (paused or 0) + 1
+        runtime.steps_without_draft_total += 1
     return allowed
 
 

@@ -1,0 +1,214 @@
+"""The draft reload epoch's one boundary: where an epoch begins, finishes and fails, for every way bytes reach a
+draft's weights.
+
+Every entry point into a draft's weights is entered through `entered(model, entry)`: the offline RPC
+(`reload_draft_weights`), the weight-update session's calls (the worker's `update_weights` / `finish_weight_update`,
+the transfer engine's), vLLM's `initialize_layerwise_reload` / `finalize_layerwise_reload`, the draft's own
+`load_weights` (outer and inner model), the loader's `process_weights_after_loading`, a derived-buffer builder called
+by hand, and a parameter's weight loader called directly. Entries nest (a session's chunk runs the transfer engine,
+which runs `load_weights`); only the outermost acts: a failure anywhere inside is turned into an outcome once, there
+(`fail`: rolled back exactly and serving again when nothing was written, else quarantined), and re-raised. Inner
+layers record what happened (readiness, the modules a copy back touched) and let the exception through.
+
+- `begin(model, original, ...)`: vLLM's `initialize_layerwise_reload`, with each lifecycle draft of `model` beginning
+  its epoch; `begin_implicit(backbone, cause)`: a write after a completed load (a plain `load_weights`, a trainer
+  writing through the inner model) begins one on the draft's own modules;
+- `finish(model, model_config, original, ...)`: vLLM's finalize after the partial payload is settled, then each
+  draft finishes (every layer ready, reload hooks, refresh in place), or is quarantined and the error raised;
+- `fail(model, reason)`: vLLM's reload unwound, then abort with an exact rollback and recover, or quarantine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from ...errors import LayersNotReadyError
+from ...events import LIST_CAP
+from ...types import capped
+from ...types import describe_error as describe
+from .. import settings
+from ..drafts.owners import VLLMDraftBackbone, backbones_in, drafts_of
+from ..drafts.quantized import reload_blocker
+from ..drafts.runtime import WORKER
+from .partial import PartialOutcome, settle_partial
+from .unwind import keep_shared_modules_live, layerwise_function, reload_in_progress, unwind
+
+if TYPE_CHECKING:
+    from ..settings import PartialPolicy
+
+__all__ = [
+    "QUARANTINED",
+    "ROLLED_BACK",
+    "Entry",
+    "begin",
+    "begin_implicit",
+    "describe",
+    "entered",
+    "fail",
+    "finish",
+    "finish_epoch",
+]
+
+#: How a failed epoch ended (`DraftRuntime.last_outcome`).
+ROLLED_BACK, QUARANTINED = "rolled back", "quarantined"
+
+
+@dataclass
+class Entry:
+    """One entry point being run: whether it is the outermost (the one that acts) and how a failure inside ended."""
+
+    outermost: bool
+    outcome: str | None = None
+
+
+@contextmanager
+def entered(model: Any, entry: str) -> Iterator[Entry]:
+    """Run an entry point into `model`'s drafts (see the module doc). `entry` names it in the failure's reason."""
+    drafts = drafts_of(model) if isinstance(model, nn.Module) else []
+    runtimes = [d.lifecycle_runtime for d in drafts]
+    here = Entry(outermost=bool(drafts) and not any(r.entries for r in runtimes))
+    for r in runtimes:
+        r.entries += 1
+    try:
+        yield here
+    except BaseException as e:  # an interrupt too: no module may stay on META, no epoch stays open
+        if here.outermost and (reload_in_progress(model) or any(d.reload_open for d in drafts)):
+            here.outcome = fail(model, f"{entry} failed: {describe(e)}")
+        raise
+    finally:
+        for r in runtimes:
+            r.entries -= 1
+
+
+def fail(model: nn.Module, reason: str) -> str | None:
+    """After a failure anywhere in a draft reload of `model`: unwind vLLM's reload, then roll back exactly and
+    recover (nothing was written) or quarantine (something was). Returns how it ended, None when no draft was
+    mid-reload. Idempotent."""
+    # what an interrupted `initialize_layerwise_reload` left half-way is put back with its buffers' persistence
+    non_persistent, WORKER.initializing = WORKER.initializing, None
+    written = unwind(model, non_persistent=non_persistent)
+    outcome = None
+    for backbone in backbones_in(model):
+        backbone.lifecycle_runtime.reload_partial = None
+        lc = backbone.lifecycle
+        if not lc.can("abort_reload"):
+            continue
+        exact = written == 0 and not any(lc.readiness.is_loaded(n) for n in lc.specs)
+        lc.abort_reload(reason, rollback=(lambda: ()) if exact else None)
+        if exact and lc.recovery_blocker is None:
+            lc.recover()
+        outcome = ROLLED_BACK if lc.usable else QUARANTINED
+        backbone.lifecycle_runtime.last_outcome = outcome
+    return outcome
+
+
+def begin(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """vLLM's `initialize_layerwise_reload(model, ...)`: every lifecycle draft of `model` begins a reload epoch
+    first (a reload that never reached finalize is ended as abandoned), and the modules a draft shares with the
+    target stay live."""
+    if (why := reload_blocker(model)) is not None:
+        raise NotImplementedError(f"reload-lifecycle: {why}")
+    if reload_in_progress(model):  # the last reload never reached finalize
+        fail(model, "abandoned: a new reload began before the previous one was finalized")
+    # what vLLM's initialize moves to META and back: its buffers' persistence, for an interrupted one
+    WORKER.initializing = {m: set(m._non_persistent_buffers_set) for m in model.modules()}
+    for m in WORKER.initializing:
+        WORKER.touched.discard(m)
+    with entered(model, "initialize_layerwise_reload"):
+        for backbone in backbones_in(model):
+            if not backbone.lifecycle.unloaded:  # never before a first load
+                backbone.begin_reload()
+        result = original(model, *args, **kwargs)
+        WORKER.initializing = None
+        keep_shared_modules_live(model)  # what the draft shares with the target stays live
+    return result
+
+
+def begin_implicit(backbone: VLLMDraftBackbone, cause: str, *, layerwise: bool = True) -> None:
+    """A write is about to reach a usable or quarantined draft outside any epoch: audited (`implicit_reload`),
+    an epoch begins, and (with `layerwise`) vLLM's layerwise reload starts on the draft's own modules (never on
+    those it shares with the target, which keeps serving meanwhile). Until the epoch finishes the draft does not
+    draft."""
+    lc = backbone.lifecycle
+    lc.audit_event("implicit_reload", cause=cause, from_state=lc.state.value)
+    backbone.begin_reload()
+    if layerwise:
+        initialize = layerwise_function("initialize_layerwise_reload")
+        for module in backbone.lifecycle_runtime.roots:
+            initialize(module)
+
+
+def finish(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """vLLM's `finalize_layerwise_reload(model, model_config, ...)` for a model with lifecycle drafts: settle what a
+    partial payload left, vLLM's finalize, then each draft finishes its epoch (`finish_epoch`)."""
+    drafts = backbones_in(model)
+    model_config = args[0] if args else kwargs.get("model_config")
+    with entered(model, "finalize_layerwise_reload"):
+        if not hasattr(model_config, "dtype"):  # vLLM reads it only after processing every other layer
+            raise TypeError("finalize_layerwise_reload(model, model_config): model_config must be the draft's "
+                            f"ModelConfig, got {type(model_config).__name__}")
+        policies = {b: settings.check_partial(b.lifecycle_runtime.reload_partial, "partial") for b in drafts}
+        outcomes = settle_partial(model, policies.__getitem__)
+        with WORKER.flag("in_vllm_reload"):
+            result = original(model, *args, **kwargs)
+        errors = []
+        for backbone in drafts:
+            backbone.lifecycle_runtime.reload_partial = None
+            try:
+                finish_epoch(backbone, outcomes.get(backbone), policies[backbone])
+            except Exception as e:  # the draft is quarantined; the others still finish
+                errors.append(e)
+        if errors:
+            raise errors[0]
+    return result
+
+
+def finish_epoch(backbone: VLLMDraftBackbone, outcome: PartialOutcome | None = None,
+                 policy: PartialPolicy = "refuse") -> None:
+    """After vLLM's finalize: finish the draft's open epoch (every layer ready; with `keep`, tensors that received
+    nothing count as unchanged), run the reload hooks and refresh in place. Any failure quarantines the draft (its
+    last good derived buffers kept) and is raised. Nothing to do when no load of the draft is in progress."""
+    lc = backbone.lifecycle
+    if not lc.can("finalize_loading"):
+        return
+    try:
+        if outcome is not None and outcome.unfilled:
+            raise _partly_sent(backbone, outcome, policy)
+        # with `keep`, what this epoch did not write keeps its last values: tensors vLLM's reload got nothing for
+        # (it put their kept tensors back, bit for bit), and every one an epoch of direct writes did not write
+        untouched = set(outcome.untouched) if outcome is not None else set()
+        if outcome is None or not outcome.layerwise:
+            untouched.update(lc.specs)
+        kept = [n for n in untouched if not lc.readiness.is_loaded(n)] if policy == "keep" else []
+        if kept:
+            lc.weights_unchanged(kept)
+            shown, more = capped(sorted(kept), LIST_CAP)
+            lc.audit_event("partial_reload", policy=policy, kept=shown, kept_more=more,
+                           completed_with_last_values=sorted(outcome.filled) if outcome is not None else [])
+        backbone.finalize_loading()
+        backbone.refresh_derived_buffers()
+    except BaseException as e:  # an interrupt too: never left FINALIZED or mid-finish, where no reload begins
+        # fail closed: the draft keeps its last good derived buffers and refuses to run until a good reload
+        if lc.can("abort_reload"):
+            lc.abort_reload(f"{type(e).__name__}: {getattr(e, 'reason', e)}")
+            backbone.lifecycle_runtime.last_outcome = QUARANTINED
+        raise
+
+
+def _partly_sent(backbone: VLLMDraftBackbone, outcome: PartialOutcome, policy: PartialPolicy
+                 ) -> LayersNotReadyError:
+    """The refusal for tensors that received only part of their elements and could not be completed, each named
+    with why (recorded on the draft's lifecycle)."""
+    lc = backbone.lifecycle
+    missing: dict[str, list[str]] = {}
+    for name, why in outcome.unfilled.items():
+        missing.setdefault(lc.readiness.layer_of_name[name], []).append(f"{name} ({why})")
+    err = LayersNotReadyError(f"finalize_loading (partial={policy!r})", missing, backbone=lc.name,
+                              state=lc.state.value)
+    lc.record_refusal("finalize_loading", err)
+    return err
