@@ -150,6 +150,19 @@ def core_layers() -> str:
             f"declare it yet; once it does, `{COMMAND}` fills this block._")
 
 
+def vllm_layers() -> str:
+    """The vLLM layer's layers as `tests/test_layering.py` declares and enforces them (`VLLM_LAYERS`)."""
+    tree = ast.parse((ROOT / "tests" / "test_layering.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == "VLLM_LAYERS" and node.value is not None:
+            rows = [(i, f"**{name}**", holds, ", ".join(f"`{m}`" for m in modules))
+                    for i, (name, holds, modules) in enumerate(ast.literal_eval(node.value), 1)]
+            return md_table(["#", "layer (lowest first)", "what it holds", "packages and modules"], rows)
+    raise SystemExit("tests/test_layering.py declares no VLLM_LAYERS")
+
+
 def patch_points() -> str:
     from lifecycle.vllm.compat.records import READS
     from lifecycle.vllm.compat.registry import PATCHES
@@ -165,7 +178,8 @@ def patch_points() -> str:
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"state-diagram": state_diagram},
     "docs/architecture.md": {"transition-table": transition_table, "mermaid": architecture_diagram,
-                             "packages": packages, "core-layers": core_layers, "patch-points": patch_points},
+                             "packages": packages, "core-layers": core_layers, "vllm-layers": vllm_layers,
+                             "patch-points": patch_points},
 }
 
 

@@ -125,6 +125,13 @@ def test_a_stale_derived_buffer_reads_differs_from_cold_build_on_both_layouts(of
     assert "_fused_kv_weight" in offline["cpu"]["stale"]
 
 
+def test_a_finish_is_one_worker_round_trip_carrying_the_version(offline: dict[str, Any]) -> None:
+    # before: the version went first (`lifecycle_note_weight_version`), then the finish, then a pull of the state
+    calls = offline["cpu"]["corrected_calls"]
+    assert calls[calls.index("update_weights") + 1:] == ["finish_weight_update"], calls
+    assert "lifecycle_note_weight_version" not in calls and calls.count("finish_weight_update") == 1
+
+
 def test_every_push_audits_the_trainers_weight_version_in_its_epoch(offline: dict[str, Any]) -> None:
     events = offline["cpu"]["events"][0]
     versions = {e["epoch"]: e["weight_version"] for e in events if e["event"] == "weight_version"}

@@ -56,6 +56,24 @@ def _push(llm: Any, path: Path, version: str | None = None, *, draft: bool = Tru
     return steps
 
 
+def _worker_calls(llm: Any, fn: Any) -> list[str]:
+    """The worker RPCs (round trips from the front process to the workers) `fn` makes, by method name."""
+    core = llm.llm_engine.engine_core
+    calls: list[str] = []
+    original = core.collective_rpc
+
+    def counted(method: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(method if isinstance(method, str) else getattr(method, "__name__", "?"))
+        return original(method, *args, **kwargs)
+
+    core.collective_rpc = counted
+    try:
+        fn()
+    finally:
+        del core.collective_rpc  # the class's method again
+    return calls
+
+
 def _checksums(llm: Any) -> dict[str, str]:
     (rank0,) = llm.collective_rpc("compute_weight_checksums")
     return dict(rank0)
@@ -118,7 +136,8 @@ def _sessions(llm: Any, work: Path) -> dict[str, Any]:
     out["refused_state"] = _draft(llm)
     out["refused_checksums"] = _draft_entries(_checksums(llm))
     out["refused_generate"] = _try(lambda: _generate(llm))
-    out["corrected"] = _push(llm, work / "draftB", "B-1")
+    out["corrected_calls"] = _worker_calls(llm, lambda: out.__setitem__("corrected", _push(
+        llm, work / "draftB", "B-1")))
     out["corrected_state"] = _draft(llm)
     out["corrected_digests"] = llm.collective_rpc("lifecycle_derived_digests")
     out["corrected_checksums"] = _draft_entries(_checksums(llm))

@@ -72,7 +72,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(REGISTERS, "vllm.model_executor.models.registry", "_ModelRegistry.register_model",
           "each active family's architectures are served by the lifecycle-enabled class", "plugin.activation"),
     Patch(WRITES, _LAYERWISE, "model._do_torchao_reload",
-          "an unwound reload gives a torchao model its flag back, as vLLM's finalize does", "reload.epochs"),
+          "an unwound reload gives a torchao model its flag back, as vLLM's finalize does", "reload.unwind"),
     _reads(_TYPES, "LayerReloadingInfo.load_numel", "reload.hooks"),
     _reads(_TYPES, "LayerReloadingInfo.load_numel_total", "reload.hooks"),
     _reads(_TYPES, "LayerReloadingInfo.loaded_weights", "reload.shards", "what each layer received, per shard"),
