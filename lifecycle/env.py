@@ -81,7 +81,7 @@ def path(name: str) -> Path | None:
 
 
 #: Latin capitals that Cyrillic and Greek capitals look like (after NFKD and `str.upper`, which fold fullwidth forms,
-#: accents and lower case): `fold` reads `RELOAD_LIFECYCLE_PATH_RООT` with Cyrillic `О` as the setting it imitates.
+#: accents and lower case): `fold` reads a setting's name with a Cyrillic `О` for its `O` as the name it imitates.
 _LOOK_ALIKES = str.maketrans({
     **dict.fromkeys("АΑ", "A"), **dict.fromkeys("ВΒ", "B"), **dict.fromkeys("СϹ", "C"), "Ԁ": "D",
     **dict.fromkeys("ЕΕ", "E"), **dict.fromkeys("НΗҺ", "H"), **dict.fromkeys("ІΙӀ", "I"), **dict.fromkeys("ЈͿ", "J"),
@@ -152,8 +152,8 @@ def check_names(prefix: str, known: Sequence[str], environ: Mapping[str, str] | 
             f"U+{ord(c):04X} {unicodedata.name(c, 'unnamed')}" for c in dict.fromkeys(odd)) + ")"
     elif close and close == name.upper():
         hint += " (names are case-sensitive)"
-    elif close and not fold(name).startswith(head):
-        hint += f" (a name within {NEAR_MISS} edits of a setting is refused, not ignored)"
+    elif not fold(name).startswith(head):
+        hint += f" (a name within {NEAR_MISS} edits of a setting's or of {prefix} is refused, not ignored)"
     more = f"; and {len(unknown) - 1} more unknown {prefix}* name(s)" if len(unknown) > 1 else ""
     raise EnvSettingError(name[:_SHOWN], env[name], f"is not a reload-lifecycle setting: {hint}{more}")
 
@@ -164,8 +164,9 @@ def _looks_known(name: str, head: str, folded: Mapping[str, str]) -> bool:
 
 
 def _closest(name: str, head: str, folded: Mapping[str, str]) -> str | None:
-    """The known name closest to `name` (both folded): within `NEAR_MISS` edits, or, past a prefix, a rest within
-    half the length of the setting's own rest (`RELOAD_LIFECYCLE_AUDIT` for `..._AUDIT_DIR`); None when none is."""
+    """The known name closest to `name` (both folded): within `NEAR_MISS` edits; else, past the prefix, the one whose
+    rest is within half its length of `name`'s rest, or holds it or is held in it (4 letters at least:
+    `..._TAKEOVER_IDLE_S`, `..._PARTIAL_POLICY`), the fewest edits away; None when none is."""
     near = min(folded, key=lambda k: edit_distance(name, k, len(k)))
     if edit_distance(name, near, NEAR_MISS) <= NEAR_MISS:
         return folded[near]
@@ -174,9 +175,12 @@ def _closest(name: str, head: str, folded: Mapping[str, str]) -> str | None:
     if edit_distance(head, name[:cut], NEAR_MISS) > NEAR_MISS:
         return None
     rest = name[cut:]
-    rests = {k: k[len(head):] if k.startswith(head) else k for k in folded}
-    best = min(rests, key=lambda k: edit_distance(rest, rests[k], len(k)))
-    return folded[best] if edit_distance(rest, rests[best], len(best)) <= len(rests[best]) // 2 else None
+    scored = []
+    for known, own in ((k, k[len(head):] if k.startswith(head) else k) for k in folded):
+        edits = edit_distance(rest, own, len(rest) + len(own))
+        if edits <= len(own) // 2 or (min(len(rest), len(own)) >= 4 and (own in rest or rest in own)):
+            scored.append((edits, known))
+    return folded[min(scored)[1]] if scored else None
 
 
 def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
