@@ -146,10 +146,10 @@ def check_names(prefix: str, known: Sequence[str], environ: Mapping[str, str] | 
     name = unknown[0]
     close = _closest(fold(name), head, folded)
     hint = f"did you mean {close}?" if close else f"the settings are {', '.join(known)}"
-    odd = [c for c in name if not (c.isascii() and c.isprintable())]
-    if odd:
-        hint += " (it holds characters that only look like its letters: " + ", ".join(
-            f"U+{ord(c):04X} {unicodedata.name(c, 'unnamed')}" for c in dict.fromkeys(odd)) + ")"
+    odd = list(dict.fromkeys(c for c in name if not (c.isascii() and c.isprintable())))
+    if odd:  # a look-alike letter is invisible in the message: name it
+        hint += " (it holds non-ASCII characters: " + ", ".join(
+            f"U+{ord(c):04X} {unicodedata.name(c, 'unnamed')}" for c in odd[:4]) + (", ..." if odd[4:] else "") + ")"
     elif close and close == name.upper():
         hint += " (names are case-sensitive)"
     elif not fold(name).startswith(head):
