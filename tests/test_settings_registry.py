@@ -9,8 +9,11 @@ front process built its view, and the docs listed 4 of the 9 settings.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +22,15 @@ import pytest
 from lifecycle.env import EnvSettingError
 from lifecycle.vllm import settings
 from lifecycle.vllm.plugin import activation as plugin
+from support.needs import needs
 
 ROOT = Path(__file__).resolve().parent.parent
 
 #: A valid value of every setting, none its default, and what it reads as (`{tmp}`: the test's folder).
 VALID: dict[str, tuple[str, Any]] = {
     settings.PARTIAL_ENV: (" Keep ", "keep"),
-    settings.PATH_ROOT_ENV: ("{tmp}", "{tmp}"),
-    settings.AUDIT_DIR_ENV: ("{tmp}/audit", "{tmp}/audit"),
+    settings.PATH_ROOT_ENV: ("{tmp}", "the test's folder"),
+    settings.AUDIT_DIR_ENV: ("{tmp}/audit", "its audit folder"),
     settings.AUDIT_CONSOLE_ENV: ("on", True),
     settings.ACCEPTANCE_FLOOR_ENV: ("0.1", 0.1),
     settings.ACCEPTANCE_HEALTHY_ENV: ("0.4", 0.4),
@@ -50,8 +54,8 @@ INVALID: dict[str, tuple[str, str]] = {
 
 @pytest.fixture
 def inactive(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`plugin.activate()` runs as in a fresh vLLM process, no setting set; what it sets in the environment is undone
-    afterwards (the audit routing by conftest's `audit_quiet`)."""
+    """`plugin.activate()` runs as in a fresh vLLM process, no setting set (the tests using it expect it to stop
+    before it changes anything: a full activation runs in a process of its own, `activate_in_a_fresh_process`)."""
     monkeypatch.setattr(plugin, "_active", False)
     for name in settings.KNOWN_ENV:
         monkeypatch.delenv(name, raising=False)
@@ -78,33 +82,51 @@ def test_an_unset_or_blank_setting_reads_as_its_registered_default(monkeypatch: 
     assert settings.acceptance_thresholds() == settings.AcceptanceThresholds()
 
 
-def test_the_plugin_activates_with_every_setting_set_and_reads_each(inactive: None, tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, (raw, _) in VALID.items():
-        monkeypatch.setenv(name, raw.format(tmp=tmp_path))
+#: What vLLM does at the start of each of its processes (the `vllm.general_plugins` entry point), then what each
+#: setting reads there.
+ACTIVATE = """
+import json
+import lifecycle.vllm
+from lifecycle.vllm import settings
+from lifecycle.vllm.plugin import activation
+lifecycle.vllm.register()
+read = {s.name: s.read() for s in settings.SETTINGS}
+print("ACTIVATED " + json.dumps({"active": activation._active, "read": read}, default=str))
+"""
+
+
+@needs("vllm", "slow")
+def activate_in_a_fresh_process(settings_env: dict[str, str]) -> dict[str, Any]:
+    """The plugin started in a process of its own, as `vllm serve` starts it (it imports and patches vLLM there,
+    never in the test process), with `settings_env` as its only settings; what it read, or the error it stopped on."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(settings.ENV_PREFIX)}
+    proc = subprocess.run([sys.executable, "-c", ACTIVATE], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**base, **settings_env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
+    for line in proc.stdout.splitlines():
+        if line.startswith("ACTIVATED "):
+            result: dict[str, Any] = json.loads(line.removeprefix("ACTIVATED "))
+            return result
+    raise AssertionError(f"the plugin did not activate (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def test_the_plugin_activates_with_every_setting_set_and_reads_each(tmp_path: Path) -> None:
     (tmp_path / "audit").mkdir()
-    plugin.activate()
-    assert plugin._active is True
-    for s in settings.SETTINGS:
-        wanted = VALID[s.name][1]
-        if isinstance(wanted, str) and "{tmp}" in wanted:
-            wanted = Path(wanted.format(tmp=tmp_path))
-            wanted = wanted.resolve() if s is settings.PATH_ROOT else wanted  # the root resolved, links followed
-        assert s.read() == wanted, s.name
-    assert settings.takeover_idle_s() == 5.0
-    assert settings.acceptance_thresholds() == settings.AcceptanceThresholds(0.1, 0.4, 40, 0)
-    assert [p.name for p in (tmp_path / "audit").iterdir()] == [plugin.audit_file_name()]  # the audit routed there
+    result = activate_in_a_fresh_process({name: raw.format(tmp=tmp_path) for name, (raw, _) in VALID.items()})
+    assert result["active"] is True
+    wanted = {name: read for name, (_, read) in VALID.items()}
+    wanted[settings.PATH_ROOT_ENV] = str(tmp_path.resolve())  # the root resolved, links followed
+    wanted[settings.AUDIT_DIR_ENV] = str(tmp_path / "audit")
+    assert result["read"] == wanted
+    assert len(list((tmp_path / "audit").glob("audit-*.jsonl"))) == 1  # that process routed its audit there
 
 
-def test_the_takeover_idle_setting_set_before_activation_activates(inactive: None,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_takeover_idle_setting_set_before_activation_activates() -> None:
     """The regression: `RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S=5 vllm serve ...` stopped at start."""
-    monkeypatch.setenv(settings.TAKEOVER_IDLE_ENV, "5")
-    plugin.activate()
-    assert plugin._active is True
+    result = activate_in_a_fresh_process({settings.TAKEOVER_IDLE_ENV: "5"})
+    assert result["active"] is True and result["read"][settings.TAKEOVER_IDLE_ENV] == 5.0
     from lifecycle.vllm.online import sessions
 
-    assert sessions.takeover_idle_s() == 5.0 and sessions.TAKEOVER_IDLE_ENV == settings.TAKEOVER_IDLE_ENV
+    assert sessions.TAKEOVER_IDLE_ENV == settings.TAKEOVER_IDLE_ENV  # the session wrappers read the same record
 
 
 @pytest.mark.parametrize("name", list(INVALID))
