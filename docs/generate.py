@@ -5,12 +5,13 @@
 
 Generated pages (whole files): docs/api.md (from `lifecycle.__all__`), docs/performance.md (from
 benchmarks/results/*.json). Generated blocks (between `<!-- generated:NAME:begin -->` and
-`<!-- generated:NAME:end -->`) in README.md (the state diagram) and docs/architecture.md (the transition table,
-the diagram, the package list, the core's layers, the vLLM patch points). Prose outside the blocks is written by
-hand; the blocks and pages are not: edit the code or re-run the benchmarks, then run this.
+`<!-- generated:NAME:end -->`) in README.md (the state diagram), docs/architecture.md (the transition table,
+the diagram, the package list, the core's layers, the vLLM patch points), docs/vllm.md and docs/operating.md (the
+settings, from `lifecycle.vllm.settings.SETTINGS`). Prose outside the blocks is written by hand; the blocks and
+pages are not: edit the code or re-run the benchmarks, then run this.
 
-Only docs/api.md and the patch points import the package's modules (and so torch); the rest reads source files,
-JSON and the transition table.
+Only docs/api.md, the patch points and the settings import the package's modules (docs/api.md and the patch points
+torch too); the rest reads source files, JSON and the transition table.
 """
 
 from __future__ import annotations
@@ -175,11 +176,28 @@ def patch_points() -> str:
         "(records of kind `reads` in `lifecycle/vllm/compat/registry.py`); the capability check requires all of them.")
 
 
+def settings_table() -> str:
+    """Every setting of the vLLM plugin, one row per record of its registry (`lifecycle.vllm.settings.SETTINGS`)."""
+    from lifecycle.vllm.settings import SETTINGS
+
+    def shown(value: object) -> str:
+        if value is None:
+            return "unset"
+        if isinstance(value, bool):
+            return "off" if not value else "on"
+        return f"`{value:g}`" if isinstance(value, float) else f"`{value}`"
+
+    return md_table(["variable", "accepts", "default", "scope", "read in", "what it does"],
+                    [(f"`{s.name}`", s.accepts, shown(s.default), s.scope, s.read_in, s.doc) for s in SETTINGS])
+
+
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"state-diagram": state_diagram},
     "docs/architecture.md": {"transition-table": transition_table, "mermaid": architecture_diagram,
                              "packages": packages, "core-layers": core_layers, "vllm-layers": vllm_layers,
                              "patch-points": patch_points},
+    "docs/vllm.md": {"settings": settings_table},
+    "docs/operating.md": {"settings": settings_table},
 }
 
 

@@ -6,7 +6,9 @@ Issue 26 items 3 and 4; the offline engine's are tests/test_vllm_canary.py.
 One server for the module, on the controlled pair of the offline test (support/vllm_canary_scenarios.py): target Z
 (emits token 0 for every input) with draft Z (proposes token 0: always accepted); draft B's proposals are rejected.
 Requests one after the other, 12 tokens each: a good period verifies 36 draft tokens, a bad one 132. The canary's
-`min_tokens` is 30 here (the default, 500, is for real traffic). The tests run in order and share the server.
+`min_tokens` is 30 here (the default, 500, is for real traffic). The tests run in order and share the server, started
+with `RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S=5` (issue 31: that setting stopped `vllm serve` at start); the last
+test checks it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from lifecycle.vllm.settings import TAKEOVER_IDLE_ENV
 from support.entry_points import dist_info
 from support.rl_client import RLClient
 from support.vllm_canary_scenarios import controlled_pair
 from support.vllm_server import ROOT, VllmServer
 
 GOOD, BAD = 36, 132  # draft tokens verified by one round of 4 requests x 12 tokens
+TAKEOVER_IDLE_S = 5
 ENGINE = {"engine": "0"}
 DRAFT = {"backbone": "dflash-draft"}
 
@@ -38,7 +42,10 @@ def served(vllm_workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         os.pathsep))])
     server = VllmServer(target_z, draft_z, tmp_path_factory.mktemp("serve_metrics"), env={
         "PYTHONPATH": path, "RELOAD_LIFECYCLE_ACCEPTANCE_MIN_TOKENS": "30",
-        "RELOAD_LIFECYCLE_ACCEPTANCE_EVERY_STEPS": "0"})
+        "RELOAD_LIFECYCLE_ACCEPTANCE_EVERY_STEPS": "0",
+        # set before `vllm serve` (it stopped the server at start); no test here starts while a session is open
+        # but the last one, which checks it
+        TAKEOVER_IDLE_ENV: str(TAKEOVER_IDLE_S)})
     server.start()
     client = RLClient(server.url, server.model)
     try:
@@ -166,3 +173,25 @@ def test_online_a_refused_push_is_counted_by_class_and_the_steps_without_the_dra
     assert value(got, "reload_lifecycle_draft_quarantined", **DRAFT) == 0
     assert value(got, "reload_lifecycle_draft_epoch", **DRAFT) == 5
     assert (value(got, "reload_lifecycle_written_bytes_total", **DRAFT) or 0) > 0
+
+
+def test_online_the_takeover_idle_setting_given_before_serve_keeps_an_open_session_that_long(
+        served: dict[str, Any]) -> None:
+    """`RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S=5` was in the server's environment from its start (before issue 31
+    the plugin refused the name and `vllm serve` exited): a start while a draft session had a call less than 5 s
+    ago answers 409 naming it and changes nothing; after 5 s without a call the next push takes the session over."""
+    c: RLClient = served["client"]
+    server: VllmServer = served["server"]
+    assert c.start_draft().status == 200  # then the trainer goes quiet
+    opened = time.monotonic()
+    refused = c.start_draft()
+    assert refused.status == 409, refused
+    assert (f"{TAKEOVER_IDLE_ENV}={TAKEOVER_IDLE_S} takes an open session over only after {TAKEOVER_IDLE_S} s "
+            "without a call") in refused.message and "Nothing was changed" in refused.message, refused.message
+    time.sleep(max(0.0, TAKEOVER_IDLE_S + 0.5 - (time.monotonic() - opened)))
+    assert push(served, "draftZ", "v6") == [200] * 5  # the quiet session is taken over
+    ended = [e for e in server.audit_events() if e["event"] == "weight_update_session_ended"]
+    assert [e["outcome"] for e in ended][-2:] == ["abandoned", "finished"], ended[-2:]
+    assert ended[-2]["reason"].startswith("abandoned: start_draft_weight_update began before finish_weight_update")
+    assert ended[-2]["chunks"] == 0 and ended[-2]["idle_s"] >= TAKEOVER_IDLE_S
+    assert value(settled(c, "reload_lifecycle_draft_usable", 1, **DRAFT), "reload_lifecycle_draft_usable", **DRAFT) == 1

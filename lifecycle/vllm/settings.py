@@ -1,14 +1,13 @@
-"""Engine-wide settings of the vLLM plugin, read from the environment of each vLLM process, in one place.
+"""Every setting of the vLLM plugin, one record each (`SETTINGS`), read from the environment of each vLLM process.
 
-- `RELOAD_LIFECYCLE_PARTIAL`: `refuse` (default) or `keep`, what a draft reload that did not send every
-  tensor does (`partial_policy`);
-- `RELOAD_LIFECYCLE_PATH_ROOT`: an absolute folder; RPC and transfer-engine paths must lie inside it
-  (`allowed_root`). Unset: any path the worker process can read;
-- `RELOAD_LIFECYCLE_AUDIT_DIR`, `RELOAD_LIFECYCLE_AUDIT_CONSOLE`: where audit events go (`plugin`);
-- `RELOAD_LIFECYCLE_ACCEPTANCE_*`: the acceptance canary's thresholds (`acceptance_thresholds`, below).
+A record (`Setting`) holds the variable's name, its parser, its default, what it accepts, one line of doc, its scope
+(`engine-wide`, or `per-call default`: what a call that does not say uses) and the process that reads it. From the
+records come `KNOWN_ENV`, the plugin's check at activation (`check_all`: every name, every value) and the settings
+table of docs/vllm.md and docs/operating.md (`python docs/generate.py`); the functions below read them.
 
-Any other variable named like these (`RELOAD_LIFECYCLE_PATH_ROT`, `reload_lifecycle_path_root`) is an error
-naming it and the closest known name (`check_names`): a misspelled root must not fail open.
+A name that looks like a setting's and is none (`RELOAD_LIFECYLE_PATH_ROOT`, `reload_lifecycle_path_root`,
+`RELAOD_LIFECYCLE_PATH_ROOT`, a Cyrillic `О` in it) is an error naming it and the setting it is closest to
+(`check_names`, `env.check_names`): a misspelled root must not fail open.
 
 All are parsed by `lifecycle.env`: a value that is not one of those is an error naming the variable and what it
 accepts (the plugin reads every setting when it activates, so a bad one stops the engine at start), never a silent
@@ -28,77 +27,126 @@ lifecycle.env.EnvSettingError: RELOAD_LIFECYCLE_PARTIAL='maybe' is not one of: r
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from .. import env
 from ..env import EnvSettingError, choice
 
 __all__ = ["ACCEPTANCE_EVERY_STEPS_ENV", "ACCEPTANCE_FLOOR_ENV", "ACCEPTANCE_HEALTHY_ENV", "ACCEPTANCE_MIN_TOKENS_ENV",
            "AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "ENV_PREFIX", "KNOWN_ENV", "PARTIAL_ENV", "PARTIAL_POLICIES",
-           "PATH_ROOT_ENV", "AcceptanceThresholds", "PartialPolicy", "acceptance_thresholds", "allowed_root",
-           "check_names", "check_partial", "partial_policy"]
+           "PATH_ROOT_ENV", "SETTINGS", "TAKEOVER_IDLE_ENV", "AcceptanceThresholds", "PartialPolicy", "Setting",
+           "acceptance_thresholds", "allowed_root", "audit_console", "audit_dir", "check_all", "check_names",
+           "check_partial", "partial_policy", "takeover_idle_s"]
 
 #: The prefix of every switch of this package.
 ENV_PREFIX = "RELOAD_LIFECYCLE_"
 PARTIAL_ENV = "RELOAD_LIFECYCLE_PARTIAL"
 PATH_ROOT_ENV = "RELOAD_LIFECYCLE_PATH_ROOT"
-#: A folder: each process writes its audit events to `audit-<host>-<pid>.jsonl` there (`plugin`).
 AUDIT_DIR_ENV = "RELOAD_LIFECYCLE_AUDIT_DIR"
-#: A switch (1/true/yes/on): also print readable events to stderr.
 AUDIT_CONSOLE_ENV = "RELOAD_LIFECYCLE_AUDIT_CONSOLE"
-
-
-def check_names() -> None:
-    """Refuse a variable named like a setting that is none (`env.check_names`), naming the closest one."""
-    env.check_names(ENV_PREFIX, KNOWN_ENV)
-
-
-PartialPolicy = Literal["refuse", "keep"]
-PARTIAL_POLICIES: tuple[PartialPolicy, ...] = ("refuse", "keep")
-
-
-def check_partial(value: object, what: str = "partial") -> PartialPolicy:
-    """A per-call `partial=` argument: None means the engine-wide setting."""
-    if value is None:
-        return partial_policy()
-    if value not in PARTIAL_POLICIES:
-        raise ValueError(f"{what}={value!r}: expected one of {', '.join(map(repr, PARTIAL_POLICIES))} or None "
-                         f"(the engine-wide {PARTIAL_ENV}, default 'refuse')")
-    return value
-
-
-def partial_policy() -> PartialPolicy:
-    """`refuse` (default): a draft reload that leaves a tensor unsent quarantines the draft. `keep`: tensors not
-    sent keep their last values, bit for bit, and only the layers that changed are refreshed."""
-    return cast(PartialPolicy, choice(PARTIAL_ENV, PARTIAL_POLICIES, "refuse"))
-
-
-def allowed_root() -> Path | None:
-    """The folder RPC paths must lie in (resolved, symlinks followed), or None: any path the worker can read."""
-    raw = os.environ.get(PATH_ROOT_ENV, "")
-    root = env.path(PATH_ROOT_ENV)  # stripped, ~ expanded; a relative one refused, naming the variable
-    if root is None:
-        return None
-    try:
-        is_dir = root.is_dir()
-    except OSError as e:  # a name too long, a loop of links: bounded, naming the variable
-        raise EnvSettingError(PATH_ROOT_ENV, raw, f"cannot be used as a folder: {e.strerror or e}") from None
-    if not is_dir:
-        raise EnvSettingError(PATH_ROOT_ENV, raw, "must be an absolute path to an existing folder")
-    return root.resolve()
-
-
-# ---- the acceptance canary (`canary.py`), read in the engine's front process ------------------------------------
 ACCEPTANCE_FLOOR_ENV = "RELOAD_LIFECYCLE_ACCEPTANCE_FLOOR"
 ACCEPTANCE_HEALTHY_ENV = "RELOAD_LIFECYCLE_ACCEPTANCE_HEALTHY"
 ACCEPTANCE_MIN_TOKENS_ENV = "RELOAD_LIFECYCLE_ACCEPTANCE_MIN_TOKENS"
 ACCEPTANCE_EVERY_STEPS_ENV = "RELOAD_LIFECYCLE_ACCEPTANCE_EVERY_STEPS"
-#: Every setting; any other `RELOAD_LIFECYCLE_*` name is refused (`check_names`).
-KNOWN_ENV = (PARTIAL_ENV, PATH_ROOT_ENV, AUDIT_DIR_ENV, AUDIT_CONSOLE_ENV, ACCEPTANCE_FLOOR_ENV, ACCEPTANCE_HEALTHY_ENV,
-             ACCEPTANCE_MIN_TOKENS_ENV, ACCEPTANCE_EVERY_STEPS_ENV)
+TAKEOVER_IDLE_ENV = "RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S"
+
+T = TypeVar("T")
+Scope = Literal["engine-wide", "per-call default"]
+#: Which vLLM process acts on it (the plugin checks every setting in every process it activates in).
+Reader = Literal["every process", "workers", "front process"]
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One environment setting: `parse(name, default)` reads it from `os.environ` (unset or blank: `default`) and
+    raises `EnvSettingError` naming the variable for a value it does not accept."""
+
+    name: str
+    parse: Callable[[str, T], T]
+    default: T
+    accepts: str  # what values it takes, as the docs' table says it
+    doc: str  # one line
+    scope: Scope
+    read_in: Reader
+
+    def read(self) -> T:
+        return self.parse(self.name, self.default)
+
+
+# ---- parsers: (name, default) -> value ---------------------------------------------------------------------------
+PartialPolicy = Literal["refuse", "keep"]
+PARTIAL_POLICIES: tuple[PartialPolicy, ...] = ("refuse", "keep")
+
+
+def _partial(name: str, default: PartialPolicy) -> PartialPolicy:
+    return cast(PartialPolicy, choice(name, PARTIAL_POLICIES, default))
+
+
+def _folder(name: str, default: Path | None) -> Path | None:
+    return env.path(name) or default
+
+
+def _existing_folder(name: str, default: Path | None) -> Path | None:
+    """A folder that exists (resolved, symlinks followed)."""
+    raw = os.environ.get(name, "")
+    root = env.path(name)  # stripped, ~ expanded; a relative one refused, naming the variable
+    if root is None:
+        return default
+    try:
+        is_dir = root.is_dir()
+    except OSError as e:  # a name too long, a loop of links: bounded, naming the variable
+        raise EnvSettingError(name, raw, f"cannot be used as a folder: {e.strerror or e}") from None
+    if not is_dir:
+        raise EnvSettingError(name, raw, "must be an absolute path to an existing folder")
+    return root.resolve()
+
+
+def _real(low: float, high: float) -> Callable[[str, float], float]:
+    def parse(name: str, default: float) -> float:
+        raw = os.environ.get(name, "")
+        if not raw.strip():
+            return default
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            raise EnvSettingError(name, raw, "is not a number") from None
+        if not low <= value <= high:  # NaN included
+            raise EnvSettingError(name, raw, f"must be from {low} to {high}")
+        return value
+    return parse
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise EnvSettingError(name, raw, "is not a number of seconds >= 0")
+    return value
+
+
+def _integer(low: int) -> Callable[[str, int], int]:
+    def parse(name: str, default: int) -> int:
+        raw = os.environ.get(name, "")
+        if not raw.strip():
+            return default
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise EnvSettingError(name, raw, "is not an integer") from None
+        if value < low:
+            raise EnvSettingError(name, raw, f"must be >= {low}")
+        return value
+    return parse
 
 
 @dataclass(frozen=True)
@@ -131,6 +179,103 @@ class AcceptanceThresholds:
                              f"min_tokens={self.min_tokens} every_steps={self.every_steps}")
 
 
+_CANARY = AcceptanceThresholds()
+
+# ---- the registry ------------------------------------------------------------------------------------------------
+PARTIAL: Setting[PartialPolicy] = Setting(
+    PARTIAL_ENV, _partial, "refuse", accepts="`refuse` or `keep`", scope="per-call default", read_in="workers",
+    doc="what a draft reload that did not send every tensor does: `refuse` quarantines the draft, `keep` keeps the "
+        "unsent tensors' last values (per call: `partial=`)")
+PATH_ROOT: Setting[Path | None] = Setting(
+    PATH_ROOT_ENV, _existing_folder, None, accepts="an absolute path to an existing folder", scope="engine-wide",
+    read_in="workers", doc="RPC and transfer-engine paths must lie inside it, and every file they lead to (unset: "
+                           "any path the worker process can read)")
+AUDIT_DIR: Setting[Path | None] = Setting(
+    AUDIT_DIR_ENV, _folder, None, accepts="an absolute folder path", scope="engine-wide", read_in="every process",
+    doc="each process writes its audit events to `audit-<host>-<pid>.jsonl` there (unset: each lifecycle keeps "
+        "them in its memory ring)")
+AUDIT_CONSOLE: Setting[bool] = Setting(
+    AUDIT_CONSOLE_ENV, env.flag, False, accepts="1/true/yes/on or 0/false/no/off/empty", scope="engine-wide",
+    read_in="every process", doc="also print readable audit events to stderr")
+ACCEPTANCE_FLOOR: Setting[float] = Setting(
+    ACCEPTANCE_FLOOR_ENV, _real(0.0, 1.0), _CANARY.floor, accepts="a number from 0 to 1, below `_HEALTHY`",
+    scope="engine-wide", read_in="front process",
+    doc="the acceptance canary: an accepted share at or below it after a push is a collapse")
+ACCEPTANCE_HEALTHY: Setting[float] = Setting(
+    ACCEPTANCE_HEALTHY_ENV, _real(0.0, 1.0), _CANARY.healthy, accepts="a number from 0 to 1", scope="engine-wide",
+    read_in="front process", doc="the acceptance canary: the period before the push must have been at or above it")
+ACCEPTANCE_MIN_TOKENS: Setting[int] = Setting(
+    ACCEPTANCE_MIN_TOKENS_ENV, _integer(1), _CANARY.min_tokens, accepts="an integer >= 1", scope="engine-wide",
+    read_in="front process",
+    doc="the acceptance canary: neither share counts before its period verified this many draft tokens")
+ACCEPTANCE_EVERY_STEPS: Setting[int] = Setting(
+    ACCEPTANCE_EVERY_STEPS_ENV, _integer(0), _CANARY.every_steps, accepts="an integer >= 0", scope="engine-wide",
+    read_in="front process",
+    doc="an `acceptance` audit event every that many engine steps with draft tokens (0: only at pushes)")
+TAKEOVER_IDLE: Setting[float] = Setting(
+    TAKEOVER_IDLE_ENV, _seconds, 0.0, accepts="seconds, a finite number >= 0", scope="engine-wide", read_in="workers",
+    doc="a start while a draft weight-update session is open ends it and proceeds, unless that session had a call "
+        "less than this many seconds ago: then the start is refused (409)")
+
+#: Every setting, in the docs' order; any other name like theirs is refused (`check_names`).
+SETTINGS: tuple[Setting[Any], ...] = (PARTIAL, PATH_ROOT, AUDIT_DIR, AUDIT_CONSOLE, ACCEPTANCE_FLOOR,
+                                      ACCEPTANCE_HEALTHY, ACCEPTANCE_MIN_TOKENS, ACCEPTANCE_EVERY_STEPS, TAKEOVER_IDLE)
+KNOWN_ENV: tuple[str, ...] = tuple(s.name for s in SETTINGS)
+
+
+def check_names() -> None:
+    """Refuse a variable named like a setting that is none (`env.check_names`), naming the closest one."""
+    env.check_names(ENV_PREFIX, KNOWN_ENV)
+
+
+def check_all() -> None:
+    """What the plugin runs first when it activates, in every vLLM process: every variable's name (`check_names`),
+    every setting's value, and what holds between them (the canary's floor below its healthy share). The first
+    problem raises `EnvSettingError` naming the variable; nothing is changed."""
+    check_names()
+    for setting in SETTINGS:
+        setting.read()
+    acceptance_thresholds()
+
+
+# ---- what the rest of the plugin calls ---------------------------------------------------------------------------
+def check_partial(value: object, what: str = "partial") -> PartialPolicy:
+    """A per-call `partial=` argument: None means the engine-wide setting."""
+    if value is None:
+        return partial_policy()
+    if value not in PARTIAL_POLICIES:
+        raise ValueError(f"{what}={value!r}: expected one of {', '.join(map(repr, PARTIAL_POLICIES))} or None "
+                         f"(the engine-wide {PARTIAL_ENV}, default 'refuse')")
+    return value
+
+
+def partial_policy() -> PartialPolicy:
+    """`refuse` (default): a draft reload that leaves a tensor unsent quarantines the draft. `keep`: tensors not
+    sent keep their last values, bit for bit, and only the layers that changed are refreshed."""
+    return PARTIAL.read()
+
+
+def allowed_root() -> Path | None:
+    """The folder RPC paths must lie in (resolved, symlinks followed), or None: any path the worker can read."""
+    return PATH_ROOT.read()
+
+
+def audit_dir() -> Path | None:
+    """The folder each process writes its audit file to, or None: events stay in each lifecycle's memory ring."""
+    return AUDIT_DIR.read()
+
+
+def audit_console() -> bool:
+    """Whether readable audit events are also printed to stderr."""
+    return AUDIT_CONSOLE.read()
+
+
+def takeover_idle_s() -> float:
+    """`RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S`: seconds (>= 0; unset or blank: 0): an open draft session that had
+    a call more recently than this is not taken over by a new start (`online.sessions`)."""
+    return TAKEOVER_IDLE.read()
+
+
 def acceptance_thresholds() -> AcceptanceThresholds:
     """The canary's thresholds from `RELOAD_LIFECYCLE_ACCEPTANCE_{FLOOR,HEALTHY,MIN_TOKENS,EVERY_STEPS}` (unset or
     blank: the defaults of `AcceptanceThresholds`). A value that is not a number in range raises `EnvSettingError`
@@ -145,26 +290,8 @@ def acceptance_thresholds() -> AcceptanceThresholds:
     >>> del os.environ["RELOAD_LIFECYCLE_ACCEPTANCE_FLOOR"]; acceptance_thresholds().min_tokens
     500
     """
-    default = AcceptanceThresholds()
-    floor = _number(ACCEPTANCE_FLOOR_ENV, default.floor, float, 0.0, 1.0)
-    healthy = _number(ACCEPTANCE_HEALTHY_ENV, default.healthy, float, 0.0, 1.0)
+    floor, healthy = ACCEPTANCE_FLOOR.read(), ACCEPTANCE_HEALTHY.read()
     if floor >= healthy:
         raw = os.environ.get(ACCEPTANCE_FLOOR_ENV, str(floor))
         raise EnvSettingError(ACCEPTANCE_FLOOR_ENV, raw, f"must lie below {ACCEPTANCE_HEALTHY_ENV} ({healthy})")
-    return AcceptanceThresholds(floor, healthy, int(_number(ACCEPTANCE_MIN_TOKENS_ENV, default.min_tokens, int, 1)),
-                                int(_number(ACCEPTANCE_EVERY_STEPS_ENV, default.every_steps, int, 0)))
-
-
-def _number(name: str, default: float, kind: type[int] | type[float], low: float,
-            high: float | None = None) -> float:
-    raw = os.environ.get(name, "")
-    if not raw.strip():
-        return default
-    try:
-        value = kind(raw.strip())
-    except ValueError:
-        raise EnvSettingError(name, raw, f"is not {'an integer' if kind is int else 'a number'}") from None
-    if value != value or value < low or (high is not None and value > high):  # NaN included
-        bound = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise EnvSettingError(name, raw, f"must be {bound}")
-    return value
+    return AcceptanceThresholds(floor, healthy, ACCEPTANCE_MIN_TOKENS.read(), ACCEPTANCE_EVERY_STEPS.read())

@@ -31,26 +31,22 @@ The API server process answers them as HTTP errors naming them (`answers.py`).
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...env import EnvSettingError
 from ..compat.patching import write_private
 from ..drafts.owners import backbones_in, draft_model_of
 from ..drafts.runtime import WORKER
 from ..reload.epoch import QUARANTINED, describe, entered, fail
+from ..settings import TAKEOVER_IDLE_ENV, takeover_idle_s  # the setting's record: settings.TAKEOVER_IDLE
 
 __all__ = ["LIFECYCLE_KW", "REFUSED", "TAKEOVER_IDLE_ENV", "Session", "WeightUpdateRefused", "note_weight_version",
            "takeover_idle_s", "wrap_finish", "wrap_start", "wrap_update"]
 
 #: The start of every refusal message: the API server process finds it in vLLM's wrapped error.
 REFUSED = "reload-lifecycle refused"
-#: Seconds without a call after which an open draft session is taken over by a new start (default 0: always).
-TAKEOVER_IDLE_ENV = "RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S"
 _NEXT = "the next start_draft_weight_update or start_weight_update proceeds"
 _QUARANTINED = ("The session is closed: the engine serves the target's tokens without speculation until a complete "
                 f"draft push succeeds; {_NEXT}.")
@@ -79,20 +75,6 @@ class Session:
     def timing(self, now: float) -> dict[str, Any]:
         return {"chunks": self.chunks, "open_s": round(now - self.started, 3),
                 "idle_s": round(now - self.last_call, 3), "weight_version": self.weight_version}
-
-
-def takeover_idle_s() -> float:
-    """`RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S`: seconds (>= 0; unset or blank: 0)."""
-    raw = os.environ.get(TAKEOVER_IDLE_ENV, "")
-    if not raw.strip():
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise EnvSettingError(TAKEOVER_IDLE_ENV, raw, "is not a number of seconds >= 0")
-    return value
 
 
 # ---- worker side ---------------------------------------------------------------------------------------------

@@ -30,13 +30,8 @@ def activate() -> None:
     global _active
     if _active:
         return
-    settings.check_names()  # a misspelled switch stops the engine here, naming the closest known one
+    settings.check_all()  # a misspelled name or a bad value of any setting stops the engine here, naming it
     version = check_vllm()
-    settings.partial_policy()  # a bad engine-wide setting stops the engine here, naming the variable
-    settings.allowed_root()
-    from ..online.sessions import takeover_idle_s
-
-    takeover_idle_s()
     forward_switches_to_ray_workers()
     _configure_audit_from_env()
     from vllm import ModelRegistry
@@ -84,8 +79,8 @@ def _configure_audit_from_env() -> None:
     """Route the audit logger (only it: the host's structlog configuration is not touched) from the environment.
     A value the switches do not accept, or a folder where the audit file cannot be written, raises
     `env.EnvSettingError` naming the variable."""
-    folder = env.path(AUDIT_DIR_ENV)
-    console = env.flag(AUDIT_CONSOLE_ENV)
+    folder = settings.audit_dir()
+    console = settings.audit_console()
     path = folder / audit_file_name() if folder is not None else None
     try:
         configure_audit(json_path=path, console=console)  # neither: events stay in each lifecycle's memory ring
