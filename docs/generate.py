@@ -5,8 +5,9 @@
 
 Generated pages (whole files): docs/api.md (from `lifecycle.__all__`), docs/performance.md (from
 benchmarks/results/*.json). Generated blocks (between `<!-- generated:NAME:begin -->` and
-`<!-- generated:NAME:end -->`) in README.md (the state diagram) and docs/architecture.md (the transition table,
-the diagram, the package list, the core's layers, the vLLM patch points). Prose outside the blocks is written by
+`<!-- generated:NAME:end -->`) in README.md (the state diagram), docs/architecture.md (the transition table,
+the diagram, the package list, the core's layers, the vLLM patch points) and docs/audit.md (the violations and
+warnings the auditor names). Prose outside the blocks is written by
 hand; the blocks and pages are not: edit the code or re-run the benchmarks, then run this.
 
 Only docs/api.md and the patch points import the package's modules (and so torch); the rest reads source files,
@@ -157,8 +158,21 @@ def patch_points() -> str:
                     [(f"`{module}`", f"`{attr}`", f"`{make.__name__}`") for module, attr, make in PATCH_POINTS])
 
 
+def findings(kind: str) -> Callable[[], str]:
+    """The violations or warnings the auditor names, with their meaning, from `lifecycle.audit.rules` (what
+    `reload-lifecycle audit --help` lists too)."""
+    def table() -> str:
+        from lifecycle.audit.rules import VIOLATION_KINDS, WARNING_KINDS
+
+        kinds = VIOLATION_KINDS if kind == "violation" else WARNING_KINDS
+        return md_table([kind, "what it means"], [(f"`{name}`", meaning) for name, meaning in kinds.items()])
+
+    return table
+
+
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"state-diagram": state_diagram},
+    "docs/audit.md": {"violations": findings("violation"), "warnings": findings("warning")},
     "docs/architecture.md": {"transition-table": transition_table, "mermaid": architecture_diagram,
                              "packages": packages, "core-layers": core_layers, "patch-points": patch_points},
 }
