@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import __version__
 from .audit.coverage import NO_EVENTS
 from .audit.diagram import FORMATS
 from .audit.replay import MAX_STREAMS, AuditResult
@@ -207,6 +206,7 @@ class _Version(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
+        from . import __version__  # here: the offline commands run with a bare `lifecycle` namespace too
         from .bundled import name_clashes
         from .cli_demo import note_shadowed_models
 
