@@ -91,7 +91,7 @@ test-quick: $(VLLM_STAMP) $(PROMTOOL)
 	$(BIN)/python -m pytest -m "not engine and not browser" $(PYTEST_ARGS)
 
 # The core suite where vLLM is not installed at all (.venv-core: torch and the dev tools only): the core is a
-# PyTorch library of its own. About 2.5 minutes on two cores; CI runs it.
+# PyTorch library of its own. About 4 minutes on two cores (and one to make .venv-core, once); CI runs it.
 test-core: $(CORE_STAMP) $(PROMTOOL)
 	$(CORE_VENV)/bin/python -m pytest -m "not vllm and not engine and not browser" $(PYTEST_ARGS)
 

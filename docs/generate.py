@@ -5,9 +5,11 @@
 
 Generated pages (whole files): docs/api.md (from `lifecycle.__all__`), docs/performance.md (from
 benchmarks/results/*.json). Generated blocks (between `<!-- generated:NAME:begin -->` and
-`<!-- generated:NAME:end -->`) in README.md (the state diagram), docs/architecture.md (the transition table,
-the diagram, the package list, the core's layers, the vLLM patch points) and docs/audit.md (the violations and
-warnings the auditor names). Prose outside the blocks is written by
+`<!-- generated:NAME:end -->`) in README.md (the state diagram), CHANGELOG.md (the releases' compare links),
+docs/architecture.md (the transition table, the diagram, the package list, the core's layers, the vLLM patch
+points), docs/audit.md (the violations and warnings the auditor names) and docs/operating.md (every metric).
+Generated files without a notice: README.pypi.md (the README as a package index shows it) and the Grafana dashboard
+in lifecycle/monitoring/. Prose outside the blocks is written by
 hand; the blocks and pages are not: edit the code or re-run the benchmarks, then run this.
 
 Only docs/api.md and the patch points import the package's modules (and so torch); the rest reads source files,
@@ -346,10 +348,33 @@ def dashboard() -> str:
     return json.dumps(board, indent=2) + "\n"
 
 
+def metrics_table() -> str:
+    """Every `reload_lifecycle_*` metric as `vllm serve` exposes it: read from the plugin's `ReloadMetrics` (its
+    source: building the metrics would register them in this process)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("lifecycle.vllm.metrics")
+    assert spec is not None and spec.origin is not None
+    suffix = {"Counter": "_total", "Gauge": "", "Histogram": "_bucket / _sum / _count"}
+    rows = []
+    for node in ast.walk(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in suffix:
+            name, doc, labels = node.args[:3]
+            assert isinstance(name, ast.BinOp) and isinstance(name.right, ast.Constant)
+            assert isinstance(doc, ast.Constant) and isinstance(labels, ast.List)
+            exposed = f"reload_lifecycle_{name.right.value}" + (suffix[node.func.id] if node.func.id == "Counter"
+                                                                  else "")
+            rows.append((f"`{exposed}`", node.func.id.lower() + (f" ({suffix['Histogram']})" if node.func.id ==
+                                                                 "Histogram" else ""),
+                         ", ".join(f"`{ast.literal_eval(e)}`" for e in labels.elts), doc.value))
+    return md_table(["metric", "type", "labels", "what it is"], rows)
+
+
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"state-diagram": state_diagram},
     "CHANGELOG.md": {"release-links": release_links},
     "docs/audit.md": {"violations": findings("violation"), "warnings": findings("warning")},
+    "docs/operating.md": {"metrics": metrics_table},
     "docs/architecture.md": {"transition-table": transition_table, "mermaid": architecture_diagram,
                              "packages": packages, "core-layers": core_layers, "patch-points": patch_points},
 }

@@ -147,7 +147,7 @@ def _nothing_audited(result: AuditResult) -> str:
     """The one line of an audit that saw no event: the input's first problem, and what to give instead."""
     problems = result.input_problems
     first = next((p for p in problems if p.message != NO_EVENTS), problems[0] if problems else None)
-    said = f"{printable(clip(first.where, 200))}: {first.message}" if first else NO_EVENTS
+    said = printable(f"{clip(first.where, 200)}: {clip(first.message, 400)}") if first else NO_EVENTS
     more = result.input_problem_count - 1 - (first is not None and first.message != NO_EVENTS)
     return (f"nothing to audit: {said}" + (f" (and {more} more problem(s); --json lists them)" if more > 0 else "")
             + "; give the JSON-lines logs that configure_audit(json_path=...) or RELOAD_LIFECYCLE_AUDIT_DIR wrote")
