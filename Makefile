@@ -57,12 +57,12 @@ demo: $(STAMP)
 demo-vllm: $(VLLM_STAMP)
 	$(BIN)/reload-lifecycle demo --engine vllm
 
-# Debian packages some tests run: $(call apt-package,PACKAGE,what needs it). As root (CI is) it is installed here;
-# without root make stops with one line saying how to install it, rather than a test failing minutes later.
+# Debian packages some tests run: $(call apt-package,PACKAGE,what needs it[,apt-get options]). As root (CI is) it is
+# installed here; without root make stops with one line saying how, rather than a test failing minutes later.
 define apt-package
 	@if [ "$$(id -u)" = 0 ]; then \
 	  echo "make: installing Debian's $(1) ($(2))"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(1) >/dev/null; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(3) $(1) >/dev/null; \
 	else \
 	  echo "make: $@ is missing ($(2)) and installing it needs root: run \`sudo apt-get install $(1)\`, then make again" >&2; \
 	  exit 2; \
@@ -77,7 +77,7 @@ $(CHROMIUM):
 # The alert rules' tests run promtool (Debian's `prometheus` package has it; it does not start a server).
 PROMTOOL ?= /usr/bin/promtool
 $(PROMTOOL):
-	$(call apt-package,prometheus,the alert rules are checked and unit-tested with its promtool)
+	$(call apt-package,prometheus,the alert rules are checked and unit-tested with its promtool,--no-install-recommends)
 
 # The whole suite (what CI runs). Markers (tests/conftest.py adds them by what each test uses): engine, vllm,
 # browser, slow; `compat` and `ray` tests run only in their own targets below.
