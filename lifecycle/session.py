@@ -1,12 +1,12 @@
 """Transactional reloads: BEGIN -> APPLY -> FINALIZE -> VERIFY -> COMMIT, or ABORT (the phases of vLLM RFC #48312).
 
 >>> import tempfile, torch
->>> from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+>>> from lifecycle.bundled import qwen3_dflash as q
 >>> from lifecycle.events import configure_audit; _ = configure_audit(console=False)
 >>> from lifecycle.loading import load_safetensors, write_checkpoint
->>> cfg = DFlashConfig(num_hidden_layers=2)
->>> a = write_checkpoint(random_weights(cfg, seed=0), tempfile.mkdtemp() + "/a.safetensors")
->>> draft = DFlashQwen3Draft(cfg); _ = load_safetensors(draft, a); _ = draft.finalize_loading()
+>>> cfg = q.DFlashConfig(num_hidden_layers=2)
+>>> a = write_checkpoint(q.random_weights(cfg, seed=0), tempfile.mkdtemp() + "/a.safetensors")
+>>> draft = q.DFlashQwen3Draft(cfg); _ = load_safetensors(draft, a); _ = draft.finalize_loading()
 >>> _ = draft.refresh_derived_buffers(); fused = draft._fused_kv_weight.clone()
 >>> with draft.reload_session(rollback=True) as s:
 ...     _ = s.apply({"layers.1.self_attn.qkv_proj.weight": torch.zeros(128, 64)})

@@ -107,13 +107,13 @@ def cold_load(backbone: BackboneT | Callable[[], BackboneT], checkpoint: Checkpo
     >>> import tempfile
     >>> from lifecycle import write_checkpoint
     >>> from lifecycle.events import configure_audit; _ = configure_audit(console=False)
-    >>> from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
-    >>> cfg = DFlashConfig(num_hidden_layers=2)
-    >>> a = write_checkpoint(random_weights(cfg, seed=0), tempfile.mkdtemp() + "/a.safetensors")
-    >>> draft = cold_load(DFlashQwen3Draft(cfg, device="meta"), a)
+    >>> from lifecycle.bundled import qwen3_dflash as q
+    >>> cfg = q.DFlashConfig(num_hidden_layers=2)
+    >>> a = write_checkpoint(q.random_weights(cfg, seed=0), tempfile.mkdtemp() + "/a.safetensors")
+    >>> draft = cold_load(q.DFlashQwen3Draft(cfg, device="meta"), a)
     >>> draft.lifecycle.state.value, draft.lifecycle.epoch
     ('DERIVED_REFRESHED', 0)
-    >>> cold_load(lambda: DFlashQwen3Draft(cfg), a, capture_graphs=True).lifecycle.state.value
+    >>> cold_load(lambda: q.DFlashQwen3Draft(cfg), a, capture_graphs=True).lifecycle.state.value
     'GRAPH_CAPTURED'
     """
     from .backbone import DraftBackbone
@@ -143,11 +143,11 @@ def reload(backbone: DraftBackbone, checkpoint: Checkpoint, *, subset: Subset = 
     >>> import tempfile
     >>> from lifecycle import write_checkpoint
     >>> from lifecycle.events import configure_audit; _ = configure_audit(console=False)
-    >>> from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
-    >>> cfg, folder = DFlashConfig(num_hidden_layers=2), tempfile.mkdtemp()
-    >>> a = write_checkpoint(random_weights(cfg, seed=0), folder + "/a.safetensors")
-    >>> b = write_checkpoint(random_weights(cfg, seed=1), folder + "/b.safetensors")
-    >>> draft = cold_load(DFlashQwen3Draft(cfg), a, capture_graphs=True)
+    >>> from lifecycle.bundled import qwen3_dflash as q
+    >>> cfg, folder = q.DFlashConfig(num_hidden_layers=2), tempfile.mkdtemp()
+    >>> a = write_checkpoint(q.random_weights(cfg, seed=0), folder + "/a.safetensors")
+    >>> b = write_checkpoint(q.random_weights(cfg, seed=1), folder + "/b.safetensors")
+    >>> draft = cold_load(q.DFlashQwen3Draft(cfg), a, capture_graphs=True)
     >>> reload(draft, b, bucket_by=3, shuffle=True)
     []
     >>> draft.lifecycle.state.value, draft.lifecycle.epoch  # refreshed in place under the captured graphs

@@ -12,6 +12,7 @@ engine started by a test not marked `engine`, here or in a scenario process, rai
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from lifecycle.events import configure_audit
 from lifecycle.loading import write_checkpoint
 from lifecycle.testing import cold_load
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
-from support.marking import markers_for
+from support.marking import imports_vllm_at_import, markers_for
 from support.needs import running_test
 from support.scenarios import debug_level, mixed_backbones, multi_rank
 from support.vllm_basic_scenarios import run_scenario
@@ -34,6 +35,35 @@ torch.set_num_threads(1)
 
 #: markers whose tests run only where -m names them (`make compat`, `make test-ray`)
 OPT_IN = ("compat", "ray")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class WithoutVLLM:
+    """Where vLLM is not installed (the core alone: `make test-core`), the package's modules that import vLLM when
+    imported are not collected for their doctests (they cannot be imported; every test of them is a `vllm` one),
+    and the summary names them. A plugin, not this conftest's own hook: the hook of a conftest in tests/ is not
+    asked about lifecycle/."""
+
+    def __init__(self) -> None:
+        self.left: list[str] = []
+
+    def pytest_ignore_collect(self, collection_path: Path) -> bool | None:
+        if collection_path.suffix == ".py" and collection_path.is_relative_to(ROOT) and \
+                collection_path.relative_to(ROOT).parts[0] in ("lifecycle", "models") and \
+                imports_vllm_at_import(collection_path):
+            self.left.append(collection_path.relative_to(ROOT).as_posix())
+            return True
+        return None
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if self.left:
+            terminalreporter.write_line(f"not collected, vLLM is not installed (they import it): "
+                                        f"{', '.join(sorted(set(self.left)))}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        config.pluginmanager.register(WithoutVLLM(), "reload-lifecycle-without-vllm")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the markers added here

@@ -38,8 +38,8 @@ def test_an_input_without_events_is_an_input_problem_not_clean(tmp_path: Path,
     assert problem.message.startswith("no audit events in the input")
     assert "RELOAD_LIFECYCLE_AUDIT_DIR" in problem.message
     assert main(["audit", str(folder)]) == 2
-    out = capsys.readouterr().out
-    assert "RESULT: CLEAN" not in out and "RESULT: UNREADABLE INPUT (1 problem(s)) (0 events audited" in out
+    out, err = capsys.readouterr()  # nothing audited: an error, one line on stderr naming the input (issue 35)
+    assert out == "" and err.startswith(f"reload-lifecycle audit: error: nothing to audit: {folder}: no audit events")
     assert main(["audit", "--json", str(folder)]) == 2
     assert json.loads(capsys.readouterr().out)["status"] == 2
     report = tmp_path / "report.html"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -122,10 +123,19 @@ def _changelog_entries(text: str) -> Iterator[tuple[int, list[str]]]:
 
 def test_the_changelog_is_release_notes() -> None:
     text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
-    lines = text.splitlines()
-    assert len(lines) <= 210, f"CHANGELOG.md has {len(lines)} lines: release notes, not a diary"
     releases = re.findall(r"^## \[(.+?)\](?: - (\d{4}-\d{2}-\d{2}))?$", text, flags=re.M)
-    assert ("0.1.0", releases and dict(releases).get("0.1.0")) in releases and dict(releases)["0.1.0"]
+    assert releases[0] == ("Unreleased", "") and all(date for _, date in releases[1:]), releases
+    import lifecycle
+
+    assert releases[1][0] == lifecycle.__version__, "the newest release is not the package's version"
+    parts = re.split(r"^## \[.+$", text, flags=re.M)[2:]  # each release: its summary, then its sections
+    for (version, _), part in zip(releases[1:], parts, strict=True):
+        body = part.split("\n<!-- generated:release-links:begin -->")[0]
+        assert len(body.splitlines()) <= 140, f"{version}: {len(body.splitlines())} lines: release notes, not a diary"
+        summary = body.split("\n### ", 1)[0].strip()
+        assert len(summary.splitlines()) >= 3, f"{version} does not begin with its summary, in prose"
+    for (newer, _), (older, _) in itertools.pairwise(releases[1:]):
+        assert f"[{newer}]: {gen.repository()}/compare/v{older}...v{newer}" in text, f"{newer} has no compare link"
     sections = set(re.findall(r"^### (.+)$", text, flags=re.M))
     assert sections <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, sections
     long = [(n, len(e)) for n, e in _changelog_entries(text) if len(e) > 3]

@@ -170,8 +170,10 @@ def core_layer(name: str) -> str | None:
 
 
 def layer(name: str) -> str:
-    if name == "lifecycle.cli":
+    if name in ("lifecycle.cli", "lifecycle.cli_demo"):
         return "cli"
+    if name == "lifecycle.bundled":  # finds the families by where they are installed: imports nothing of ours
+        return name
     for prefix in ("lifecycle.audit", "lifecycle.vllm", "models.demo", "models.registry"):
         if name == prefix or name.startswith(prefix + "."):
             return prefix
@@ -190,7 +192,8 @@ ALLOWED = {
     "models.registry": {"core", "models.family"},
     "models": {"core", "models.registry", "models.family"},
     "models.demo": {"core", "lifecycle.audit", "models", "models.registry", "models.family"},
-    "cli": {"core", "lifecycle.audit", "lifecycle.vllm", "models", "models.demo"},
+    "lifecycle.bundled": set(),
+    "cli": {"core", "lifecycle.audit", "lifecycle.vllm", "lifecycle.bundled"},
 }
 
 
@@ -264,8 +267,17 @@ def test_imports_follow_the_layering(name: str) -> None:
 
 
 def test_the_composition_root_imports_models_only_lazily() -> None:
-    eager = {dst for dst in project_imports("lifecycle.cli", runs_at_import=True) if dst.startswith("models")}
+    eager = {dst for dst in project_imports("lifecycle.cli", runs_at_import=True)
+             if dst.startswith("models") or dst in ("lifecycle.cli_demo", "lifecycle.bundled")}
     assert not eager, f"lifecycle.cli imports {eager} at module level: the core CLI must start without models"
+
+
+def test_the_package_never_imports_a_bare_models() -> None:
+    """A `models/` folder in the working directory would answer it (docs/decisions.md): `lifecycle` reaches the
+    bundled families through `lifecycle.bundled` only, by where they are installed."""
+    bare = {name: sorted(d for d in project_imports(name) if d.split(".")[0] == "models")
+            for name in MODULES if name.split(".")[0] == "lifecycle"}
+    assert not {name: found for name, found in bare.items() if found}
 
 
 def test_no_import_cycle_between_project_modules() -> None:

@@ -13,6 +13,7 @@ import pytest
 
 import lifecycle
 from lifecycle import errors
+from support.marking import imports_vllm_at_import
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE_MODULES = sorted(
@@ -22,7 +23,13 @@ CORE_MODULES = sorted(
 )
 
 
-@pytest.mark.parametrize("module", CORE_MODULES)
+def _source(module: str) -> Path:
+    base = ROOT.joinpath(*module.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+@pytest.mark.parametrize("module", [  # a module that imports vLLM when imported is a `vllm` test's
+    pytest.param(m, marks=[pytest.mark.vllm] * imports_vllm_at_import(_source(m))) for m in CORE_MODULES])
 def test_every_core_module_declares_all_and_every_name_in_it_exists(module: str) -> None:
     mod = importlib.import_module(module)  # the vLLM modules import vLLM lazily: this runs without it too
     assert isinstance(getattr(mod, "__all__", None), list), f"{module} has no __all__"

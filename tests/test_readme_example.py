@@ -51,7 +51,8 @@ def test_the_example_is_the_one_the_readme_points_to() -> None:
     assert '"layers.*.v_proj.bias"' in block and "weights_unchanged" in block
 
 
-def test_the_readme_quickstart_runs_and_its_log_audits_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_readme_quickstart_runs_and_its_log_audits_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     from lifecycle.audit.replay import audit_logs
 
     monkeypatch.chdir(tmp_path)
@@ -59,6 +60,11 @@ def test_the_readme_quickstart_runs_and_its_log_audits_clean(tmp_path: Path, mon
                             .split("\n## ", 1)[0])
     draft = _run([quickstart], "README.md (Quickstart)", monkeypatch).draft
     assert draft.lifecycle.epoch == 1 and draft.lifecycle.graphs_pinned
+    states, proof = capsys.readouterr().out.splitlines()  # what a first run shows: the path, and the proof
+    cycle = "PARTIALLY_LOADED -> FULLY_LOADED -> FINALIZED -> DERIVED_REFRESHED -> GRAPH_CAPTURED"
+    assert states == f"META -> {cycle} -> {cycle}"
+    address = f"{draft._fused_kv_weight.data_ptr():#x}"
+    assert proof == f"in place: _fused_kv_weight {address} -> {address}, 0 bytes allocated"
     result = audit_logs([tmp_path / "audit.jsonl"])
     assert result.status == 0 and result.events > 10, result
 

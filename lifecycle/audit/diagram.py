@@ -17,7 +17,13 @@ from ..states import INITIAL_STATE, TRANSITIONS, LifecycleState
 
 __all__ = ["FORMATS", "dot", "markdown", "mermaid", "render"]
 
-FORMATS = ("mermaid", "dot", "markdown")
+#: Every format `render` (and `reload-lifecycle diagram --format`) draws, and what it is.
+FORMATS: dict[str, str] = {
+    "mermaid": "a mermaid stateDiagram-v2 (renders on GitHub and in mermaid tools; the default)",
+    "dot": "Graphviz DOT text (render it with `dot -Tsvg`; no graphviz needed to write it)",
+    "markdown": "the transition table as a Markdown table: every row with its condition, guards and meaning "
+                "(no current state)",
+}
 
 
 if TYPE_CHECKING:

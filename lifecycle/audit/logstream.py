@@ -5,7 +5,9 @@ reported, not buffered). Several inputs are merged by timestamp, holding one pen
 `OPEN_FILES` files open at once (an input whose turn comes while it is closed is reopened where it stopped), so
 thousands of rank files merge under a low open-file limit. A line is checked before it is decoded (`schema.
 depth_problem`) and after (`schema.problem`: the fields every event has, and the types of each kind's fields);
-a line that is not a valid event is an `InputProblem` naming the file and line number, and the stream goes on.
+a line that is not a valid event is an `InputProblem` naming the file and line number, and the stream goes on. An
+input whose first line holds a NUL byte (no JSON line does; a checkpoint's first bytes, its header's length, do) is
+not read past it: one problem says it is binary (a checkpoint given by mistake), not one per line of it.
 
 >>> import io
 >>> lines = io.BytesIO(b'{"event":"hook_run","backbone":"d","rank":0,"epoch":0,"ts":"2026-01-01T00:00:00.000001Z"}\\n'
@@ -29,8 +31,8 @@ from typing import Any, BinaryIO
 
 from .schema import depth_problem, problem
 
-__all__ = ["HELD_LINE", "LOG_PATTERNS", "MAX_LINE", "OPEN_FILES", "STDIN", "InputProblem", "Item", "LogEvent",
-           "expand_inputs", "iter_events", "parse_line", "parse_ts", "read_input", "read_stream"]
+__all__ = ["HELD_LINE", "LOG_PATTERNS", "MAX_LINE", "NOT_TEXT", "OPEN_FILES", "SNIFF", "STDIN", "InputProblem", "Item",
+           "LogEvent", "expand_inputs", "iter_events", "parse_line", "parse_ts", "read_input", "read_stream"]
 
 #: A line longer than this (bytes) is reported as unreadable and skipped without being held in memory.
 MAX_LINE = 1 << 20
@@ -42,6 +44,11 @@ HELD_LINE = 4096
 #: In a directory, files whose names look like audit logs (rotated logs `audit.jsonl.1` included).
 LOG_PATTERNS = ("*.jsonl", "*.jsonl.*", "*.ndjson", "*.log")
 STDIN = "-"
+#: Bytes of an input's first line looked at for a NUL (`NOT_TEXT`), peeked before the line is read.
+SNIFF = 4096
+#: The input problem of an input that is binary: JSON lines never hold a NUL byte.
+NOT_TEXT = ("not a text file (a NUL byte at its start: a checkpoint or other binary file, not a JSON-lines audit log); "
+            "the rest of it was not read")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,11 +168,27 @@ def _item(raw: bytes | None, source: str, number: int, max_line: int) -> Item | 
     return parse_line(raw, source, number) if raw.strip() else None  # blank lines are skipped
 
 
+def _head(fh: BinaryIO) -> bytes | None:
+    """The input's first `SNIFF` bytes, peeked before anything is read (None where the stream cannot peek)."""
+    peek = getattr(fh, "peek", None)
+    return peek(SNIFF)[:SNIFF] if peek is not None else None
+
+
+def _binary(head: bytes | None, first_line: bytes | None) -> bool:
+    """A NUL byte in the input's first line (as peeked, or as read where it could not be): no JSON line holds one."""
+    start = head if head is not None else (first_line or b"")
+    return b"\0" in start[:SNIFF].split(b"\n", 1)[0]
+
+
 def read_stream(fh: BinaryIO, source: str, *, max_line: int = MAX_LINE) -> Iterator[Item]:
-    """Every line of one binary stream, parsed. Blank lines are skipped."""
+    """Every line of one binary stream, parsed. Blank lines are skipped; a binary input is one `NOT_TEXT`."""
+    head = _head(fh)
     number = 0
     while (got := _next_line(fh, max_line)) is not None:
         number += 1
+        if number == 1 and _binary(head, got[1]):
+            yield InputProblem(source, 1, NOT_TEXT)
+            return
         item = _item(got[1], source, number, max_line)
         if item is not None:
             yield item
@@ -317,7 +340,9 @@ class _Merge:
         while not src.done:
             start = src.offset
             try:
-                got = _next_line(self._handle(src), self.max_line)
+                fh = self._handle(src)
+                head = _head(fh) if start == 0 else None
+                got = _next_line(fh, self.max_line)
             except OSError as e:
                 what = "cannot open" if start == 0 else ("cannot reopen" if src.index not in self.handles
                                                          else "read failed")
@@ -329,6 +354,9 @@ class _Merge:
             consumed, raw = got
             src.offset += consumed
             src.number += 1
+            if src.number == 1 and _binary(head, raw):
+                self._end(src)
+                return src.last_ts, InputProblem(shown, 1, NOT_TEXT)
             item = _item(raw, shown, src.number, self.max_line)
             if item is None:
                 continue

@@ -76,10 +76,9 @@ MAX_STREAMS = 1024
 
 class Auditor:
     """Feed it events in log order (`feed`), then `finish()`. Memory: at most `max_streams` `StreamReplay`s (each
-    bounded) plus at most `max_details` violations, warnings and input problems (each bounded).
-
-    `expect_ranks`: the ranks whose events the input must hold (every backbone seen on one of them on each);
-    one without events is an input problem naming it, and so is a rank outside them."""
+    bounded) plus at most `max_details` violations, warnings and input problems (each bounded). `expect_ranks`: the
+    ranks whose events the input must hold (every backbone seen on one of them on each); one without events is an
+    input problem naming it, and so is a rank outside them."""
 
     def __init__(self, *, max_details: int = 1000, max_streams: int = MAX_STREAMS,
                  expect_ranks: Collection[int] | None = None) -> None:
@@ -143,8 +142,7 @@ class Auditor:
                 if self._first_untracked is None:
                     self._first_untracked = ev
                 return None
-            r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], node=node, source=ev.source,
-                                                 first_ts=ev.ts)
+            r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], node=node, source=ev.source, first_ts=ev.ts)
         if r.clash or (not one_writer(r, ev) and withdraw(self, r, ev)):
             self.clashed_events += 1
             return None
@@ -284,8 +282,7 @@ class Auditor:
             if Check.READY in checks:
                 self._check_ready(r, ev, f"{trigger} {src} -> {dst}")
             if not r.pinned and Check.PINNED in checks:
-                self._violate(r, "illegal_transition", ev.where,
-                              f"{trigger} {src} -> {dst} without captured graphs")
+                self._violate(r, "illegal_transition", ev.where, f"{trigger} {src} -> {dst} without captured graphs")
             if not r.recoverable and Check.RECOVERABLE in checks:
                 self._violate(r, "illegal_transition", ev.where,
                               f"{trigger} after an abort that was not recoverable (not rolled back exactly)")
@@ -360,8 +357,8 @@ class Auditor:
                           f"{how} in state {r.state_name}, epoch {r.epoch} (begun at {r.epoch_began or '?'}) "
                           "never refreshed or aborted")
 
-    def finish(self) -> AuditResult:
-        """End-of-log checks (mid-reload endings, cross-rank epochs) and the result."""
+    def finish(self, given: Sequence[str | Path] = ()) -> AuditResult:
+        """End-of-log checks (mid-reload endings, cross-rank epochs) and the result; `given`: the inputs as named."""
         first = self._first_untracked
         if first is not None:  # the audit is incomplete: say so as an input problem (exit status 2)
             self.problem(InputProblem(first.source, first.line, (
@@ -378,7 +375,7 @@ class Auditor:
         for group in by_backbone.values():
             for r, detail in behind(group):
                 self._violate(r, "epoch_disagreement", r.last_where, detail)
-        inputs = list(self._sources)
+        inputs = [str(p) for p in given] or list(self._sources)
         where = inputs[0] if len(inputs) == 1 else f"<{len(inputs)} inputs>"
         problems, missing = unseen(self.events, {b: {r.rank for r in g} for b, g in by_backbone.items()},
                                    self.expect_ranks)
@@ -400,4 +397,4 @@ def audit_logs(paths: Sequence[str | Path], *, max_details: int = 1000, max_stre
     auditor = Auditor(max_details=max_details, max_streams=max_streams, expect_ranks=expect_ranks)
     for item in iter_events(paths):
         auditor.feed(item)
-    return auditor.finish()
+    return auditor.finish(paths)

@@ -75,7 +75,7 @@ def collect(paths: Sequence[str | Path], *, max_epochs: int = 12, max_streams: i
         r = auditor.feed(item)
         if r is not None and isinstance(item, LogEvent):
             collector.observe(item, r)
-    return auditor.finish(), collector
+    return auditor.finish(paths), collector
 
 
 # ---- drawing ----------------------------------------------------------------------------------------------------

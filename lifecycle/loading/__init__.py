@@ -1,11 +1,11 @@
 """A reference safetensors loader: streams tensors in buckets and drives the backbone's lifecycle.
 
 >>> import tempfile, torch
->>> from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
+>>> from lifecycle.bundled import qwen3_dflash as q
 >>> from lifecycle.events import configure_audit; _ = configure_audit(console=False)
->>> cfg = DFlashConfig(num_hidden_layers=2)
->>> path = write_checkpoint(random_weights(cfg, seed=0), tempfile.mkdtemp() + "/a.safetensors")
->>> model = DFlashQwen3Draft(cfg)
+>>> cfg = q.DFlashConfig(num_hidden_layers=2)
+>>> path = write_checkpoint(q.random_weights(cfg, seed=0), tempfile.mkdtemp() + "/a.safetensors")
+>>> model = q.DFlashQwen3Draft(cfg)
 >>> report = load_safetensors(model, path, bucket_by="layer")
 >>> model.lifecycle.state.value, report.buckets
 ('FULLY_LOADED', 5)

@@ -13,11 +13,13 @@ followed, which is why the declared helpers also check, when called, that the ru
 
 from __future__ import annotations
 
+import ast
 import dis
 import importlib
 import inspect
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
@@ -25,7 +27,7 @@ import pytest
 
 from support.needs import needs_of
 
-__all__ = ["markers_for", "needs_in"]
+__all__ = ["imports_vllm_at_import", "markers_for", "needs_in"]
 
 #: packages whose functions are followed (with the test modules, `test_*`): the tests' own code and the vLLM
 #: integration, which imports vLLM inside its functions
@@ -163,6 +165,18 @@ def _fixture_functions(item: pytest.Item) -> Iterator[Any]:
     for defs in names.values():
         for fixturedef in defs:
             yield fixturedef.func
+
+
+def imports_vllm_at_import(path: Path) -> bool:
+    """Whether the module at `path` imports vLLM when it is imported (a module-level `import vllm...`, outside
+    functions and `if TYPE_CHECKING:`): importing it at all needs vLLM, so does every test of it."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if any(_is_vllm(name) for name in names):
+            return True
+    return False
 
 
 def markers_for(item: pytest.Item) -> frozenset[str]:
