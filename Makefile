@@ -95,22 +95,22 @@ test-quick: $(VLLM_STAMP) $(PROMTOOL)
 test-core: $(CORE_STAMP) $(PROMTOOL)
 	$(CORE_VENV)/bin/python -m pytest -m "not vllm and not engine and not browser" $(PYTEST_ARGS)
 
-# The crash-consistency harness in full (tests/test_crash.py): every write point of every core operation of every
+# The crash-consistency harness in full (tests/core/test_crash.py): every write point of every core operation of every
 # family interrupted with RuntimeError, KeyboardInterrupt and SystemExit in turn; about 5 minutes on two cores.
 # `make test` runs its default (one kind per point, in turn; DFlash every operation, Kimi-K3 MLA and Gemma DSpark
 # their own; about 35 s). Both print the points tried and the outcomes by kind.
 crash: $(STAMP)
-	CRASH=full $(BIN)/python -m pytest tests/test_crash.py -q -s
+	CRASH=full $(BIN)/python -m pytest tests/core/test_crash.py -q -s
 
 # vLLM 0.33.0 by its sources: every name the plugin relies on must exist in the release wheel (fetched once with
 # `pip download --no-deps` into .cache/vllm-wheels/, about 340 MB; it is CUDA-only, so it is read, not run).
 compat: $(STAMP)
-	$(BIN)/python -m pytest -m compat tests/test_vllm_compat.py
+	$(BIN)/python -m pytest -m compat tests/vllm/compat/test_vllm_compat.py
 
-# The tests marked `ray` (tests/test_vllm_ray.py): TP=2 under both of vLLM's Ray executors, a few minutes on
+# The tests marked `ray` (tests/vllm/online/test_vllm_ray.py): TP=2 under both of vLLM's Ray executors, a few minutes on
 # two cores, so `make test` leaves them out and CI runs both targets.
 test-ray: $(RAY_STAMP)
-	$(BIN)/python -m pytest -m ray tests/test_vllm_ray.py
+	$(BIN)/python -m pytest -m ray tests/vllm/online/test_vllm_ray.py
 
 # Style and types, each failing on any finding: ruff over the repository, mypy over what pyproject.toml's
 # [tool.mypy] names (lifecycle/ and models/; it reads vLLM as Any, so the core venv is enough).
@@ -143,7 +143,7 @@ clean:
 
 # The generated documentation (docs/api.md, docs/performance.md, README.pypi.md, the dashboard in
 # lifecycle/monitoring/, and the generated blocks of README.md, CHANGELOG.md, docs/architecture.md and docs/audit.md),
-# rewritten from the code and benchmarks/results/; tests/test_docs.py checks it is current.
+# rewritten from the code and benchmarks/results/; tests/project/test_docs.py checks it is current.
 .PHONY: docs
 docs: $(STAMP)
 	$(BIN)/python docs/generate.py

