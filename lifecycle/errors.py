@@ -382,8 +382,8 @@ class StorageDriftError(LifecycleError):
 # ---- engine integration -----------------------------------------------------------------------------------------
 class UnsupportedVLLMError(LifecycleError):
     """The vLLM plugin refused a vLLM that lacks a name it relies on (each missing name is listed, with how to
-    disable the plugin): it patched nothing and registered no draft class (`lifecycle.vllm.plugin.capabilities.check_vllm`).
-    No backbone is involved."""
+    disable the plugin): it patched nothing and registered no draft class
+    (`lifecycle.vllm.plugin.capabilities.check_vllm`). No backbone is involved."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, backbone=None, state=None)
