@@ -105,12 +105,12 @@ crash: $(STAMP)
 # vLLM 0.33.0 by its sources: every name the plugin relies on must exist in the release wheel (fetched once with
 # `pip download --no-deps` into .cache/vllm-wheels/, about 340 MB; it is CUDA-only, so it is read, not run).
 compat: $(STAMP)
-	$(BIN)/python -m pytest -m compat tests/vllm/compat/test_vllm_compat.py
+	$(BIN)/python -m pytest -m compat tests/vllm_plugin/compat/test_vllm_compat.py
 
-# The tests marked `ray` (tests/vllm/online/test_vllm_ray.py): TP=2 under both of vLLM's Ray executors, a few minutes on
+# The tests marked `ray` (tests/vllm_plugin/online/test_vllm_ray.py): TP=2 under both of vLLM's Ray executors, a few minutes on
 # two cores, so `make test` leaves them out and CI runs both targets.
 test-ray: $(RAY_STAMP)
-	$(BIN)/python -m pytest -m ray tests/vllm/online/test_vllm_ray.py
+	$(BIN)/python -m pytest -m ray tests/vllm_plugin/online/test_vllm_ray.py
 
 # Style and types, each failing on any finding: ruff over the repository, mypy over what pyproject.toml's
 # [tool.mypy] names (lifecycle/ and models/; it reads vLLM as Any, so the core venv is enough).

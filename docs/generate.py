@@ -277,8 +277,9 @@ def pypi_readme() -> str:
 
 SELECT = '{instance=~"$instance"}'
 #: (row title, [(panel title, what it shows, unit, [(PromQL, legend)], kind)]): the dashboard, top to bottom, two
-#: panels a line. `SELECT` stands for the instance variable's selector; tests/vllm/observability/test_monitoring.py
-#: checks that every `reload_lifecycle_*` series is shown and each expression parses (promtool).
+#: panels a line. `SELECT` stands for the instance variable's selector;
+#: tests/vllm_plugin/observability/test_monitoring.py checks that every `reload_lifecycle_*` series is shown and each
+#: expression parses (promtool).
 DASHBOARD: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]]]] = [
     ("Pushes", [
         ("Pushes by outcome", "Weight pushes a minute, by kind (draft, policy) and outcome (ok, refused, abandoned): "

@@ -38,11 +38,15 @@ from .machine import BackboneLifecycle
 from .session import ReloadSession
 from .slots import Slots
 from .states import LifecycleState
+from .torch_private import BUFFERS_OF, PARAMETERS_OF, own_buffers, own_parameters, own_tensor
 from .types import RefreshReport, TensorSpec
 
 __all__ = ["DraftBackbone"]
 
 _IS_META = attrgetter("is_meta")
+#: The checkpoint slots as `meta_or_absent` scans them: (modules, leaves) of those in a parameter table, then of those
+#: in a buffer table.
+_ScanColumns = tuple[list[nn.Module], list[str], list[nn.Module], list[str]]
 #: The modes of a refresh plan that write a buffer (or give it new storage).
 _WRITTEN = frozenset({"cold", "alias", "in_place"})
 R = TypeVar("R")
@@ -92,7 +96,7 @@ class DraftBackbone(nn.Module):
         self._tensor_slots: dict[str, tuple[nn.Module, str]] = {
             f"{mod_name}.{leaf}" if mod_name else leaf: (owner if mod is self else mod, leaf)
             for mod_name, mod in self.named_modules(remove_duplicate=False)
-            for leaf in (*mod._parameters, *mod._buffers)
+            for leaf in (*own_parameters(mod), *own_buffers(mod))
         }
         self._tensor_slots.update(slots or {})
         self._slots = Slots(self._tensor_slots, partial(resolve_tensor, owner))  # read in bulk: pin checks, plans
@@ -148,15 +152,17 @@ class DraftBackbone(nn.Module):
         self._checkpoint_slots = [s for s in self._checkpoint_slots if s[0] not in absent]
         self._scan = self._scan_columns()  # else the scan in C reads the untracked tensors and always falls back
 
-    def _scan_columns(self) -> tuple[list[nn.Module], list[str], list[str]] | None:
-        """The checkpoint slots as three parallel lists (module, its table's attribute name, leaf), for
-        `meta_or_absent`'s scan in C; None when some tensor has no slot."""
-        slotted = [(mod, "_parameters" if leaf in mod._parameters else "_buffers", leaf)
-                   for _, mod, leaf in self._checkpoint_slots if mod is not None]
+    def _scan_columns(self) -> _ScanColumns | None:
+        """The checkpoint slots as four parallel lists, for `meta_or_absent`'s scan in C: the modules and leaves
+        of those found in a parameter table, then of those found in a buffer table; None when some tensor has no
+        slot."""
+        slotted = [(mod, leaf) for _, mod, leaf in self._checkpoint_slots if mod is not None]
         if not slotted or len(slotted) != len(self._checkpoint_slots):
             return None
-        modules, tables, leaves = zip(*slotted, strict=True)
-        return list(modules), list(tables), list(leaves)
+        params = [(mod, leaf) for mod, leaf in slotted if leaf in own_parameters(mod)]
+        buffers = [(mod, leaf) for mod, leaf in slotted if leaf not in own_parameters(mod)]
+        return ([m for m, _ in params], [leaf for _, leaf in params], [m for m, _ in buffers],
+                [leaf for _, leaf in buffers])
 
     # ---- accessors --------------------------------------------------------------------------------------------
     @property
@@ -186,24 +192,20 @@ class DraftBackbone(nn.Module):
 
     def meta_or_absent(self) -> set[str]:
         """Names of checkpoint tensors that are absent or on META now: `live_tensor` for each, in one loop. The
-        common answer (none) is found in C: each slot's table read with `getattr`, the tensor with `dict.get`,
-        `is_meta` with an attrgetter; anything unusual (a tensor absent or moved between a module's parameters and
-        buffers) falls back to the loop."""
+        common answer (none) is found in C: each slot's table read by a C getter (`PARAMETERS_OF`, `BUFFERS_OF`),
+        the tensor with `dict.get`, `is_meta` with an attrgetter; anything unusual (a tensor absent or moved between
+        a module's parameters and buffers) falls back to the loop."""
         if self._scan is not None:
-            modules, tables, leaves = self._scan
+            p_modules, p_leaves, b_modules, b_leaves = self._scan
             try:
-                if not any(map(_IS_META, map(dict.get, map(getattr, modules, tables), leaves))):
+                if not any(map(_IS_META, map(dict.get, map(PARAMETERS_OF, p_modules), p_leaves))) \
+                        and not any(map(_IS_META, map(dict.get, map(BUFFERS_OF, b_modules), b_leaves))):
                     return set()
             except AttributeError:  # a None: absent from the table it was in
                 pass
         out = set()
         for name, mod, leaf in self._checkpoint_slots:
-            if mod is None:
-                t = self.live_tensor(name)
-            else:
-                t = mod._parameters.get(leaf)
-                if t is None:
-                    t = mod._buffers.get(leaf)
+            t = self.live_tensor(name) if mod is None else own_tensor(mod, leaf)
             if t is None or t.is_meta:
                 out.add(name)
         return out

@@ -56,6 +56,7 @@ from torch import nn
 
 from .errors import NonFiniteWeightError, SessionStateError, raise_unheld
 from .loading import LoadReport, LoadTarget, Writer, apply_bucket, load_safetensors, non_finite
+from .torch_private import own_buffers, own_parameters
 from .types import RefreshReport, describe_error
 
 __all__ = ["ReloadSession", "ReloadTarget", "WeightSnapshot"]
@@ -115,8 +116,9 @@ class WeightSnapshot:
                 if name in self._saved:
                     continue
                 owner, leaf = self._backbone.tensor_slot(name)
-                is_param = leaf in owner._parameters
-                t = owner._parameters[leaf] if is_param else owner._buffers[leaf]
+                params = own_parameters(owner)
+                is_param = leaf in params
+                t = params[leaf] if is_param else own_buffers(owner)[leaf]
                 assert t is not None
                 values = None
                 if not t.is_meta:
@@ -133,7 +135,7 @@ class WeightSnapshot:
         with self._lock:
             for s in self._saved.values():
                 # the table the original came from (a parameter back among the parameters)
-                slots: dict[str, Any] = s.owner._parameters if s.is_param else s.owner._buffers
+                slots: dict[str, Any] = own_parameters(s.owner) if s.is_param else own_buffers(s.owner)
                 if slots.get(s.leaf) is not s.original:
                     slots[s.leaf] = s.original
                 if s.values is not None:

@@ -28,15 +28,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from operator import attrgetter, is_, is_not, itemgetter
+from operator import is_, is_not, itemgetter
 
 import torch
 from torch import nn
 
+from .torch_private import BUFFERS_OF, PARAMETERS_OF, own_parameters, own_tensor
+
 __all__ = ["LiveSlots", "Slots"]
 
 Tensor = torch.Tensor
-_PARAMETERS, _BUFFERS = attrgetter("_parameters"), attrgetter("_buffers")
 _IS_NONE = partial(is_, None)
 _NOT_NONE = partial(is_not, None)
 
@@ -71,8 +72,7 @@ class Slots:
         if slot is None:
             return self._fallback(name)
         mod, leaf = slot
-        t = mod._parameters.get(leaf)
-        return t if t is not None else mod._buffers.get(leaf)
+        return own_tensor(mod, leaf)
 
     def _compile(self, names: Sequence[str]) -> _Compiled:
         got = self._compiled.get(id(names))
@@ -86,7 +86,7 @@ class Slots:
             if slot is None:
                 break
             mod, leaf = slot
-            column = p if mod._parameters.get(leaf) is not None else b
+            column = p if own_parameters(mod).get(leaf) is not None else b
             column.append(slot)
             where.append(len(p) - 1 if column is p else -len(b))
         order = None
@@ -108,10 +108,10 @@ class Slots:
         time."""
         c = self._compile(names)
         if c.order is not None:
-            params = list(map(dict.get, map(_PARAMETERS, c.p_modules), c.p_leaves))
+            params: list[Tensor | None] = list(map(dict.get, map(PARAMETERS_OF, c.p_modules), c.p_leaves))
             if not any(map(_IS_NONE, params)) and not any(
-                    map(_NOT_NONE, map(dict.get, map(_PARAMETERS, c.b_modules), c.b_leaves))):
-                params += map(dict.get, map(_BUFFERS, c.b_modules), c.b_leaves)
+                    map(_NOT_NONE, map(dict.get, map(PARAMETERS_OF, c.b_modules), c.b_leaves))):
+                params += map(dict.get, map(BUFFERS_OF, c.b_modules), c.b_leaves)
                 return c.order(params)
         if unslotted is None:
             return tuple(map(self.live, names))

@@ -25,9 +25,8 @@ from types import MappingProxyType
 from typing import Any, cast
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .torch_private import DispatchMode, is_fake, tree_leaves
 from .types import dtype_name
 
 __all__ = ["AllocationLog", "AllocationRecord", "IdentityColumns", "PinnedContent", "PinnedStorage",
@@ -237,17 +236,17 @@ class AllocationLog:
 
 def _real(t: object) -> bool:
     """A tensor with real storage: not META, not a fake tensor of a dry run (`custom(..., into=)`)."""
-    return isinstance(t, torch.Tensor) and not t.is_meta and not isinstance(t, FakeTensor)
+    return isinstance(t, torch.Tensor) and not t.is_meta and not is_fake(t)
 
 
-class _CountNewStorages(TorchDispatchMode):
+class _CountNewStorages(DispatchMode):
     """Counts op outputs whose storage is new: neither an input's storage nor one seen before. Every storage
     counted is held until the block ends: a freed storage's address, reused by a later allocation, would
     otherwise look "seen before" and that allocation would go uncounted (a loader's read buffers, freed after
     each bucket, hid a rollback snapshot's copies)."""
 
     def __init__(self, log: AllocationLog) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # torch: TorchDispatchMode has no annotations
+        super().__init__()
         self.log = log
         self._seen: set[int] = set()
         self._held: list[torch.UntypedStorage] = []
@@ -257,11 +256,11 @@ class _CountNewStorages(TorchDispatchMode):
         kwargs = kwargs or {}
         inputs = {
             t.untyped_storage().data_ptr()
-            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            for t in tree_leaves((args, kwargs))
             if _real(t)
         }
         out = func(*args, **kwargs)
-        for t in torch.utils._pytree.tree_leaves(out):
+        for t in tree_leaves(out):
             if not _real(t):
                 continue
             st = t.untyped_storage()

@@ -10,8 +10,8 @@ before a restart resumes (two live writers of one name in one file). Events with
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
+from .findings import Findings
 from .logstream import InputProblem, LogEvent
 from .results import DETAIL_CAP, StreamReplay
 from .text import clip, shown
@@ -49,18 +49,12 @@ def order_key(r: StreamReplay) -> tuple[int, str]:
     return r.rank, r.node or ""
 
 
-def withdraw(auditor: Any, r: StreamReplay, ev: LogEvent) -> bool:
-    """Two writers feed `r`: an input problem of `auditor` (a `replay.Auditor`); the stream is not replayed
+def withdraw(findings: Findings, r: StreamReplay, ev: LogEvent) -> bool:
+    """Two writers feed `r`: an input problem of `findings` (a `replay.Auditor`'s); the stream is not replayed
     further and what was found in it is withdrawn (one writer's events were read as the other's). True."""
     r.clash = True
-    auditor.counts.subtract(r.violations)
-    auditor.warning_counts.subtract(r.warnings)
-    auditor.counts, auditor.warning_counts = +auditor.counts, +auditor.warning_counts  # drop the zeros
-    auditor.violations = [v for v in auditor.violations if v.stream != r.key]
-    auditor.warnings = [w for w in auditor.warnings if w.stream != r.key]
-    r.violations.clear()
-    r.warnings.clear()
-    auditor.problem(clash_problem(r, ev))
+    findings.withdraw(r)
+    findings.problem(clash_problem(r, ev))
     return True
 
 

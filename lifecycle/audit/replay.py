@@ -2,6 +2,7 @@
 
 Each (node, rank, backbone) stream is replayed on its own, event by event, in bounded memory
 (`results.StreamReplay`); one that two writers feed, which nothing tells apart, is an input problem (`identity`).
+What the replay finds is recorded, bounded, by `findings.Findings`, the auditor's base.
 What is legal comes from `lifecycle.states` alone, through `rules`: a transition is legal when its
 (trigger, src, dst) is a row of `TRANSITIONS`, and a row whose guard or condition maps to a check (every layer
 ready, graphs captured, an exact rollback) needs that check to hold in the replay too.
@@ -32,10 +33,10 @@ from typing import Any
 
 from ..states import TRIGGERS, allowed_sources, possible_destinations
 from .coverage import unseen
+from .findings import Findings
 from .identity import behind, one_writer, order_key, withdraw
 from .logstream import InputProblem, Item, LogEvent, iter_events
 from .results import (
-    DETAIL_CAP,
     MAX_BUFFERS,
     MAX_EDGES,
     MAX_LAYERS,
@@ -74,55 +75,28 @@ __all__ = ["MAX_STREAMS", "VIOLATION_KINDS", "WARNING_KINDS", "AuditResult", "Au
 MAX_STREAMS = 1024
 
 
-class Auditor:
+class Auditor(Findings):
     """Feed it events in log order (`feed`), then `finish()`. Memory: at most `max_streams` `StreamReplay`s (each
-    bounded) plus at most `max_details` violations, warnings and input problems (each bounded). `expect_ranks`: the
-    ranks whose events the input must hold (every backbone seen on one of them on each); one without events is an
-    input problem naming it, and so is a rank outside them."""
+    bounded) plus what its `Findings` keep: at most `max_details` violations, warnings and input problems (each
+    bounded).
+
+    `expect_ranks`: the ranks whose events the input must hold (every backbone seen on one of them on each);
+    one without events is an input problem naming it, and so is a rank outside them."""
 
     def __init__(self, *, max_details: int = 1000, max_streams: int = MAX_STREAMS,
                  expect_ranks: Collection[int] | None = None) -> None:
-        if type(max_details) is not int or max_details < 0:
-            raise ValueError(f"max_details must be an int >= 0, got {max_details!r:.40}")
+        super().__init__(max_details)
         if type(max_streams) is not int or max_streams < 1:
             raise ValueError(f"max_streams must be an int >= 1, got {max_streams!r:.40}")
         if expect_ranks is not None and (not expect_ranks or any(type(r) is not int or r < 0 for r in expect_ranks)):
             raise ValueError("expect_ranks must hold at least one rank, each an int >= 0")
-        self.max_details = max_details
         self.max_streams = max_streams
         self.expect_ranks = frozenset(expect_ranks) if expect_ranks is not None else None
         self.streams: dict[tuple[str | None, int, str], StreamReplay] = {}
         self.untracked_events = 0  # events of streams beyond `max_streams`
         self.clashed_events = 0  # events of streams two writers fed, not replayed
         self._first_untracked: LogEvent | None = None
-        self.violations: list[Violation] = []
-        self.counts: Counter[str] = Counter()
-        self.warnings: list[Violation] = []
-        self.warning_counts: Counter[str] = Counter()
-        self.input_problems: list[InputProblem] = []
-        self.input_problem_count = 0
         self.events = 0
-        self._sources: dict[str, None] = {}  # every input seen, in order
-
-    # ---- recording ----------------------------------------------------------------------------------------
-    def _violate(self, r: StreamReplay, kind: str, where: str, detail: str, epoch: int | None = None) -> None:
-        self.counts[kind] += 1
-        r.violations[kind] += 1
-        if len(self.violations) < self.max_details:
-            self.violations.append(Violation(kind, r.rank, r.backbone, r.epoch if epoch is None else epoch,
-                                             where, clip(detail, DETAIL_CAP), r.node))
-
-    def _warn(self, r: StreamReplay, kind: str, where: str, detail: str, epoch: int) -> None:
-        self.warning_counts[kind] += 1
-        r.warnings[kind] += 1
-        if len(self.warnings) < self.max_details:
-            self.warnings.append(Violation(kind, r.rank, r.backbone, epoch, where, clip(detail, DETAIL_CAP), r.node))
-
-    def problem(self, p: InputProblem) -> None:
-        self.input_problem_count += 1
-        if len(self.input_problems) < self.max_details:
-            self.input_problems.append(p)
-        self._sources.setdefault(p.source, None)
 
     # ---- replay -------------------------------------------------------------------------------------------
     def feed(self, item: Item) -> StreamReplay | None:
@@ -132,7 +106,7 @@ class Auditor:
             return None
         ev = item
         f = ev.fields
-        self._sources.setdefault(ev.source, None)
+        self.saw(ev.source)
         node = f.get("node")
         key = (node, f["rank"], f["backbone"])
         r = self.streams.get(key)
@@ -167,7 +141,7 @@ class Auditor:
         elif name == "storage_check":
             self._storage_check(r, ev)
         elif name == "acceptance_collapse":
-            self._warn(r, "acceptance_collapse", ev.where, collapse_detail(f), f["epoch"])
+            self.warn(r, "acceptance_collapse", ev.where, collapse_detail(f), f["epoch"])
         elif name == "weight_version":
             r.note_version(f["weight_version"], f["epoch"])
         r.last_where = ev.where
@@ -196,7 +170,7 @@ class Auditor:
             elif seq > r.seq + 1:
                 gap = seq - r.seq - 1
                 after = f"after {r.last_where} (seq {r.seq})" if r.seq else "at the start of this stream"
-                self._violate(r, "missing_events", ev.where,
+                self.violate(r, "missing_events", ev.where,
                               f"{gap} event(s) missing {after}: this event has seq {seq}", f["epoch"])
             elif seq <= r.seq:
                 back.append(f"seq {seq} after seq {r.seq} ({'repeated' if seq == r.seq else 'goes back'})")
@@ -209,23 +183,23 @@ class Auditor:
             if epoch <= r.epoch:
                 back.append(f"begin_reload to epoch {epoch} after epoch {r.epoch}")
             elif epoch > r.epoch + 1:
-                self._violate(r, "epoch_jump", ev.where,
+                self.violate(r, "epoch_jump", ev.where,
                               f"begin_reload to epoch {epoch} from epoch {r.epoch} (expected {r.epoch + 1})", epoch)
         elif epoch < r.epoch:
             back.append(f"epoch went back from {r.epoch} to {epoch}")
         elif epoch > r.epoch:
-            self._violate(r, "epoch_jump", ev.where,
+            self.violate(r, "epoch_jump", ev.where,
                           f"epoch {r.epoch} -> {epoch} without begin_reload ({f['event']} {clip(f.get('trigger', ''))})"
                           .rstrip(), epoch)
             self._new_epoch(r, ev, epoch)
         if back:
-            self._violate(r, "out_of_order", ev.where, "; ".join(back), epoch)
+            self.violate(r, "out_of_order", ev.where, "; ".join(back), epoch)
         if r.last_ts is None or ev.ts > r.last_ts:
             r.last_ts = ev.ts
 
     def _new_epoch(self, r: StreamReplay, ev: LogEvent, epoch: int) -> None:
         if r.epoch > 0 and not r.epoch_done:
-            self._warn(r, "abandoned_epoch", ev.where,
+            self.warn(r, "abandoned_epoch", ev.where,
                        f"epoch {r.epoch} (begun at {r.epoch_began or '?'}) was never refreshed or aborted before "
                        f"epoch {epoch} began (a restarted push; its writes stay dirty for the next refresh)", r.epoch)
         r.epoch = max(r.epoch, epoch)
@@ -237,17 +211,17 @@ class Auditor:
     def _src_matches(self, r: StreamReplay, ev: LogEvent, what: str) -> str | None:
         src: str | None = ev.fields.get("src")  # a string or absent: the schema checked the event's types
         if src not in STATE_NAMES:
-            self._violate(r, "illegal_transition", ev.where, f"{what}: unknown src state {shown(src)}")
+            self.violate(r, "illegal_transition", ev.where, f"{what}: unknown src state {shown(src)}")
             return None
         if src != r.state_name:
-            self._violate(r, "state_mismatch", ev.where,
+            self.violate(r, "state_mismatch", ev.where,
                           f"{what}: the log says src {src}, the replay says {r.state_name}")
         return src
 
     def _in_state(self, r: StreamReplay, ev: LogEvent, states: frozenset[str], trigger: str) -> bool:
         if r.state_name in states:
             return True
-        self._violate(r, "event_out_of_state", ev.where,
+        self.violate(r, "event_out_of_state", ev.where,
                       f"{ev.fields['event']} in state {r.state_name}, where {trigger} is not allowed "
                       f"(allowed from: {', '.join(s.value for s in allowed_sources(trigger))})")
         return False
@@ -257,12 +231,12 @@ class Auditor:
         trigger: str | None = f.get("trigger")  # strings or absent: the schema checked the event's types
         dst: str | None = f.get("dst")
         if trigger not in TRIGGERS:
-            self._violate(r, "illegal_transition", ev.where,
+            self.violate(r, "illegal_transition", ev.where,
                           f"unknown trigger {shown(trigger)}; the table knows: {', '.join(TRIGGERS)}")
             return
         src = self._src_matches(r, ev, trigger)
         if dst is None or dst not in STATE_NAMES:
-            self._violate(r, "illegal_transition", ev.where, f"{trigger}: unknown dst state {shown(dst)}")
+            self.violate(r, "illegal_transition", ev.where, f"{trigger}: unknown dst state {shown(dst)}")
             return
         if src is None:
             return
@@ -276,15 +250,16 @@ class Auditor:
             why = (f"{trigger} from {src} leads to {' or '.join(d.value for d in dests)}, not {dst}" if dests else
                    f"{trigger} is not allowed from {src} (allowed from: "
                    f"{', '.join(s.value for s in allowed_sources(trigger))})")
-            self._violate(r, "illegal_transition", ev.where, why)
+            self.violate(r, "illegal_transition", ev.where, why)
         else:
             r.edges[edge] += 1
             if Check.READY in checks:
                 self._check_ready(r, ev, f"{trigger} {src} -> {dst}")
             if not r.pinned and Check.PINNED in checks:
-                self._violate(r, "illegal_transition", ev.where, f"{trigger} {src} -> {dst} without captured graphs")
+                self.violate(r, "illegal_transition", ev.where,
+                              f"{trigger} {src} -> {dst} without captured graphs")
             if not r.recoverable and Check.RECOVERABLE in checks:
-                self._violate(r, "illegal_transition", ev.where,
+                self.violate(r, "illegal_transition", ev.where,
                               f"{trigger} after an abort that was not recoverable (not rolled back exactly)")
         if trigger == BEGIN:
             self._new_epoch(r, ev, f["epoch"])
@@ -310,7 +285,7 @@ class Auditor:
             return
         problems = f.get("problems", [])
         more = max(0, len(problems) - 4) + f.get("problems_more", 0)
-        self._violate(r, "storage_drift", ev.where,
+        self.violate(r, "storage_drift", ev.where,
                       f"storage_check ({clip(f.get('action'))}) failed: {'; '.join(clip(p) for p in problems[:4])}"
                       + (f" (+{more} more)" if more else ""))
 
@@ -321,7 +296,7 @@ class Auditor:
         replayed = r.layers_ready
         claimed = ev.fields.get("layers_ready", replayed)
         if min(replayed, claimed) < total:
-            self._violate(r, "not_ready", ev.where,
+            self.violate(r, "not_ready", ev.where,
                           f"{what} with layers missing: {replayed}/{total} ready by the replayed layer_ready events,"
                           f" {claimed}/{total} by the event")
 
@@ -330,7 +305,7 @@ class Auditor:
         self._in_state(r, ev, REFRESH_STATES, REFRESH)
         missing = f.get("missing")
         if missing:
-            self._violate(r, "not_ready", ev.where,
+            self.violate(r, "not_ready", ev.where,
                           f"refresh with {len(missing) + f.get('missing_more', 0)} tensor(s) missing: "
                           + ", ".join(clip(m) for m in missing[:4]))
         for b in f.get("buffers", ()):  # the schema made each a record with a name
@@ -344,7 +319,7 @@ class Auditor:
                     if len(r.pinned_ptrs) < MAX_BUFFERS:
                         r.pinned_ptrs[key] = ptr  # first seen after capture: recorded now
                 elif pinned != ptr:
-                    self._violate(r, "storage_drift", ev.where,
+                    self.violate(r, "storage_drift", ev.where,
                                   f"derived buffer {clip(name)} moved under captured graphs: data_ptr {pinned} -> "
                                   f"{ptr} (mode {clip(b.get('mode'))})")
             if key in r.last_ptrs or len(r.last_ptrs) < MAX_BUFFERS:
@@ -353,7 +328,7 @@ class Auditor:
     # ---- end ----------------------------------------------------------------------------------------------
     def _end_of_incarnation(self, r: StreamReplay, how: str) -> None:
         if r.state_name in LOADING_STATES and r.epoch > 0:
-            self._violate(r, "ends_mid_reload", r.last_where,
+            self.violate(r, "ends_mid_reload", r.last_where,
                           f"{how} in state {r.state_name}, epoch {r.epoch} (begun at {r.epoch_began or '?'}) "
                           "never refreshed or aborted")
 
@@ -374,15 +349,15 @@ class Auditor:
             by_backbone.setdefault(r.backbone, []).append(r)
         for group in by_backbone.values():
             for r, detail in behind(group):
-                self._violate(r, "epoch_disagreement", r.last_where, detail)
-        inputs = [str(p) for p in given] or list(self._sources)
+                self.violate(r, "epoch_disagreement", r.last_where, detail)
+        inputs = [str(p) for p in given] or self.inputs
         where = inputs[0] if len(inputs) == 1 else f"<{len(inputs)} inputs>"
         problems, missing = unseen(self.events, {b: {r.rank for r in g} for b, g in by_backbone.items()},
                                    self.expect_ranks)
         for message in problems:
             self.problem(InputProblem(where, None, message))
         return AuditResult(
-            inputs=list(self._sources), events=self.events,
+            inputs=self.inputs, events=self.events,
             streams=sorted(self.streams.values(), key=lambda r: (r.backbone, *order_key(r))),
             violations=list(self.violations), violation_counts=Counter(self.counts),
             input_problems=list(self.input_problems), input_problem_count=self.input_problem_count,

@@ -6,11 +6,11 @@ import time
 from typing import cast
 
 import torch
-import torch.nn.modules.module as _module
 from torch import nn
 
 from ..errors import RefreshInterruptedError, StorageDriftError
 from ..storage import StorageIdentity, count_allocations, describe_changes
+from ..torch_private import buffer_registration_hooked, non_persistent_buffers, own_buffers, set_grad_mode
 from ..types import BufferReport, RefreshReport
 from .backing import repoint
 from .buffer_plan import BufferPlan, destination, of_a_parameter
@@ -35,10 +35,10 @@ def apply_refresh(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
     buffer part of a graph), switched in C: the context manager's Python frames would run cold after the copies."""
     grad = torch.is_grad_enabled()
     try:  # switched inside the try: an interrupt right after the switch must still restore the caller's mode
-        torch._C._set_grad_enabled(False)
+        set_grad_mode(False)
         return _apply(backbone, plan)
     finally:
-        torch._C._set_grad_enabled(grad)
+        set_grad_mode(grad)
 
 
 def _apply(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
@@ -66,7 +66,7 @@ def _apply(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
                                       state=plan.context.get("state", "?")) from e
 
     # `before` names the buffers written in place: registered, so none is None (were one dropped, `matches` raises)
-    buffers = cast("dict[str, torch.Tensor]", backbone._buffers)
+    buffers = cast("dict[str, torch.Tensor]", own_buffers(backbone))
     drift = [line for name, old in before.items() if not old.matches(buf := buffers[name])
              for line in describe_changes(name, old, StorageIdentity.of(buf))]
     if drift:
@@ -79,8 +79,8 @@ def _apply(backbone: nn.Module, plan: RefreshPlan) -> RefreshReport:
 def _registered(backbone: nn.Module, name: str, t: torch.Tensor) -> bool:
     """Whether `t` is already `name`'s non-persistent buffer (an alias whose source did not move), so that
     registering it again would change nothing: no global buffer-registration hook would see it."""
-    return backbone._buffers.get(name) is t and name in backbone._non_persistent_buffers_set \
-        and not getattr(_module, "_global_buffer_registration_hooks", True)  # unknown: register as before
+    return own_buffers(backbone).get(name) is t and name in non_persistent_buffers(backbone) \
+        and not buffer_registration_hooked()  # unknown: register as before
 
 
 def _plain(bp: BufferPlan) -> bool:

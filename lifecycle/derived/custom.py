@@ -10,13 +10,9 @@ import threading
 import warnings
 
 import torch
-from torch._subclasses.fake_tensor import (  # the dry-run engine torch.compile uses
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
 
 from ..errors import DerivedBuildError, LifecycleError
+from ..torch_private import DATA_DEPENDENT_ERRORS, fake_mode  # fake tensors: the dry-run engine torch.compile uses
 from ..types import dtype_name
 from .buffer_plan import (
     BufferPlan,
@@ -55,7 +51,7 @@ def _import_fake_mode_once() -> None:
 
 def _make_fake_mode() -> None:
     with contextlib.suppress(Exception):  # a failure recurs in the dry run, where it is reported
-        FakeTensorMode()
+        fake_mode()
 
 
 def plan_custom(r: Request) -> Planned:
@@ -113,7 +109,7 @@ def _dry_run_into(spec: DerivedSpec, r: Request, existing: torch.Tensor) -> str:
     _import_fake_mode_once()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # an out= op resizing the fake output warns; the check below reports it
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with fake_mode(allow_non_fake_inputs=True) as mode:
             out = mode.from_tensor(existing)
             result = _run_writer(spec, r, out)
             if result is out and tuple(out.shape) == tuple(existing.shape):
@@ -131,7 +127,7 @@ def _run_writer(spec: DerivedSpec, r: Request, out: torch.Tensor) -> torch.Tenso
         result = spec.into(r.backbone, out)
     except LifecycleError:
         raise
-    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+    except DATA_DEPENDENT_ERRORS as e:
         cause = RuntimeError(
             f"the writer uses a data-dependent operation ({e}), and a dry run on fake tensors has no values: an "
             "`into=` writer may not branch on data (`.item()`, `.tolist()`, `nonzero()`, boolean masks); compute with "

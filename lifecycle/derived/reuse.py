@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..storage import IdentityColumns
+from ..torch_private import own_buffers, own_children
 from ..types import TensorSpec
 from .buffer_plan import BufferPlan, Layout, SliceCopy, owned_storages, parts_of, temporaries
 from .specs import DerivedSpec, _layers
@@ -109,11 +110,12 @@ class PlanMemory:
         """Observe every input of the remembered plans; while it equals what they observed, the look carries them
         (made for this refresh's dirty set); else it carries what to remember after planning afresh."""
         m = self._last
+        buffers = own_buffers(backbone)
         if m is not None and m.look.specs is specs:  # same declaration: same names while the layers are the same
             was = m.look
             now = Look(specs, was.observed, was.firsts, was.names, was.layer_attrs,
                        _layer_modules(backbone, was.layer_attrs), list(map(tensor_specs.get, was.names)),
-                       gather(was.names), [backbone._buffers.get(specs[i].name) for i in was.observed])
+                       gather(was.names), [buffers.get(specs[i].name) for i in was.observed])
             if now.layer_modules == was.layer_modules and m.sources.same(now.sources) \
                     and m.buffers.same(now.buffers) and now.checkpoint == was.checkpoint:
                 reused = _replan(m, backbone, specs, now, dirty, full, context)
@@ -129,7 +131,7 @@ class PlanMemory:
         attrs = sorted({specs[i].layers_attr for i in observed if specs[i].kind != "alias"})
         return Look(specs, observed, firsts, names, attrs, _layer_modules(backbone, attrs),
                     list(map(tensor_specs.get, names)), gather(names),
-                    [backbone._buffers.get(specs[i].name) for i in observed])
+                    [buffers.get(specs[i].name) for i in observed])
 
     def remember(self, look: Look, planned: Mapping[int, BufferPlan]) -> None:
         """Keep the fresh plans that can be reused (`planned`: declaration position -> its plan), with what `look`
@@ -163,8 +165,10 @@ def _layer_modules(backbone: nn.Module, attrs: Sequence[str]) -> list[list[nn.Mo
     out = []
     for attr in attrs:
         layers = _layers(backbone, attr)
-        table = getattr(layers, "_modules", None)
-        out.append(list(table.values()) if isinstance(table, dict) else list(layers))
+        if isinstance(layers, nn.Module):  # a ModuleList's slots: modules (a None slot, compared as one)
+            out.append(cast("list[nn.Module]", list(own_children(layers).values())))
+        else:
+            out.append(list(layers))
     return out
 
 

@@ -9,6 +9,8 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import nn
 
+from ..torch_private import own_buffers, own_tensor
+
 __all__ = ["DependsOn", "DerivedSpec", "Into", "Kind", "PerLayer", "alias", "concat", "current_buffer", "custom",
            "resolve_tensor", "stack"]
 
@@ -203,13 +205,10 @@ def resolve_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
         owner = module.get_submodule(path) if path else module
     except AttributeError:
         return None
-    t: torch.Tensor | None = owner._parameters.get(leaf)
-    if t is None:
-        t = owner._buffers.get(leaf)
-    return t
+    return own_tensor(owner, leaf)
 
 
 def current_buffer(backbone: nn.Module, name: str) -> torch.Tensor | None:
     """The derived buffer as registered now; None until its cold build (or while still META)."""
-    t = backbone._buffers.get(name)
+    t = own_buffers(backbone).get(name)
     return None if t is None or t.is_meta else t

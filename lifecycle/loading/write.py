@@ -23,6 +23,7 @@ from ..errors import (
     WeightWriteError,
     raise_unheld,
 )
+from ..torch_private import as_plain_tensor, own_buffers, own_parameters
 from ..types import clipped, dtype_name
 
 if TYPE_CHECKING:
@@ -47,17 +48,18 @@ def write_tensor(module: nn.Module, name: str, value: torch.Tensor, device: torc
     memory map, which changes if the file is rewritten in place)."""
     path, _, leaf = name.rpartition(".")
     owner = module.get_submodule(path) if path else module
-    is_param = leaf in owner._parameters
-    current = owner._parameters[leaf] if is_param else owner._buffers[leaf]
+    params = own_parameters(owner)
+    is_param = leaf in params
+    current = params[leaf] if is_param else own_buffers(owner)[leaf]
     assert current is not None
     if current.is_meta:
         fresh = value.to(device=device, dtype=current.dtype).contiguous()
         if fresh.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
             fresh = fresh.clone()
         if is_param:
-            owner._parameters[leaf] = nn.Parameter(fresh, requires_grad=False)
+            params[leaf] = nn.Parameter(fresh, requires_grad=False)
         else:
-            owner._buffers[leaf] = fresh
+            own_buffers(owner)[leaf] = fresh
     else:
         current.copy_(value)
 
@@ -129,8 +131,7 @@ def _not_a_tensor(name: str, value: object) -> str | None:
         return None
     if not isinstance(value, torch.Tensor):
         return f"{name}: got {type(value).__name__} {clipped(repr(value), 60)}, not a tensor"
-    with torch._C.DisableTorchFunctionSubclass():  # what its data is, whatever the subclass says
-        plain = value.as_subclass(torch.Tensor)
+    plain = as_plain_tensor(value)  # what its data is, whatever the subclass says
     said, holds = (tuple(value.shape), value.dtype), (tuple(plain.shape), plain.dtype)
     if said != holds:
         return (f"{name}: a {type(value).__name__} that says shape {said[0]} {dtype_name(said[1])} but holds "

@@ -1,7 +1,7 @@
 """The core side of a frozen structure (no vLLM): a backbone with an optional submodule tracks its tensors until
 the first load says whether it exists (`freeze_structure`, once, in epoch 0 before that load finished); an
 absent one's tensors are then neither required, nor pinned, nor writable. The vLLM side is tested in-process and
-on live engines (tests/vllm/reload/test_vllm_inprocess.py, tests/vllm/reload/test_vllm_engine.py)."""
+on live engines (tests/vllm_plugin/reload/test_vllm_inprocess.py, tests/vllm_plugin/reload/test_vllm_engine.py)."""
 
 from __future__ import annotations
 

@@ -233,9 +233,9 @@ def test_the_meta_scan_follows_a_frozen_structure() -> None:
     lc.weights_loaded(tracked)
     d.freeze_structure({"head": False}, ["head.weight", "head.bias"])
     assert d._scan is not None
-    modules, _, leaves = d._scan
-    assert [(m, leaf) for m, leaf in zip(modules, leaves, strict=True)] == [(m, leaf) for _, m, leaf in
-                                                                           d._checkpoint_slots]
+    p_modules, p_leaves, b_modules, b_leaves = d._scan  # the slots in a parameter table, then in a buffer table
+    assert [*zip(p_modules, p_leaves, strict=True), *zip(b_modules, b_leaves, strict=True)] == [
+        (m, leaf) for _, m, leaf in d._checkpoint_slots]
     assert d.meta_or_absent() == set()
     norm = d.layers[1].norm
     norm.weight = nn.Parameter(torch.empty(4, device="meta"), requires_grad=False)

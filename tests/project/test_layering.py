@@ -102,11 +102,12 @@ def project_imports(name: str, *, runs_at_import: bool = False, modules: Iterabl
 CORE_LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("table", "the states and the transition table, the one source every other part reads",
      ("lifecycle.states",)),
-    ("bookkeeping", "plain data, the errors, and what is recorded per backbone: readiness per epoch, dirty since "
-     "the last refresh, layers owed a full write, write leases, tensor slots, storage identities, hooks, the "
-     "environment switches", ("lifecycle.types", "lifecycle.errors", "lifecycle.env", "lifecycle.readiness",
-                              "lifecycle.dirty", "lifecycle.full_writes", "lifecycle.leases", "lifecycle.slots",
-                              "lifecycle.storage", "lifecycle.hooks")),
+    ("bookkeeping", "plain data, the errors, torch's private APIs (behind one module), and what is recorded per "
+     "backbone: readiness per epoch, dirty since the last refresh, layers owed a full write, write leases, tensor "
+     "slots, storage identities, hooks, the environment switches",
+     ("lifecycle.types", "lifecycle.errors", "lifecycle.torch_private", "lifecycle.env", "lifecycle.readiness",
+      "lifecycle.dirty", "lifecycle.full_writes", "lifecycle.leases", "lifecycle.slots", "lifecycle.storage",
+      "lifecycle.hooks")),
     ("audit output", "audit events bounded, routed and written (JSON lines), each lifecycle's numbered trail, and "
      "one stream per backbone name in each audit file",
      ("lifecycle.event_bounds", "lifecycle.event_sink", "lifecycle.events", "lifecycle.names",

@@ -82,7 +82,7 @@ def test_the_fixtures_and_helpers_a_test_reaches_bring_their_markers() -> None:
     """On the real suite, collected as pytest collects it: the failure tests start their engines in module
     fixtures (through `run_scenario`), the hostile-report tests reach Chromium through a helper of their own
     module, and a core test file reaches neither."""
-    files = ["tests/vllm/reload/test_vllm_failures.py", "tests/audit/test_report_hostile.py",
+    files = ["tests/vllm_plugin/reload/test_vllm_failures.py", "tests/audit/test_report_hostile.py",
              "tests/core/test_guards.py"]
     proc = subprocess.run([sys.executable, "-c", COLLECT, *files], capture_output=True, text=True, timeout=300,
                           cwd=ROOT)
@@ -94,7 +94,7 @@ def test_the_fixtures_and_helpers_a_test_reaches_bring_their_markers() -> None:
     for nodeid, names in marks.items():
         by_file.setdefault(nodeid.partition("::")[0], set()).add(names)
     settings_test = "test_a_bad_engine_wide_setting_stops_the_plugin_before_it_patches_anything"
-    failures = "tests/vllm/reload/test_vllm_failures.py"
+    failures = "tests/vllm_plugin/reload/test_vllm_failures.py"
     assert marks.pop(f"{failures}::{settings_test}") == {"vllm"}  # the one starting no engine
     assert {names for nodeid, names in marks.items() if nodeid.startswith(failures)} == {
         frozenset({"engine", "vllm", "slow"})}

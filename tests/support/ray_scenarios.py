@@ -1,4 +1,4 @@
-"""Engine scenarios under vLLM's Ray executors, for tests/vllm/online/test_vllm_ray.py, each in its own process:
+"""Engine scenarios under vLLM's Ray executors, for tests/vllm_plugin/online/test_vllm_ray.py, each in its own process:
 
     PYTHONPATH=.:tests python -m support.ray_scenarios SCENARIO WORKDIR ARG   -> prints one line: SCENARIO_RESULT {json}
 

@@ -1,5 +1,5 @@
 """The acceptance canary and the reload_lifecycle_* metrics on one offline engine (`LLM`), for
-tests/vllm/observability/test_vllm_canary.py (issue 26 items 3 and 4):
+tests/vllm_plugin/observability/test_vllm_canary.py (issue 26 items 3 and 4):
 
     PYTHONPATH=.:tests python -m support.vllm_canary_scenarios canary WORKDIR   -> prints one JSON line
 

@@ -1,5 +1,5 @@
-"""Engine failure scenarios for tests/vllm/reload/test_vllm_failures.py, one engine per scenario, every case on that
-engine:
+"""Engine failure scenarios for tests/vllm_plugin/reload/test_vllm_failures.py, one engine per scenario, every case on
+that engine:
 
     PYTHONPATH=.:tests python -m support.vllm_failure_scenarios SCENARIO WORKDIR   -> prints one JSON line
 

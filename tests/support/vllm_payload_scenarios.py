@@ -1,6 +1,6 @@
 """Every in-process draft family's reload payload checked from the headers alone (lifecycle/vllm/expected.py), for
-tests/vllm/reload/test_payload_headers_first.py: vLLM's own draft classes, cold-loaded by vLLM's loader, no engine
-(support/vllm_inprocess.py). One process:
+tests/vllm_plugin/reload/test_payload_headers_first.py: vLLM's own draft classes, cold-loaded by vLLM's loader, no
+engine (support/vllm_inprocess.py). One process:
 
     PYTHONPATH=.:tests python -m support.vllm_payload_scenarios families WORKDIR   -> prints one JSON line
 

@@ -1,5 +1,5 @@
-"""Engine scenarios for tests/vllm/reload/test_vllm_engine.py, each run in its own process (vLLM's global state is per
-process; several engines run one after the other inside one scenario):
+"""Engine scenarios for tests/vllm_plugin/reload/test_vllm_engine.py, each run in its own process (vLLM's global state
+is per process; several engines run one after the other inside one scenario):
 
     PYTHONPATH=.:tests python -m support.vllm_scenarios SCENARIO WORKDIR [FAMILY]   -> prints one JSON line
 

@@ -1,6 +1,6 @@
-"""Offline (`LLM` + vLLM's weight-transfer session) scenarios for tests/vllm/online/test_vllm_sessions.py: the same
-session semantics as the online server (a refused finish, an abandoned push, the takeover setting), the draft in the
-weight checker on both weight layouts, and the trainer's `weight_version` in the audit. One process, two engines one
+"""Offline (`LLM` + vLLM's weight-transfer session) scenarios for tests/vllm_plugin/online/test_vllm_sessions.py: the
+same session semantics as the online server (a refused finish, an abandoned push, the takeover setting), the draft in
+the weight checker on both weight layouts, and the trainer's `weight_version` in the audit. One process, two engines one
 after the other (the CPU layout, then the GPU layout):
 
     PYTHONPATH=.:tests python -m support.vllm_session_scenarios offline WORKDIR   -> prints one JSON line

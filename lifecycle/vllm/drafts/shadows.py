@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ...derived import DerivedSpec
+from ...torch_private import own_buffers
 from .families import SHADOW, VLLMModule
 from .quantized import checkpoint_layout_readable, quantized_fallback
 
@@ -102,8 +103,8 @@ def shadow_bytes_apart(backbone: DraftBackbone) -> int:
     """Bytes of the storages behind the backbone's K/V shadows that are not one of its derived buffers' storage:
     what the shadows cost beyond stock vLLM's own fused buffers (0 when they are views of the buffer, or absent)."""
     derived = {t.untyped_storage().data_ptr() for n in backbone.derived_buffer_names()
-               if isinstance(t := backbone._buffers.get(n), torch.Tensor) and not t.is_meta}
+               if isinstance(t := own_buffers(backbone).get(n), torch.Tensor) and not t.is_meta}
     apart = {s.data_ptr(): s.nbytes() for m in backbone.modules()
-             if isinstance(t := m._buffers.get(SHADOW), torch.Tensor) and not t.is_meta
+             if isinstance(t := own_buffers(m).get(SHADOW), torch.Tensor) and not t.is_meta
              and (s := t.untyped_storage()).data_ptr() not in derived}
     return sum(apart.values())

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ...errors import FrozenStructureError, IncompleteCheckpointError
+from ...torch_private import own_parameters
 from .families import OptionalModule, VLLMDraftFamily
 from .families import family as family_named
 from .own_heads import declare_own_heads
@@ -67,7 +68,7 @@ class DraftStructure:
             entries: list[tuple[str, nn.Module, str]] = []
             if isinstance(obj, nn.Module):
                 for mod_name, mod in obj.named_modules():
-                    for leaf, t in mod._parameters.items():
+                    for leaf, t in own_parameters(mod).items():
                         if t is not None:
                             full = ".".join(p for p in (m.path, mod_name, leaf) if p)
                             entries.append((full.removeprefix(inner_prefix), mod, leaf))

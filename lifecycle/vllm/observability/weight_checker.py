@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ...derived import DerivedSpec, resolve_tensor
+from ...torch_private import own_buffers, own_parameters
 from ..drafts.owners import VLLMDraftBackbone, backbones_in, draft_model_of, owner_of, shared_modules
 
 __all__ = ["DERIVED_PREFIX", "DIFFERS", "DRAFT_PREFIX", "EQUAL", "NOT_BUILT", "NOT_SERVING",
@@ -77,7 +78,7 @@ def record_before_processing(layer: nn.Module, shadow: tuple[str, torch.Tensor] 
         return
     runtime = owner[0].lifecycle_runtime
     runtime.digests_before_processing[layer] = {
-        name: digest(p) for name, p in layer._parameters.items()
+        name: digest(p) for name, p in own_parameters(layer).items()
         if p is not None and not p.is_meta and p.device.type == "cpu" and p.numel() > 0}
     if shadow is not None:
         runtime.captured_digests.setdefault(layer, {})[shadow[0]] = digest(shadow[1])
@@ -105,7 +106,7 @@ def draft_checksums(draft: nn.Module) -> dict[str, str]:
             tracked.update(f"{path}.{n}" if path else n for n in module.lifecycle.specs)
     out: dict[str, str] = {}
     for path, module in draft.named_modules():
-        for name, p in module._parameters.items():
+        for name, p in own_parameters(module).items():
             full = f"{path}.{name}" if path else name
             if p is None or full not in tracked or full.startswith(shared) or DRAFT_PREFIX + full in out:
                 continue
@@ -125,7 +126,7 @@ def derived_verdicts(backbone: VLLMDraftBackbone) -> dict[str, str]:
     specs = {s.name: s for s in backbone.derived_buffers}
     out = {}
     for name in names:
-        live = backbone._buffers.get(name)
+        live = own_buffers(backbone).get(name)
         if live is None or live.is_meta:
             out[name] = NOT_BUILT
             continue

@@ -17,6 +17,7 @@ from typing import Any
 from ...errors import MESSAGE_ITEMS_CAP
 from ...events import host_name
 from ...storage import StorageIdentity
+from ...torch_private import own_buffers
 from ...types import capped
 from ..drafts.owners import VLLMDraftBackbone, backbones_in, draft_model_of
 from ..reload.epoch import entered
@@ -60,7 +61,7 @@ class ReloadRPCs:
             lc = b.lifecycle
             derived = {}
             for name in b.derived_buffer_names():
-                t = b._buffers.get(name)
+                t = own_buffers(b).get(name)
                 derived[name] = None if t is None else StorageIdentity.of(t).as_log()
             out.append({
                 "role": role, "backbone": lc.name, "rank": lc.rank, "node": node, "state": lc.state.value,
@@ -112,7 +113,7 @@ class ReloadRPCs:
         for _, b in self._lifecycle_backbones():
             digests = {}
             for name in b.derived_buffer_names():
-                t = b._buffers.get(name)
+                t = own_buffers(b).get(name)
                 digests[name] = "none" if t is None else hashlib.sha256(
                     t.detach().contiguous().cpu().view(-1).view(dtype=_byte_dtype()).numpy().tobytes()).hexdigest()
             out[b.lifecycle.name] = digests

@@ -29,6 +29,7 @@ from torch import nn
 
 from ...errors import LayersNotReadyError
 from ...events import LIST_CAP
+from ...torch_private import non_persistent_buffers
 from ...types import capped
 from ...types import describe_error as describe
 from .. import settings
@@ -116,7 +117,7 @@ def begin(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: 
     if reload_in_progress(model):  # the last reload never reached finalize
         fail(model, "abandoned: a new reload began before the previous one was finalized")
     # what vLLM's initialize moves to META and back: its buffers' persistence, for an interrupted one
-    WORKER.initializing = {m: set(m._non_persistent_buffers_set) for m in model.modules()}
+    WORKER.initializing = {m: set(non_persistent_buffers(m)) for m in model.modules()}
     for m in WORKER.initializing:
         WORKER.touched.discard(m)
     with entered(model, "initialize_layerwise_reload"):

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ...errors import raise_unheld
+from ...torch_private import own_parameters
 from ..drafts.families import SHADOW
 from ..drafts.owners import VLLMDraftBackbone
 from ..drafts.processing import guard_processing
@@ -71,7 +72,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         self.init_lifecycle(name, rank=rank, tensors=tracked)
         owned: list[nn.Module] = []
         for mod_name, module in self.named_modules():
-            names = [f"{mod_name}.{leaf}" if mod_name else leaf for leaf in module._parameters]
+            names = [f"{mod_name}.{leaf}" if mod_name else leaf for leaf in own_parameters(module)]
             names = [n for n in names if n in tracked]
             if names:
                 self.lifecycle_runtime.owned[module] = names
@@ -91,7 +92,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         out = set()
         for name in super().meta_or_absent():
             module, leaf = self._tensor_slots.get(name, (None, ""))
-            if module is None or leaf not in module._parameters or module._parameters[leaf] is not None:
+            if module is None or leaf not in own_parameters(module) or own_parameters(module)[leaf] is not None:
                 out.add(name)
         return out
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ...torch_private import own_buffers, own_parameters
 from ..drafts.owners import VLLMDraftBackbone, backbones_in, owner_of
 from ..drafts.runtime import WORKER
 from .shards import missing_parts
@@ -99,7 +100,7 @@ def _not_fillable(module: nn.Module, info: Any) -> str | None:
     if quant is not None and not isinstance(quant, UnquantizedLinearMethod):
         return f"its quant method {type(quant).__name__} keeps a processed layout, not the checkpoint's"
     params, buffers = info.kernel_tensors
-    for name, placeholder in {**module._parameters, **module._buffers}.items():
+    for name, placeholder in {**own_parameters(module), **own_buffers(module)}.items():
         kept = params.get(name, buffers.get(name))
         if placeholder is None or kept is None:
             continue

@@ -1,7 +1,7 @@
 """The reload_lifecycle_* metrics and the acceptance canary ONLINE: a real `vllm serve` (support/vllm_server.py) with
 the plugin's stat logger (the `vllm.stat_logger_plugins` entry point, loaded by vLLM in the API-server process), its
 `/metrics` parsed with prometheus_client's own parser, driven over HTTP by a plain client (support/rl_client.py).
-Issue 26 items 3 and 4; the offline engine's are tests/vllm/observability/test_vllm_canary.py.
+Issue 26 items 3 and 4; the offline engine's are tests/vllm_plugin/observability/test_vllm_canary.py.
 
 One server for the module, on the controlled pair of the offline test (support/vllm_canary_scenarios.py): target Z
 (emits token 0 for every input) with draft Z (proposes token 0: always accepted); draft B's proposals are rejected.

@@ -1,7 +1,7 @@
 """Supported vLLM by what it has: every name the plugin relies on is data (patch points, engine names, family
 declarations), checked against vLLM's sources at activation. These tests read the installed vLLM's files (no vLLM
-import, no engine); `tests/vllm/compat/test_vllm_compat.py` (`make compat`) runs the same check on the vLLM 0.33.0
-wheel."""
+import, no engine); `tests/vllm_plugin/compat/test_vllm_compat.py` (`make compat`) runs the same check on the vLLM
+0.33.0 wheel."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """vLLM's weight-update session kept in step with the draft's reload epoch, offline: an `LLM` driven through vLLM's
 own RL calls (`start_draft_weight_update`, `update_weights`, `finish_weight_update(weight_version=...)`), as a
-colocated trainer drives it (issue 24 items 9-10; tests/vllm/online/test_vllm_online.py drives the same over HTTP). Also
-the draft in vLLM's weight checker on both weight layouts (issue 26 item 2) and the trainer's `weight_version` in the
-audit (item 5). One scenario process (support/vllm_session_scenarios.py): an engine on the CPU layout, then one on
-the GPU layout.
+colocated trainer drives it (issue 24 items 9-10; tests/vllm_plugin/online/test_vllm_online.py drives the same over
+HTTP). Also the draft in vLLM's weight checker on both weight layouts (issue 26 item 2) and the trainer's
+`weight_version` in the audit (item 5). One scenario process (support/vllm_session_scenarios.py): an engine on the CPU
+layout, then one on the GPU layout.
 """
 
 from __future__ import annotations

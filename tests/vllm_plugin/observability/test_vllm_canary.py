@@ -4,7 +4,7 @@ One engine for the module (tests/support/vllm_canary_scenarios.py): target Z, wh
 served with draft Z (proposes token 0: always accepted) and, after a bad push, draft B (its proposals are
 rejected). Phases: cold, a good push, a bad push, the good draft again, a refused push (quarantined), a corrected
 push, one more push. The metrics are the process's Prometheus registry (what `/metrics` serves online; online:
-tests/vllm/observability/test_vllm_online_metrics.py), parsed with prometheus_client's own parser.
+tests/vllm_plugin/observability/test_vllm_online_metrics.py), parsed with prometheus_client's own parser.
 """
 
 from __future__ import annotations

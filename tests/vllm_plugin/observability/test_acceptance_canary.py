@@ -1,6 +1,7 @@
 """The acceptance canary's bookkeeping (lifecycle.vllm.observability.canary) and its thresholds
-(lifecycle.vllm.settings), without an engine. The live-engine tests are tests/vllm/observability/test_vllm_canary.py
-(offline) and tests/vllm/observability/test_vllm_online_metrics.py."""
+(lifecycle.vllm.settings), without an engine. The live-engine tests are
+tests/vllm_plugin/observability/test_vllm_canary.py (offline) and
+tests/vllm_plugin/observability/test_vllm_online_metrics.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The plugin's multi-node parts that need no engine: its switches reach Ray's workers, the node probe runs where
 this package is missing, and the refusal names each node and why. (The same, under real Ray engines:
-tests/vllm/online/test_vllm_ray.py.)"""
+tests/vllm_plugin/online/test_vllm_ray.py.)"""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ with "'Parameter' object has no attribute 'weight_loader'", the complete retry i
 per tensor and per shard: an incomplete payload is refused naming the shard (partial='refuse'; also 'keep' on the
 CPU layout, whose repack leaves no checkpoint rows to complete from), or with partial='keep' on the GPU layout
 completed with the last values; a complete retry loads. In-process (tests/support/vllm_shard_scenarios.py), one
-process for every case; the engine-level case is in tests/vllm/reload/test_vllm_failures.py.
+process for every case; the engine-level case is in tests/vllm_plugin/reload/test_vllm_failures.py.
 """
 
 from __future__ import annotations
