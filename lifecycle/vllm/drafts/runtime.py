@@ -60,6 +60,8 @@ class DraftRuntime:
     reload_partial: PartialPolicy | None = None
     #: entry points into the draft's weights being run now (`reload.epoch.entered`): only the outermost acts
     entries: int = 0
+    #: the innermost entry point a failure in progress left (what its reason names)
+    failed_in: str | None = None
     #: how the last epoch that failed ended: "rolled back" (exactly, serving again) or "quarantined"
     last_outcome: str | None = None
     # ---- serving and observability ----------------------------------------------------------------------------

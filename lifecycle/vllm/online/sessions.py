@@ -39,7 +39,7 @@ from typing import Any
 from ..compat.patching import write_private
 from ..drafts.owners import backbones_in, draft_model_of
 from ..drafts.runtime import WORKER
-from ..reload.epoch import QUARANTINED, describe, entered, fail
+from ..reload.epoch import OUTCOME_QUARANTINED, describe, entered, fail
 from ..settings import TAKEOVER_IDLE_ENV, takeover_idle_s  # the setting's record: settings.TAKEOVER_IDLE
 
 __all__ = ["LIFECYCLE_KW", "REFUSED", "TAKEOVER_IDLE_ENV", "Session", "WeightUpdateRefused", "note_weight_version",
@@ -109,7 +109,7 @@ def _left(draft: Any) -> str:
     """What an ended draft session left, for the trainer's message."""
     drafts = backbones_in(draft) if draft is not None else []
     if drafts and all(b.lifecycle.usable for b in drafts) \
-            and all(b.lifecycle_runtime.last_outcome != QUARANTINED for b in drafts):
+            and all(b.lifecycle_runtime.last_outcome != OUTCOME_QUARANTINED for b in drafts):
         return _ROLLED_BACK
     return _QUARANTINED
 

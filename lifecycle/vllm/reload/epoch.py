@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from ..settings import PartialPolicy
 
 __all__ = [
-    "QUARANTINED",
-    "ROLLED_BACK",
+    "OUTCOME_QUARANTINED",
+    "OUTCOME_ROLLED_BACK",
     "Entry",
     "begin",
     "begin_implicit",
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 #: How a failed epoch ended (`DraftRuntime.last_outcome`).
-ROLLED_BACK, QUARANTINED = "rolled back", "quarantined"
+OUTCOME_ROLLED_BACK, OUTCOME_QUARANTINED = "rolled back", "quarantined"
 
 
 @dataclass
@@ -78,12 +78,16 @@ def entered(model: Any, entry: str) -> Iterator[Entry]:
     try:
         yield here
     except BaseException as e:  # an interrupt too: no module may stay on META, no epoch stays open
+        for r in runtimes:  # the innermost entry the failure left first: the reason names where it happened
+            r.failed_in = r.failed_in or entry
         if here.outermost and (reload_in_progress(model) or any(d.reload_open for d in drafts)):
-            here.outcome = fail(model, f"{entry} failed: {describe(e)}")
+            here.outcome = fail(model, f"{runtimes[0].failed_in or entry} failed: {describe(e)}")
         raise
     finally:
         for r in runtimes:
             r.entries -= 1
+            if not r.entries:
+                r.failed_in = None
 
 
 def fail(model: nn.Module, reason: str) -> str | None:
@@ -103,7 +107,7 @@ def fail(model: nn.Module, reason: str) -> str | None:
         lc.abort_reload(reason, rollback=(lambda: ()) if exact else None)
         if exact and lc.recovery_blocker is None:
             lc.recover()
-        outcome = ROLLED_BACK if lc.usable else QUARANTINED
+        outcome = OUTCOME_ROLLED_BACK if lc.usable else OUTCOME_QUARANTINED
         backbone.lifecycle_runtime.last_outcome = outcome
     return outcome
 
@@ -197,7 +201,7 @@ def finish_epoch(backbone: VLLMDraftBackbone, outcome: PartialOutcome | None = N
         # fail closed: the draft keeps its last good derived buffers and refuses to run until a good reload
         if lc.can("abort_reload"):
             lc.abort_reload(f"{type(e).__name__}: {getattr(e, 'reason', e)}")
-            backbone.lifecycle_runtime.last_outcome = QUARANTINED
+            backbone.lifecycle_runtime.last_outcome = OUTCOME_QUARANTINED
         raise
 
 
