@@ -96,9 +96,13 @@ def fail(model: nn.Module, reason: str) -> str | None:
     mid-reload. Idempotent."""
     # what an interrupted `initialize_layerwise_reload` left half-way is put back with its buffers' persistence
     non_persistent, WORKER.initializing = WORKER.initializing, None
-    written = unwind(model, non_persistent=non_persistent)
+    drafts = backbones_in(model)
+    # an entry through the inner model (a trainer's own write) unwinds the whole draft: an implicit reload also put
+    # the modules the ForCausalLM holds (lm_head, d2t) in vLLM's reload
+    outer = drafts[0].lifecycle_runtime.outer() if len(drafts) == 1 and drafts[0] is model else None
+    written = unwind(outer if outer is not None else model, non_persistent=non_persistent)
     outcome = None
-    for backbone in backbones_in(model):
+    for backbone in drafts:
         backbone.lifecycle_runtime.reload_partial = None
         lc = backbone.lifecycle
         if not lc.can("abort_reload"):
@@ -134,17 +138,26 @@ def begin(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: 
     return result
 
 
-def begin_implicit(backbone: VLLMDraftBackbone, cause: str, *, layerwise: bool = True) -> None:
+def begin_implicit(backbone: VLLMDraftBackbone, cause: str, *, layerwise: bool = True,
+                   inner_only: bool = False) -> None:
     """A write is about to reach a usable or quarantined draft outside any epoch: audited (`implicit_reload`),
     an epoch begins, and (with `layerwise`) vLLM's layerwise reload starts on the draft's own modules (never on
     those it shares with the target, which keeps serving meanwhile). Until the epoch finishes the draft does not
-    draft."""
-    lc = backbone.lifecycle
+    draft. `inner_only`: the write goes through the inner model, which cannot reach the tensors its ForCausalLM holds
+    (an own lm_head, d2t): they stay out of the reload and count as unchanged."""
+    lc, runtime = backbone.lifecycle, backbone.lifecycle_runtime
     lc.audit_event("implicit_reload", cause=cause, from_state=lc.state.value)
     backbone.begin_reload()
+    roots = runtime.roots
+    if inner_only:
+        inside = {id(m) for m in backbone.modules()}
+        held_outside = [n for n in runtime.structure.outer_slots() if n in lc.specs]
+        if held_outside:
+            backbone.weights_unchanged(held_outside)
+        roots = [r for r in roots if id(r) in inside]
     if layerwise:
         initialize = layerwise_function("initialize_layerwise_reload")
-        for module in backbone.lifecycle_runtime.roots:
+        for module in roots:
             initialize(module)
 
 

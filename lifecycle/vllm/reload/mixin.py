@@ -115,7 +115,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         return super().precompute_and_store_context_kv(*args, **kwargs)  # type: ignore[misc]  # not in a base mypy sees
 
     # ---- driven by the draft's load_weights and the patched vLLM entry points -------------------------------
-    def before_write(self, cause: str = IMPLICIT_CAUSE) -> None:
+    def before_write(self, cause: str = IMPLICIT_CAUSE, *, inner_only: bool = False) -> None:
         """A `load_weights` call is about to write. After a completed load (and outside a reload vLLM began),
         that write begins a reload epoch, audited, and starts vLLM's layerwise reload on the modules holding the
         draft's own checkpoint tensors (not on those it shares with the target, which keeps serving meanwhile).
@@ -125,7 +125,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
             refusal, runtime.structure_refusal = runtime.structure_refusal, None
             raise_unheld(lc.record_refusal("weights_loaded", refusal))
         if lc.usable or lc.quarantined:
-            begin_implicit(self, cause)
+            begin_implicit(self, cause, inner_only=inner_only)
 
     def after_write(self) -> None:
         """A `load_weights` call wrote. During the cold load (epoch 0): the tensors it wrote count as loaded."""
