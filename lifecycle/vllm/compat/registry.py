@@ -159,6 +159,10 @@ PATCHES: tuple[Patch, ...] = (
     *(_reads(_SPEC_METRICS, f"SpecDecodingStats.{n}", "observability.front_view")
       for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
                 "num_draft_tokens_per_pos")),
+    # ---- entry: the worker RPCs join any worker extension -----------------------------------------------------------
+    _wraps("vllm.v1.worker.worker_base", "WorkerWrapperBase.init_worker", "worker:wrap_init_worker",
+           "the lifecycle's worker RPCs join whatever worker_extension_cls the engine has (a trainer's own): the "
+           "worker class gets LifecycleWorkerExtension among its bases unless it has it", "worker"),
     # ---- plugin: every Ray node runs the plugin ----------------------------------------------------------------------
     _wraps("vllm.v1.executor.abstract", "Executor.__init__", "plugin.nodes:wrap_executor_init",
            "a Ray executor checks that every worker's node runs the plugin", "plugin.nodes"),
