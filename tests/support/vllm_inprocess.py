@@ -102,6 +102,13 @@ CASES: dict[str, DraftCase] = {
         "max_position_embeddings": 256, "torch_dtype": "float32", "tie_word_embeddings": False,
         "target_layer_ids": [0, 1], "markov_rank": 16, "block_size": 4,
     }, _split_fused),
+    # served with method="dflash" (vLLM keeps its architecture name); the correlator head on DFlash's layers
+    "lilicorr": DraftCase("lilicorr", "dflash", {
+        **_BASE, "architectures": ["LiLiCorrDraftModel"],
+        "dflash_config": {**_BASE["dflash_config"], "lilicorr_enabled": True, "lilicorr_hidden_size": 0,
+                          "lilicorr_candidate_topk": 2, "lilicorr_num_heads": 2, "lilicorr_mlp_ratio": 2,
+                          "lilicorr_factor_dim": 16, "lilicorr_vector_eps": 1e-6, "lilicorr_logit_scale": 8.0,
+                          "lilicorr_num_layers": 1, "block_size": 4}}, _split_fused),
     "kimi_k3_dspark": DraftCase("kimi_k3_dspark", "dspark", {
         "model_type": "k3_dspark", "architectures": ["K3DSparkModel"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
         "intermediate_size": INTER, "num_hidden_layers": 2, "num_attention_heads": HEADS,
@@ -121,7 +128,7 @@ HEAD = {"enable_confidence_head": True, "confidence_head_with_markov": True}
 _REDUCED = {"draft_vocab_size": VOCAB // 2}
 STRUCTURE: dict[str, dict[str, Any]] = {
     "dflash": _REDUCED, "dflash2": _REDUCED, "laguna_dflash": {}, "qwen3_dspark": {**HEAD, **_REDUCED},
-    "gemma4_dspark": HEAD, "kimi_k3_dspark": HEAD,
+    "gemma4_dspark": HEAD, "kimi_k3_dspark": HEAD, "lilicorr": {},
 }
 
 

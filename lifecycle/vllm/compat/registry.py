@@ -66,6 +66,12 @@ PATCHES: tuple[Patch, ...] = (
           "per tracked draft parameter (plain torch Parameters carry it as an attribute, vLLM's behind this "
           "property): a direct call outside every load_weights begins an epoch; the draft does not draft until it "
           "finishes", "reload.writes"),
+    Patch(WRAPS_INSTANCE, "vllm.model_executor.models.lilicorr", "LiLiCorrHead.materialize_inference_buffers",
+          "LiLiCorr's correlator head: its derived tensors are the draft's buffers, refreshed in place; vLLM's call at "
+          "the end of every load_weights points the head at them instead of building new ones", "drafts.submodules"),
+    Patch(WRITES, "vllm.model_executor.layers.linear", "layer._cpu_skip_gemm_dispatch",
+          "on CPU the linears a submodule's buffers read keep their weight in checkpoint layout (vLLM's own flag for "
+          "MLA's kv_b_proj: F.linear instead of a oneDNN repack that empties the weight)", "drafts.submodules"),
     Patch(SWAPS_CLASS, "vllm.model_executor.models", "inner_model.__class__",
           "each family's inner draft model (its `inner` class, checked with the family) gets the lifecycle mixin",
           "reload.classes"),

@@ -82,6 +82,7 @@ def requirements(version: str | None = None) -> list[Requirement]:
         reqs += [Requirement(READS, fam.module, f"{fam.inner}.{a}", who, fam.builders) for a in sorted(fam.reads)]
         reqs.append(Requirement(SETS_ONLY, fam.module, fam.inner, who, fam.builders))
         reqs += _structure_requirements(fam, who)
+        reqs += _found_requirements(fam, who)
     return reqs
 
 
@@ -115,6 +116,24 @@ def _structure_requirements(fam: VLLMDraftFamily, who: str) -> list[Requirement]
     return reqs
 
 
+def _found_requirements(fam: VLLMDraftFamily, who: str) -> list[Requirement]:
+    """What the family's other declarations name: the package vLLM's registry dispatches through, each loader
+    copy's generator and module, each submodule's class, builder (setting only what the family binds) and the
+    methods its buffers call."""
+    reqs: list[Requirement] = []
+    if fam.dispatched_by:
+        reqs.append(Requirement(NAME, fam.dispatched_by, fam.causal_lm, who))
+    for c in fam.duplicated:
+        reqs += [Requirement(NAME, fam.module, c.function, who),
+                 Requirement(ATTRIBUTE, fam.module, f"{fam.inner}.{c.module}", who)]
+    for b in fam.submodule_buffers:
+        reqs += [Requirement(METHOD, fam.module, f"{b.cls}.{m}", who) for m in (b.builder, *b.uses)]
+        reqs += [Requirement(SETS, fam.module, f"{b.cls}.{a}", who, (b.builder,)) for a in sorted(b.binds)]
+        reqs += [Requirement(ATTRIBUTE, fam.module, f"{b.cls}.{linear}", who) for linear in b.keep_layout]
+        reqs.append(Requirement(SETS_ONLY, fam.module, b.cls, who, (b.builder,)))
+    return reqs
+
+
 def missing(read: Reader, reqs: Iterable[Requirement]) -> list[str]:
     """One line per requirement the sources do not meet, naming the full dotted name and who needs it."""
     index = SourceIndex(read)
@@ -144,7 +163,9 @@ def _problem(index: SourceIndex, r: Requirement, fam: VLLMDraftFamily | None) ->
         return None
     if r.kind == MENTIONS:
         attr = r.name.rpartition(".")[2]
-        return None if attr in index.attribute_names(r.module) else f"{attr} no longer set or read there"
+        tree = index.tree(r.module)
+        named = index.attribute_names(r.module) | (index.strings(tree) if tree is not None else set())
+        return None if attr in named else f"{attr} no longer set or read there"  # `x.attr` or getattr(x, "attr")
     cls_name, _, attr = r.name.partition(".")
     if r.kind == NAME and not attr and index.binding(r.module, cls_name) is None:
         return f"class {cls_name} not found" if cls_name[:1].isupper() else "name not found"
@@ -169,7 +190,11 @@ def _problem(index: SourceIndex, r: Requirement, fam: VLLMDraftFamily | None) ->
         return None if attr in assigned else "no longer set by vLLM's builder"
     if r.kind == READS:
         return None if attr in accessed else "no longer read by vLLM's builder"
-    extra = sorted(assigned - fam.sets) if fam is not None else []
+    if fam is None:
+        return None
+    declared = fam.sets if cls_name == fam.inner else frozenset(
+        a for b in fam.submodule_buffers if b.cls == cls_name for a in b.binds)
+    extra = sorted(assigned - declared)
     return f"vLLM's builder also sets {', '.join(extra)}, which the declaration lacks" if extra else None
 
 
