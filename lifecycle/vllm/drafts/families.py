@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ...derived import DerivedSpec, alias, concat, custom, stack
-from ..compat.derived_scan import BARE_WRITE, DERIVED, NON_PERSISTENT
+from ..compat.derived_scan import DERIVED, NON_PERSISTENT
 from .declarations import (
     CONFIDENCE_HEAD,
     CONFIDENCE_HEAD_DROPPED,
@@ -318,7 +318,7 @@ _STRUCTURE: dict[str, dict[str, Any]] = {
 
 #: vLLM 0.32's DeepSeek-V4 drafts write each layer's attention sink by hand (`params_dict[name][:n].copy_(...)`,
 #: vLLM #57800); 0.33 loads it through the parameter's weight loader
-_ATTN_SINK = HandWrite("attn_sink", "layers.*.attn.attn_sink")
+_ATTN_SINK = HandWrite("attn_sink", "layers.*.attn.attn_sink", until="0.32")
 _ZERO_MASK = "a constant zero placeholder: no load writes it (`has_separate_mask_embedding` stays False)"
 #: Per family, what else vLLM's sources show it keeps besides what its builders set (`plugin.drift` finds each):
 #: findings that are no derived state the lifecycle owns, modules its loader fills from every layer, hand writes.
@@ -334,16 +334,33 @@ _FOUND: dict[str, dict[str, Any]] = {
     "qwen3_xpress": {"accounted": (
         Accounted("XPressRefinerHead", "_fused_buf", DERIVED, "the refiner head's transposed copies, rebuilt by "
                   "`build_fused_buffers` at the end of every load_weights call (whole calls only), stay vLLM's",
-                  derived=True),
-        Accounted("XPressRefinerHead", "mix_L", BARE_WRITE, "folded from the call's `xpress_head.mix.L` by "
-                  "`fold_from_raw_` in every call (whole calls only); vLLM's, not a checkpoint tensor the lifecycle "
-                  "tracks by name", derived=True))},
+                  derived=True),),
+        # folded from the call's raw `xpress_head.mix.L` by `fold_from_raw_`, a bare copy_ into the parameter
+        "written_by_hand": (HandWrite("mix.L", "xpress_head.mix_L"),)},
     "deepseek_v4_dspark": {"duplicated": (LoaderCopy("context_wkv_proj", "_duplicate_context_wkv_weights",
                                                      "mtp.{i}.attn.wkv", "layers.{i}.attn.fused_wqa_wkv"),),
                            "written_by_hand": (_ATTN_SINK,)},
     "deepseek_v41_dspark": {"written_by_hand": (_ATTN_SINK,)},
 }
-FAMILIES = tuple(replace(f, **_STRUCTURE.get(f.name, {}), **_FOUND.get(f.name, {})) for f in FAMILIES)
+#: How the CPU build exercises each family (docs/vllm.md's table; tests/project/test_docs.py checks the in-process
+#: ones against the suite's lists): "live engine" (tests/vllm_plugin/reload/test_vllm_engine.py), "in-process"
+#: (vLLM's classes without an engine), or nothing: by sources only.
+_IN_PROCESS = "in-process: every path x both layouts"
+_TESTED_HERE = {
+    "dflash": "live engine: every path x both layouts, (a)-(d); TP=2: every path",
+    "laguna_dflash": "live engine: every path, CPU layout, (a)-(c); (d) not comparable: stock vLLM's Laguna draft "
+                     "proposes differently between two generate calls with the same weights on CPU",
+    "qwen3_dspark": _IN_PROCESS, "gemma4_dspark": _IN_PROCESS, "dflash2": _IN_PROCESS,
+    "kimi_k3_dspark": f"{_IN_PROCESS}; `_context_kv_norm_weights` refreshed in place (stock vLLM leaves draft A's "
+                      "norms after a reload)",
+    "lilicorr": "in-process: every whole-checkpoint path x both layouts (its load_weights refuses a bucket)",
+    "deepseek_v4_dspark": "by sources: vLLM's CPU class is a stub that raises, and its CUDA class does not construct "
+                          "on CPU (`torch.cuda.Event()` in `DeepseekV4Attention.__init__`)",
+    "deepseek_v41_dspark": "by sources: vLLM picks its CUDA class on CPU too, which does not construct here "
+                           "(`torch.cuda.Event()` in its attention, as V4's)",
+}
+FAMILIES = tuple(replace(f, **_STRUCTURE.get(f.name, {}), **_FOUND.get(f.name, {}),
+                         tested_here=_TESTED_HERE.get(f.name, "")) for f in FAMILIES)
 
 
 def family(name: str) -> VLLMDraftFamily:

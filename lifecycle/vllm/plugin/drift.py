@@ -69,7 +69,7 @@ def drift(read: Reader, version: str) -> list[str]:
                             f"nor listed as deriving nothing ({_LISTING_FILE}); its sources show: {shown}")
         else:
             for f in findings:
-                if not _accounts(index, found, f):
+                if not _accounts(index, found, f, series_tuple(version)):
                     lacking.setdefault(f, []).append(f"{_label(found)} ({arch})")
             if isinstance(found, VLLMDraftFamily):
                 problems += _duplications_gone(found, findings)
@@ -94,7 +94,8 @@ def _mapping_problem(index: SourceIndex, registry: dict[str, tuple[str, str]], a
     return []
 
 
-def _accounts(index: SourceIndex, decl: VLLMDraftFamily | UnderivedDraft, f: Finding) -> bool:
+def _accounts(index: SourceIndex, decl: VLLMDraftFamily | UnderivedDraft, f: Finding,
+              series: tuple[int, int] | None) -> bool:
     if any(_matches(a, f) for a in decl.accounted):
         return True
     if not isinstance(decl, VLLMDraftFamily):
@@ -102,7 +103,8 @@ def _accounts(index: SourceIndex, decl: VLLMDraftFamily | UnderivedDraft, f: Fin
     if f.rule == DUPLICATED:
         return any(c.function == f.owner and c.module == f.attribute for c in decl.duplicated)
     if f.rule == BARE_WRITE:
-        return any(f.attribute in (w.name, w.tensor.rpartition(".")[2]) for w in decl.written_by_hand)
+        return any(f.attribute in (w.name, w.tensor.rpartition(".")[2]) and w.applies(series)
+                   for w in decl.written_by_hand)
     if any(f.owner == b.cls and f.attribute in b.binds for b in decl.submodule_buffers):
         return True
     return f.attribute in decl.sets and f.owner in _inner_classes(index, decl)
