@@ -26,9 +26,10 @@ import torch
 
 from lifecycle.loading import write_checkpoint
 from lifecycle.vllm.demo.tiny import ENGINE_ENV, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB
+from lifecycle.vllm.drafts.families import family
 
-__all__ = ["CASES", "HEAD", "STRUCTURE", "DraftCase", "build", "build_target", "gpu_weight_layout", "make_draft",
-           "memory", "setup", "share_target"]
+__all__ = ["CASES", "HEAD", "LISTED_CASES", "STRUCTURE", "DraftCase", "build", "build_target", "gpu_weight_layout",
+           "make_draft", "memory", "setup", "share_target"]
 
 ENV = {**ENGINE_ENV, "VLLM_KIMI_K3_GEMM_AR": "0"}
 
@@ -45,7 +46,7 @@ class DraftCase:
     """A tiny draft of one family: its config, the speculative method that serves it, how its checkpoint names
     relate to vLLM's parameter names."""
 
-    family: str  # lifecycle.vllm.drafts.families name
+    family: str  # lifecycle.vllm.drafts.families name (or a drafts.underived name: vLLM's own class serves it)
     method: str  # speculative_config["method"]
     config: dict[str, Any]
     split: Callable[[str, torch.Tensor, Any], list[tuple[str, torch.Tensor]]] | None = None  # vLLM name -> ckpt
@@ -118,6 +119,18 @@ CASES: dict[str, DraftCase] = {
         "target_layer_ids": [0, 1], "markov_rank": 16, "block_size": 4, "tie_word_embeddings": False,
         "first_k_dense_replace": 2, "n_routed_experts": 0,
     }, _split_fused, cpu_fixups=("kv_b_proj",)),
+}
+
+
+#: Drafts the plugin leaves to vLLM (`lifecycle.vllm.drafts.underived`: they derive nothing), that this CPU build
+#: constructs: their reload is vLLM's own layerwise reload.
+LISTED_CASES: dict[str, DraftCase] = {
+    "eagle3_qwen3": DraftCase("eagle3_qwen3", "eagle3", {
+        **_BASE, "architectures": ["Eagle3Qwen3ForCausalLM"], "num_hidden_layers": 1, "draft_vocab_size": VOCAB},
+        _split_fused, drop=("embed_tokens.",)),
+    "eagle_llama": DraftCase("eagle_llama", "eagle", {
+        **_BASE, "model_type": "llama", "architectures": ["EagleLlamaForCausalLM"], "num_hidden_layers": 1},
+        _split_fused, drop=("embed_tokens.", "lm_head.")),
 }
 
 
@@ -196,19 +209,14 @@ def build(case: DraftCase, draft_dir: Path, target_dir: Path | None = None, *, s
     """The family's draft, cold-loaded from `draft_dir` by vLLM's loader (`load=False`: constructed only;
     `load_format="dummy"`: vLLM's random values, `draft_dir` gives the config only). `stock=True`: vLLM's own
     class, not the lifecycle-enabled one. The returned model has `.vllm_config`."""
-    import importlib
-
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from lifecycle.vllm.drafts.families import family
-
     cfg = _config(case, draft_dir, target_dir)
     cfg.load_config.load_format = load_format
     draft_config = cfg.speculative_config.draft_model_config
-    fam = family(case.family)
-    model_class = getattr(importlib.import_module(fam.module), fam.causal_lm) if stock else None
+    model_class = _vllm_class(case.family) if stock else None
     loader = get_model_loader(cfg.load_config)
 
     def create_model(vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
@@ -228,6 +236,18 @@ def build(case: DraftCase, draft_dir: Path, target_dir: Path | None = None, *, s
                 model = create_model(cfg, draft_config)
     model.vllm_config = cfg
     return model
+
+
+def _vllm_class(name: str) -> type:
+    """vLLM's own class of a family, or of a draft the plugin lists as deriving nothing (`drafts.underived`)."""
+    import importlib
+
+    from lifecycle.vllm.drafts.underived import UNDERIVED
+
+    listed = {u.name: (u.module, u.cls) for u in UNDERIVED}
+    module, cls = listed[name] if name in listed else (family(name).module, family(name).causal_lm)
+    found: type = getattr(importlib.import_module(module), cls)
+    return found
 
 
 def build_target(target_dir: Path | None = None) -> Any:

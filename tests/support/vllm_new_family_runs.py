@@ -8,6 +8,7 @@ WORKDIR`), for tests/vllm_plugin/reload/test_vllm_new_families.py:
 - `deepseek_v4`: what of DeepSeek-V4 DSpark runs on CPU: the registry's CPU class (a stub), why vLLM's CUDA class
   does not construct here, and vLLM's own generator that fills `context_wkv_proj` from every layer.
 - `hand_write`: the guard against writes outside a weight loader (vLLM #57800), on vLLM's Qwen3 DSpark classes.
+- `listed`: drafts the plugin lists as deriving nothing (EAGLE3, EAGLE): vLLM's own reload equals a cold load.
 
 Every check stands beside the action it checks (`expect`); the first failure ends the run and is the result.
 """
@@ -42,7 +43,7 @@ from support.vllm_inprocess import (
 )
 from support.vllm_trainer_paths import read, write_draft
 
-__all__ = ["run_deepseek_v4", "run_hand_write", "run_lilicorr"]
+__all__ = ["run_deepseek_v4", "run_hand_write", "run_lilicorr", "run_listed"]
 
 RESULT = "NEW_FAMILY_RESULT "
 HEAD_ATTRS = ("_fused_edge_weight", "_fused_edge_bias", "_attn_bias", "_rank_frac_col", "_is_top1_col")
@@ -274,11 +275,47 @@ def run_hand_write(work: Path, layout: str) -> dict[str, Any]:
     return {"layout": layout, "done": done}
 
 
+def run_listed(work: Path, layout: str) -> dict[str, Any]:
+    """Drafts the plugin leaves to vLLM because they derive nothing (EAGLE3 on the Qwen3 target, EAGLE for Llama),
+    built by vLLM's loader: vLLM's own layerwise reload, in buckets (later layers first), equals a cold load of what
+    was sent, every tensor in its storage of the start; the plugin wraps none of them."""
+    setup()
+    from lifecycle.vllm.demo.tiny import make_target
+    from lifecycle.vllm.drafts.owners import backbones_in
+    from support.vllm_inprocess import LISTED_CASES
+
+    make_target(work / "target")
+    done: list[str] = []
+    with gpu_weight_layout() if layout == "gpu" else nullcontext():
+        for name, case in LISTED_CASES.items():
+            folders = {w: make_draft(case, work / f"{name}{w}", seed, work / "target")
+                       for w, seed in (("A", 1), ("B", 2))}
+            cold_b = build(case, folders["B"], work / "target")
+            draft = build(case, folders["A"], work / "target")
+            expect(not backbones_in(draft), f"{name}: the plugin wrapped a draft it lists as deriving nothing")
+            expect(type(draft).__module__.startswith("vllm."), f"{name}: served by {type(draft).__module__}")
+            before = {n: t.untyped_storage().data_ptr() for n, t in draft.state_dict(keep_vars=True).items()}
+            expect(any(not torch.equal(t, cold_b.state_dict()[n]) for n, t in draft.state_dict().items()
+                       if t.numel()), f"{name}: drafts A and B are the same")
+            cfg = draft.vllm_config.speculative_config.draft_model_config
+            calls = write_draft(draft, cfg, read(folders["B"]), "buckets_later_layers_first")
+            now, ref = draft.state_dict(keep_vars=True), cold_b.state_dict()
+            shared = [n for n in now if n.removeprefix("model.").startswith(case.drop)]  # the target's, once served
+            for n in shared:
+                del now[n]
+            wrong = sorted(n for n, t in now.items() if t.shape != ref[n].shape or not torch.equal(t, ref[n]))
+            moved = sorted(n for n, t in now.items() if t.untyped_storage().data_ptr() != before[n])
+            expect(not wrong and not moved, lambda: f"{name}: after vLLM's reload differ {wrong}, moved {moved}")
+            done.append(f"{name} ({type(draft).__name__}): {calls} buckets, equal to a cold load, nothing moved")
+    return {"layout": layout, "done": done}
+
+
 def main() -> None:
     scenario, layout, work = sys.argv[1:]
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
-    run = {"lilicorr": run_lilicorr, "deepseek_v4": run_deepseek_v4, "hand_write": run_hand_write}[scenario]
+    run = {"lilicorr": run_lilicorr, "deepseek_v4": run_deepseek_v4, "hand_write": run_hand_write,
+           "listed": run_listed}[scenario]
     try:
         result: dict[str, Any] = {"ok": True, **run(Path(work), layout)}
     except Exception as e:

@@ -57,3 +57,14 @@ def test_a_tensor_written_outside_the_weight_loader_is_never_served_stale(layout
     result = _run("hand_write", layout, tmp_path)
     assert result["ok"], f"{result['failed']}\n{result.get('trace', '')}"
     assert len(result["done"]) == 3, result["done"]
+
+
+@pytest.mark.parametrize("layout", ["gpu", "cpu"])
+def test_a_draft_listed_as_deriving_nothing_reloads_equal_to_a_cold_load(layout: str, tmp_path: Path) -> None:
+    """EAGLE3 (Qwen3) and EAGLE (Llama), vLLM's own classes (the plugin wraps neither): vLLM's layerwise reload in
+    buckets equals a cold load, nothing moved. (On the CPU layout the repacked linears' weights are vLLM's oneDNN
+    handles: the GPU layout is the one whose every value is compared.) MTP drafts are not run here: each is its
+    target's own multi-token-prediction layers, and none of their targets is among this suite's tiny models."""
+    result = _run("listed", layout, tmp_path)
+    assert result["ok"], f"{result['failed']}\n{result.get('trace', '')}"
+    assert len(result["done"]) == 2, result["done"]
