@@ -103,6 +103,9 @@ PATCHES: tuple[Patch, ...] = (
     _wraps("vllm.v1.worker.gpu.spec_decode.dflash.speculator", "DFlashSpeculator.propose",
            "serving.runner_v2:wrap_propose", "the same gate on Model Runner V2: zero draft tokens without running "
            "the draft", "serving.runner_v2"),
+    _wraps("vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator", "StandaloneARSpeculator.propose",
+           "serving.runner_v2:wrap_propose", "the same gate on V2's draft-model speculator (`method='draft_model'`, "
+           "vLLM #43091): zero draft tokens without running the draft", "serving.runner_v2"),
     _reads("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_draft_model", "drafts.owners"),
     _reads("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.get_draft_model", "drafts.owners"),
     _reads(_SPECULATOR, "DraftModelSpeculator.draft_tokens", "serving.runner_v2"),
