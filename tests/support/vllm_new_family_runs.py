@@ -305,7 +305,7 @@ def run_listed(work: Path, layout: str) -> dict[str, Any]:
                 del now[n]
             wrong = sorted(n for n, t in now.items() if t.shape != ref[n].shape or not torch.equal(t, ref[n]))
             moved = sorted(n for n, t in now.items() if t.untyped_storage().data_ptr() != before[n])
-            expect(not wrong and not moved, lambda: f"{name}: after vLLM's reload differ {wrong}, moved {moved}")
+            expect(not wrong and not moved, f"{name}: after vLLM's reload differ {wrong}, moved {moved}")
             done.append(f"{name} ({type(draft).__name__}): {calls} buckets, equal to a cold load, nothing moved")
     return {"layout": layout, "done": done}
 

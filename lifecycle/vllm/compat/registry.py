@@ -22,6 +22,7 @@ _LLM_ENGINE = "vllm.v1.engine.llm_engine"
 _SPECULATOR = "vllm.v1.worker.gpu.spec_decode.speculator"
 _SPEC_METRICS = "vllm.v1.spec_decode.metrics"
 _TRANSFER = "vllm.distributed.weight_transfer"
+_RL_ROUTES = "vllm.entrypoints.rl.online.api_router"
 
 _BEGIN = "a draft reload epoch begins with vLLM's layerwise reload (explicit paths, transfer sessions)"
 _FINISH = "the epoch finishes after vLLM's finalize: every layer ready, reload hooks, refresh in place"
@@ -147,6 +148,16 @@ PATCHES: tuple[Patch, ...] = (
     _reads(f"{_TRANSFER}.base", "WeightTransferEngine.set_weight_update_target", "online.transfer"),
     _reads(f"{_TRANSFER}.factory", "WeightTransferEngineFactory._registry", "online.transfer"),
     _reads("vllm.exceptions", "GracefulHTTPError", "online.answers", "HTTP answers"),
+    # the RL route layer (`vllm serve`'s weight-sync routes, one module in 0.32 and 0.33): each route calls the
+    # engine client's method the plugin wraps (AsyncLLM's, above), so the front-process hooks see every HTTP push
+    *(Patch(READS, _RL_ROUTES, route, f"the route `/{route}` calls AsyncLLM.{method}, which the plugin wraps",
+            user, calls=method) for route, method, user in (
+        ("start_weight_update", "start_weight_update", "online.answers"),
+        ("start_draft_weight_update", "start_draft_weight_update", "online.answers"),
+        ("update_weights", "update_weights", "online.answers"),
+        ("finish_weight_update", "finish_weight_update", "online.answers"),
+        ("update_weight_version", "update_weight_version", "observability.frontend"),
+        ("weight_checker", "compute_weight_checksums", "observability.weight_checker"))),
     # ---- observability: the weight checker, the front process ------------------------------------------------------
     _wraps(_WORKER, "Worker.compute_weight_checksums", "observability.weight_checker:wrap_compute",
            "the draft's weights and derived-buffer verdicts in vLLM's /weight_checker", "observability.weight_checker"),

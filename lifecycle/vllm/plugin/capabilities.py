@@ -9,6 +9,7 @@ anything if a name is missing; `make compat` runs it on the vLLM 0.33.0 wheel.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -28,9 +29,9 @@ DISABLE_HINT = ("disable the plugin with VLLM_PLUGINS set to the comma-separated
                 "`reload_lifecycle` (an empty value loads none), or uninstall reload-lifecycle")
 
 # kinds of requirement
-MODULE, NAME, METHOD, ATTRIBUTE, SETS, READS, SETS_ONLY, RAISES, MENTIONS = (
+MODULE, NAME, METHOD, ATTRIBUTE, SETS, READS, SETS_ONLY, RAISES, MENTIONS, CALLS = (
     "module", "name", "method", "attribute", "builder sets", "builder reads", "builder sets only", "raises",
-    "mentions")
+    "mentions", "calls")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ def _patch_requirement(patch: Patch) -> Requirement:
     owner = patch.target.partition(".")[0]
     if patch.kind == WRITES and not owner[:1].isupper():
         return Requirement(MENTIONS, patch.module, patch.target, who)
+    if patch.calls:
+        return Requirement(CALLS, patch.module, patch.target, who, text=patch.calls)
     return Requirement(ATTRIBUTE if "." in patch.target else NAME, patch.module, patch.target, who)
 
 
@@ -166,6 +169,12 @@ def _problem(index: SourceIndex, r: Requirement, fam: VLLMDraftFamily | None) ->
         tree = index.tree(r.module)
         named = index.attribute_names(r.module) | (index.strings(tree) if tree is not None else set())
         return None if attr in named else f"{attr} no longer set or read there"  # `x.attr` or getattr(x, "attr")
+    if r.kind == CALLS:
+        fn = index.binding(r.module, r.name)
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return "name not found"
+        called = {n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+        return None if r.text in called else f"no longer calls {r.text}"
     cls_name, _, attr = r.name.partition(".")
     if r.kind == NAME and not attr and index.binding(r.module, cls_name) is None:
         return f"class {cls_name} not found" if cls_name[:1].isupper() else "name not found"

@@ -60,6 +60,10 @@ def test_the_requirements_are_the_declarations_themselves() -> None:
      "vllm.models.kimi_k3.nvidia.dspark_mla.K3DSparkModel: class K3DSparkModel not found"),
     ("v1/worker/gpu/model_runner.py", "def get_draft_model(", "def draft_model(",
      "vllm.v1.worker.gpu.model_runner.GPUModelRunner.get_draft_model: attribute not found"),
+    # the RL route layer: a route that stops going through the engine client's method the plugin wraps
+    ("entrypoints/rl/online/api_router.py", "await engine_client(raw_request).finish_weight_update(weight_version)",
+     "await engine_client(raw_request).collective_rpc('finish_weight_update')",
+     "vllm.entrypoints.rl.online.api_router.finish_weight_update: no longer calls finish_weight_update"),
     # a submodule's builder (LiLiCorr's head): a new attribute, and a linear its buffers read renamed
     ("models/lilicorr.py", "        self._is_top1_col = is_top1.contiguous()\n",
      "        self._is_top1_col = is_top1.contiguous()\n        self._rank_bias = rank_frac.sum()\n",
