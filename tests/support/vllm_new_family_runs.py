@@ -9,6 +9,7 @@ WORKDIR`), for tests/vllm_plugin/reload/test_vllm_new_families.py:
   does not construct here, and vLLM's own generator that fills `context_wkv_proj` from every layer.
 - `hand_write`: the guard against writes outside a weight loader (vLLM #57800), on vLLM's Qwen3 DSpark classes.
 - `listed`: drafts the plugin lists as deriving nothing (EAGLE3, EAGLE): vLLM's own reload equals a cold load.
+- `sleep`: a level-2 sleep and wake (vLLM #52479): the draft quarantined until a refill writes every layer.
 
 Every check stands beside the action it checks (`expect`); the first failure ends the run and is the result.
 """
@@ -43,7 +44,7 @@ from support.vllm_inprocess import (
 )
 from support.vllm_trainer_paths import read, write_draft
 
-__all__ = ["run_deepseek_v4", "run_hand_write", "run_lilicorr", "run_listed"]
+__all__ = ["run_deepseek_v4", "run_hand_write", "run_lilicorr", "run_listed", "run_sleep"]
 
 RESULT = "NEW_FAMILY_RESULT "
 HEAD_ATTRS = ("_fused_edge_weight", "_fused_edge_bias", "_attn_bias", "_rank_frac_col", "_is_top1_col")
@@ -310,12 +311,104 @@ def run_listed(work: Path, layout: str) -> dict[str, Any]:
     return {"layout": layout, "done": done}
 
 
+class _Runner:
+    def __init__(self, draft: Any) -> None:
+        self.draft = draft
+
+    def get_draft_model(self) -> Any:
+        return self.draft
+
+
+def run_sleep(work: Path, layout: str) -> dict[str, Any]:
+    """A level-2 sleep and wake (vLLM #52479) on a Qwen3 DSpark draft: vLLM's GPU worker's sleep is the plugin's
+    wrapper and the CPU worker's is vLLM's own (it returns at once: nothing is discarded on CPU). The CUDA allocator's
+    half (the weights' memory released, mapped back at the same addresses holding no checkpoint's values, the
+    buffers copied back) is done here by hand, around the plugin's wrapper of the CPU worker's sleep; on a GPU
+    `benchmarks/gpu_check.py` runs it with captured graphs."""
+    setup()
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from lifecycle.errors import LayersNotReadyError, QuarantinedError
+    from lifecycle.vllm.compat import patching
+    from lifecycle.vllm.demo.tiny import make_target
+    from lifecycle.vllm.online.sleep import wrap_sleep
+    from lifecycle.vllm.serving.gate import drafting_allowed_for
+
+    done: list[str] = []
+    expect(patching.is_wrapped(Worker.sleep) and not patching.is_wrapped(CPUWorker.sleep),
+           "the GPU worker's sleep is not the plugin's, or the CPU worker's is")
+    case = CASES["qwen3_dspark"]
+    make_target(work / "target")
+    folders = {w: make_draft(case, work / f"dspark{w}", seed, work / "target") for w, seed in (("A", 1), ("B", 2))}
+    with gpu_weight_layout() if layout == "gpu" else nullcontext():
+        cold_b = build(case, folders["B"], work / "target")
+        ref = {"derived": derived_digests(cold_b), "weights": weight_digests(cold_b)}
+        draft = build(case, folders["A"], work / "target")
+        b, lc = backbone(draft), backbone(draft).lifecycle
+        b.capture_graphs()
+        pinned = identities(draft)
+        worker = object.__new__(CPUWorker)
+        worker.model_runner = _Runner(draft)
+        CPUWorker.sleep(worker, level=2)  # vLLM's CPU worker: nothing discarded, the draft keeps serving
+        expect(lc.usable, f"the CPU worker's level-2 sleep changed the draft: {lc.state.value}")
+        worker._sleep_saved_parameters = {f"draft.{n}": p for n, p in draft.named_parameters()}
+        wrap_sleep(CPUWorker.sleep)(worker, level=2)  # every parameter preserved (`sleep_preserve_parameter_names`)
+        expect(lc.usable, "a level-2 sleep that preserved every draft parameter quarantined the draft")
+        done.append("the CPU worker's sleep, and a level-2 sleep preserving the draft's parameters: still serving")
+
+        saved = {n: t.detach().clone() for n, t in draft.named_buffers()}  # vLLM saves every buffer to CPU
+        worker._sleep_saved_parameters = {}
+        wrap_sleep(CPUWorker.sleep)(worker, 2)  # the wrapper, after vLLM's sleep returned
+        with torch.no_grad():
+            for p in draft.parameters():  # the allocator frees them; on wake the same addresses hold other bytes
+                if p.numel() and p.dtype.is_floating_point:
+                    p.normal_()
+            for n, t in draft.named_buffers():  # vLLM's wake copies every saved buffer back in place
+                t.copy_(saved[n])
+        expect(lc.quarantined and lc.recovery_blocker is not None, f"after a level-2 sleep: {lc.state.value}")
+        expect(not drafting_allowed_for(draft), "the drafting gate is open on discarded weights")
+        try:
+            b.require_usable("draft")
+        except QuarantinedError as e:
+            expect("level-2 sleep" in str(e), f"refused without the cause: {e}")
+        else:
+            raise AssertionError("the fused path ran on discarded weights")
+        expect(any(e["event"] == "weights_discarded" for e in lc.recent_events), "no weights_discarded event")
+        done.append("a level-2 sleep: quarantined, not recoverable, not drafting, audited weights_discarded")
+
+        cfg = draft.vllm_config.speculative_config.draft_model_config
+        tensors = read(folders["B"])
+        b.lifecycle_runtime.reload_partial = "keep"
+        try:
+            write_draft(draft, cfg, [(n, t) for n, t in tensors if not n.startswith("layers.1.")],
+                        "buckets_later_layers_first")
+        except LayersNotReadyError as e:
+            expect("level-2 sleep" in str(e) and "layers.1" in str(e), f"refused with {e}")
+        else:
+            raise AssertionError("a refill that left a layer out kept what the sleep left there")
+        expect(lc.quarantined, "a refused refill left the draft serving")
+        done.append("a refill that leaves a layer out (partial='keep') is refused, naming the sleep")
+
+        epoch = lc.epoch
+        write_draft(draft, cfg, tensors, "buckets_later_layers_first")
+        weights, derived = weight_digests(draft), derived_digests(draft)
+        wrong = sorted(n for n in ref["weights"] if weights.get(n) != ref["weights"][n])
+        wrong += sorted(n for n in ref["derived"] if derived.get(n) != ref["derived"][n])
+        moved = sorted(n for n, ident in identities(draft).items() if pinned.get(n) != ident)
+        expect(lc.usable and drafting_allowed_for(draft), f"after the refill: {lc.state.value}")
+        expect(not wrong and not moved, f"after the refill: differ {wrong}, moved {moved}")
+        expect(lc.epoch == epoch + 1, "the refill was not an epoch of its own")
+        done.append("the refill: its own epoch, equal to a cold load, in place at the captured addresses")
+    return {"layout": layout, "done": done}
+
+
 def main() -> None:
     scenario, layout, work = sys.argv[1:]
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     run = {"lilicorr": run_lilicorr, "deepseek_v4": run_deepseek_v4, "hand_write": run_hand_write,
-           "listed": run_listed}[scenario]
+           "listed": run_listed, "sleep": run_sleep}[scenario]
     try:
         result: dict[str, Any] = {"ok": True, **run(Path(work), layout)}
     except Exception as e:

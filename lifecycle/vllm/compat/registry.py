@@ -138,6 +138,10 @@ PATCHES: tuple[Patch, ...] = (
     _wraps("vllm.entrypoints.rl.offline", "RLOfflineMixin.finish_weight_update", "online.answers:wrap_offline_finish",
            "vLLM's two calls, the workers' finish carrying the trainer's weight_version (offline LLM)",
            "online.answers"),
+    _wraps(_WORKER, "Worker.sleep", "online.sleep:wrap_sleep",
+           "a level-2 sleep frees the draft's weights without a copy (vLLM #52479): the draft is quarantined until a "
+           "refill writes every layer, refreshed in place", "online.sleep"),
+    _reads(_WORKER, "Worker._sleep_saved_parameters", "online.sleep", "the parameters a level-2 sleep preserves"),
     Patch(WRITES, _WORKER, "Worker._weight_update_active",
           "a refused draft finish closes vLLM's session (vLLM leaves it open, refusing every later start)",
           "online.sessions"),

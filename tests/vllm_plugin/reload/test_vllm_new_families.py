@@ -68,3 +68,13 @@ def test_a_draft_listed_as_deriving_nothing_reloads_equal_to_a_cold_load(layout:
     result = _run("listed", layout, tmp_path)
     assert result["ok"], f"{result['failed']}\n{result.get('trace', '')}"
     assert len(result["done"]) == 2, result["done"]
+
+
+@pytest.mark.parametrize("layout", ["gpu", "cpu"])
+def test_a_level_2_sleep_quarantines_the_draft_until_a_refill_writes_every_layer(layout: str, tmp_path: Path) -> None:
+    """vLLM #52479: after a level-2 wake the draft's weights hold no checkpoint's values and vLLM restores its
+    buffers as they were. Without the plugin's wrapper the draft kept drafting (usable, stale); now it is
+    quarantined until a refill, its own epoch, writes every layer; refreshed in place at the captured addresses."""
+    result = _run("sleep", layout, tmp_path)
+    assert result["ok"], f"{result['failed']}\n{result.get('trace', '')}"
+    assert len(result["done"]) == 4, result["done"]
