@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
-    from ...errors import FrozenStructureError
+    from ...errors import LoadRefusedError
     from ..settings import PartialPolicy
     from .structure import DraftStructure
 
@@ -51,7 +51,7 @@ class DraftRuntime:
     #: linear module -> the name of the K/V shadow its processing fills (`drafts.shadows`)
     shadow_of: dict[nn.Module, str] = field(default_factory=dict)
     #: a call the frozen structure refused, raised by the next write (`reload.classes`)
-    structure_refusal: FrozenStructureError | None = None
+    structure_refusal: LoadRefusedError | None = None
     #: a load_weights call wrote during the cold load (a dummy start never does)
     cold_load_written: bool = False
     #: the cold load's values came from vLLM's loader, not a checkpoint: the first reload writes every layer

@@ -15,7 +15,9 @@ layers record what happened (readiness, the modules a copy back touched) and let
   writing through the inner model) begins one on the draft's own modules;
 - `finish(model, model_config, original, ...)`: vLLM's finalize after the partial payload is settled, then each
   draft finishes (every layer ready, reload hooks, refresh in place), or is quarantined and the error raised;
-- `fail(model, reason)`: vLLM's reload unwound, then abort with an exact rollback and recover, or quarantine.
+- `fail(model, reason)`: vLLM's reload unwound, then abort with an exact rollback and recover, or quarantine;
+- `discard(backbone, cause)`: vLLM freed the draft's weights without a copy (a level-2 sleep): quarantined, and
+  only a refill that writes every layer serves again.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ __all__ = [
     "begin",
     "begin_implicit",
     "describe",
+    "discard",
     "entered",
     "fail",
     "finish",
@@ -114,6 +117,24 @@ def fail(model: nn.Module, reason: str) -> str | None:
         outcome = OUTCOME_ROLLED_BACK if lc.usable else OUTCOME_QUARANTINED
         backbone.lifecycle_runtime.last_outcome = outcome
     return outcome
+
+
+def discard(backbone: VLLMDraftBackbone, cause: str) -> None:
+    """vLLM freed the draft's weights without keeping a copy (`cause`: a level-2 sleep); what its memory holds after
+    a wake is no checkpoint's. Audited (`weights_discarded`), the epoch this makes is aborted without a rollback:
+    the draft is quarantined (not recoverable) and does not draft, and every layer is owed a full write, so the
+    refill is its own epoch that must write all of it (a `partial='keep'` that keeps a layer is refused naming the
+    cause); its refresh writes the derived buffers in place. Nothing to do for a draft never loaded."""
+    lc = backbone.lifecycle
+    if lc.unloaded:
+        return
+    lc.audit_event("weights_discarded", cause=cause, from_state=lc.state.value)
+    if not backbone.reload_open and lc.can("begin_reload"):
+        backbone.begin_reload()
+    lc.readiness.require_full_write(list(lc.readiness.tensors_of_layer), cause)
+    if lc.can("abort_reload"):
+        lc.abort_reload(f"weights discarded: {cause}; a reload that writes every layer serves again")
+        backbone.lifecycle_runtime.last_outcome = OUTCOME_QUARANTINED
 
 
 def begin(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -33,12 +33,14 @@ from torch import nn
 
 from ...errors import raise_unheld
 from ...torch_private import own_parameters
+from ...types import RefreshReport
 from ..drafts.families import SHADOW
 from ..drafts.owners import VLLMDraftBackbone
 from ..drafts.processing import guard_processing
 from ..drafts.quantized import attention_prefixes
 from ..drafts.runtime import WORKER
 from ..drafts.shadows import plan_shadows
+from ..drafts.submodules import bind, prepare
 from .epoch import begin_implicit
 from .writes import builder_called, guard_weight_loaders
 
@@ -62,6 +64,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         """Declare the draft's derived buffers and checkpoint tensors, claim the modules holding them
         (`DraftRuntime.owned`), guard each one's processing and its parameters' weight loaders."""
         family = self._family
+        prepare(self)  # a submodule's derived state (LiLiCorr's head): the backbone's buffers, before any load
         plan = plan_shadows(self)  # the fused K/V buffer: live weight rows, backed shadows, or vLLM's non-fused path
         self.derived_buffers = plan.derived  # type: ignore[misc]  # the class's declarations, as planned for this draft
         # attention layers' own parameters (quantized KV-cache scales) are vLLM's to process, and it deletes
@@ -95,6 +98,12 @@ class LifecycleDraftModel(VLLMDraftBackbone):
             if module is None or leaf not in own_parameters(module) or own_parameters(module)[leaf] is not None:
                 out.add(name)
         return out
+
+    def refresh_derived_buffers(self, *, full: bool = False, rebuild: bool = False) -> RefreshReport:
+        """The core's refresh; then each declared submodule points at the buffers (a no-op once it does)."""
+        report = super().refresh_derived_buffers(full=full, rebuild=rebuild)
+        bind(self)
+        return report
 
     def _record_metadata(self) -> None:
         """What each declared builder sets besides its tensors: the non-tensor precompute metadata."""
