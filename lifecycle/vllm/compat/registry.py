@@ -111,20 +111,23 @@ PATCHES: tuple[Patch, ...] = (
            "drafts.own_heads"),
     # ---- online: weight-update sessions, the transfer engine -------------------------------------------------------
     _wraps(_WORKER, "Worker._start_weight_update", "online.sessions:wrap_start",
-           "an open draft session is taken over or refused; a policy session is vLLM's", "online.sessions"),
+           "one push owns the draft: a start while a draft push is active is refused, an idle one taken over; a policy "
+           "session is vLLM's", "online.sessions"),
     _wraps(_WORKER, "Worker.update_weights", "online.sessions:wrap_update",
-           "a refused draft chunk ends the epoch and names what was refused", "online.sessions"),
+           "a chunk of another push is refused untouched; a re-sent tensor is compared; a refused draft chunk ends the "
+           "epoch and names what was refused", "online.sessions"),
     _wraps(_WORKER, "Worker.finish_weight_update", "online.sessions:wrap_finish",
-           "a refused draft finish ends the epoch and closes vLLM's session", "online.sessions"),
+           "a finish of another push is refused untouched; a refused draft finish ends the epoch and closes vLLM's "
+           "session", "online.sessions"),
     _wraps(_ASYNC_LLM, "AsyncLLM.start_weight_update", "online.answers:answer_conflict",
            "a refused start answers 409 naming the refusal", "online.answers"),
     _wraps(_ASYNC_LLM, "AsyncLLM.start_draft_weight_update", "online.answers:answer_conflict",
            "a refused start answers 409 naming the refusal", "online.answers"),
     _wraps(_ASYNC_LLM, "AsyncLLM.update_weights", "online.answers:answer_unprocessable",
-           "a refused chunk answers 422 naming the refusal", "online.answers"),
+           "a refused chunk answers 422 naming the refusal (409: another push's)", "online.answers"),
     _wraps(_ASYNC_LLM, "AsyncLLM.finish_weight_update", "online.answers:wrap_async_finish",
-           "vLLM's two calls, the workers' finish carrying the trainer's weight_version (one worker round trip); a "
-           "refusal answers 422", "online.answers"),
+           "vLLM's two calls, the workers' finish carrying the trainer's weight_version (bounded; one worker round "
+           "trip); a refusal answers 422 (409: another push's)", "online.answers"),
     _wraps("vllm.entrypoints.rl.offline", "RLOfflineMixin.finish_weight_update", "online.answers:wrap_offline_finish",
            "vLLM's two calls, the workers' finish carrying the trainer's weight_version (offline LLM)",
            "online.answers"),
@@ -147,7 +150,7 @@ PATCHES: tuple[Patch, ...] = (
     _wraps(_ASYNC_LLM, "AsyncLLM.collective_rpc", "observability.frontend:wrap_async_rpc",
            "every push seen: kind, outcome, duration; the workers' state pulled after it", "observability.frontend"),
     _wraps(_ASYNC_LLM, "AsyncLLM.update_weight_version", "observability.frontend:wrap_async_version",
-           "the canary's period labelled with the trainer's weight_version", "observability.frontend"),
+           "the canary's period labelled with the trainer's weight_version (bounded: 422)", "observability.frontend"),
     _wraps(_LLM_ENGINE, "LLMEngine.__init__", "observability.frontend:wrap_sync_init",
            "the front view of an offline engine, and its stat logger", "observability.frontend"),
     _wraps(_LLM_ENGINE, "LLMEngine.collective_rpc", "observability.frontend:wrap_sync_rpc",

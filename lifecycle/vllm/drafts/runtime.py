@@ -95,8 +95,11 @@ class WorkerRuntime:
         #: draft model -> its lifecycle drafts (`owners.drafts_of`: the drafting gate asks every engine step)
         self.backbones: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = (
             weakref.WeakKeyDictionary())
-        #: vLLM worker -> the plugin's record of its open weight-update session (`online.sessions`)
+        #: vLLM worker -> the plugin's record of its open weight-update session: one push (`online.pushes`)
         self.sessions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        #: vLLM worker -> the push an explicit take-over ended, until the next start (that push's trainer may still
+        #: be calling: the next push is told it took over, `online.sessions`)
+        self.taken_over: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         #: (worker, the finish's `lifecycle=` options) -> what a finish answers the front process besides vLLM's
         #: result: the draft's serving state (set by the outside view at activation; None: nothing)
         self.finish_report: Callable[[Any, Mapping[str, Any]], Any] | None = None

@@ -19,6 +19,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ..online.answers import checked_version
 from ..online.sessions import LIFECYCLE_KW
 from .front_view import (
     FRONT,
@@ -161,6 +162,7 @@ def _init(*, is_async: bool) -> Callable[[Callable[..., Any]], Callable[..., Any
 def _set_version(original: Callable[..., Any], *, is_async: bool) -> Callable[..., Any]:
     if is_async:
         async def update_weight_version(engine: Any, version: str, *args: Any, **kwargs: Any) -> Any:
+            checked_version(version)  # bounded (422 naming the limit), before vLLM keeps it
             result = await original(engine, version, *args, **kwargs)
             if (view := FRONT.views.get(engine)) is not None:
                 _safe("booking the weight version", view.weight_version, str(version))
@@ -169,6 +171,7 @@ def _set_version(original: Callable[..., Any], *, is_async: bool) -> Callable[..
         return update_weight_version
 
     def set_weight_version(engine: Any, version: str, *args: Any, **kwargs: Any) -> Any:
+        checked_version(version, http=False)
         result = original(engine, version, *args, **kwargs)
         if (view := FRONT.views.get(engine)) is not None:
             _safe("booking the weight version", view.weight_version, str(version))
