@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["CONFLICT", "LABEL_CAP", "LABEL_CHARS", "PUSH_ID_KEY", "REFUSED", "Push", "WeightUpdateRefused",
-           "check_chunk", "check_finish", "check_label", "take_push_id"]
+           "check_chunk", "check_finish", "check_label", "push_name", "take_push_id"]
 
 #: The start of every refusal message: the API server process finds it in vLLM's wrapped error.
 REFUSED = "reload-lifecycle refused"
@@ -41,6 +41,16 @@ LABEL_CAP = 128
 #: the audit, and a line of the server's log)
 LABEL_CHARS = "A-Z a-z 0-9 . _ - : + / @ = #"
 _LABEL = re.compile(rf"[A-Za-z0-9._:+/@=#-]{{1,{LABEL_CAP}}}")
+
+
+def push_name(epoch: int, weight_version: str | None = None) -> str:
+    """A draft push as the plugin names it: the reload epoch it wrote, beside the trainer's version when it gave
+    one (pushes without one are told apart all the same).
+
+    >>> push_name(12), push_name(12, "step-1200")
+    ('epoch 12', 'epoch 12 (weight_version step-1200)')
+    """
+    return f"epoch {epoch}" if weight_version is None else f"epoch {epoch} (weight_version {weight_version})"
 
 
 class WeightUpdateRefused(RuntimeError):
@@ -127,7 +137,7 @@ class Push:
         """The plugin's own name of the push: `epoch N`, the draft reload epoch it writes."""
         if not self.draft:
             return "a policy push"
-        return f"epoch {self.epoch}" if self.epoch is not None else "a draft push"
+        return push_name(self.epoch) if self.epoch is not None else "a draft push"
 
     def shown(self, now: float | None = None) -> str:
         """The push for a message: identity, push id, age, chunks and idle time."""

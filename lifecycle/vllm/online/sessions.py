@@ -260,6 +260,10 @@ def _finish(original: Callable[..., Any]) -> Callable[..., Any]:
             raise WeightUpdateRefused(f"{REFUSED} the draft weight update: {_detail(e)}{why}\n{_left(draft)}") from e
         _audit_end(worker, push, "finished")
         WORKER.sessions.pop(worker, None)
+        if push is not None and push.draft:  # the push the draft serves now carries the trainer's version
+            for backbone in _drafts(worker):
+                if backbone.lifecycle_runtime.serving_epoch == push.epoch:
+                    backbone.lifecycle_runtime.serving_version = version
         if options is None:
             return result
         report = WORKER.finish_report(worker, options) if WORKER.finish_report is not None else None

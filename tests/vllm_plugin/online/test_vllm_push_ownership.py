@@ -14,7 +14,10 @@ clean audit; a chunk sent again answered 422 "Attempted to load weight ... into 
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -363,3 +366,91 @@ def test_a_weight_version_or_push_id_beyond_the_limit_is_refused_422_and_nothing
     _committed(served, "draftA", "bounded-2")
     assert t1.weight_version() == "bounded-2" and _never_mixed(served, t1, "bounded") == "DERIVED_REFRESHED"
     assert len(t1.metrics_text()) < metrics_before + 4096  # before: +1 MiB, the version a label
+
+
+def test_pushes_without_a_weight_version_are_told_apart_by_the_plugins_own_name(
+        served: dict[str, Any], trainers: tuple[RLClient, RLClient]) -> None:
+    """Issue 32 item 10: SkyRL's and TRL's finishes carry no weight_version; each push is still named, `epoch N`,
+    in the audit, the workers' report and /metrics (the canary's periods: test_vllm_online_metrics.py)."""
+    t1, _ = trainers
+    for draft in ("draftA", "draftB"):
+        assert _statuses([t1.start_draft(), t1.update(_info(served, draft)), t1.finish()]) == [200] * 3
+        _committed(served, draft, None)
+    epoch = _draft_state(t1)["epoch"]
+    ((backbone,),) = [list(a["backbones"].values()) for a in t1.rpc("lifecycle_serving_state")]
+    assert (backbone["serving_push"], backbone["serving_weight_version"], backbone["open_push"]) == (
+        f"epoch {epoch}", None, None)
+    ended = [e for e in served["server"].audit_events() if e["event"] == "weight_update_session_ended"][-2:]
+    assert [(e["push"], e["weight_version"]) for e in ended] == [(f"epoch {epoch - 1}", None), (f"epoch {epoch}", None)]
+    assert t1.metric("reload_lifecycle_weight_version_info", push=f"epoch {epoch}") == 1
+    assert t1.metric("reload_lifecycle_weight_version_info", push=f"epoch {epoch - 1}") == 0  # one series
+    assert t1.start_draft().ok
+    ((backbone,),) = [list(a["backbones"].values()) for a in t1.rpc("lifecycle_serving_state")]
+    assert (backbone["serving_push"], backbone["open_push"]) == (f"epoch {epoch}", f"epoch {epoch + 1}")
+
+
+FORGED_COLLAPSE = {"period": 90, "draft_tokens": 600, "accepted_tokens": 0, "accepted_share": 0.0,
+                   "previous_period": 89, "previous_share": 0.9, "engine": 0}
+
+
+def test_events_sent_over_rpc_are_checked_against_the_audit_schema_and_marked_with_their_origin(
+        served: dict[str, Any], trainers: tuple[RLClient, RLClient], capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 32 item 7: a forged `acceptance_collapse` through the dev route made every audit of the folder exit 2.
+    Each event is checked against the auditor's schema before one is written; what is written is marked."""
+    from lifecycle.cli import main
+
+    t1, _ = trainers
+    server: VllmServer = served["server"]
+
+    def serving_state(events: list[Any]) -> Exchange:
+        return t1.post("/collective_rpc", {"method": "lifecycle_serving_state", "kwargs": {"events": events}})
+
+    before = len(server.audit_events())
+    for fields, why in (({"period": 1}, "field 'draft_tokens' missing"),
+                        ({**FORGED_COLLAPSE, "seq": 1}, "field 'seq' is the writer's"),
+                        ({**FORGED_COLLAPSE, "epoch": 0}, "field 'epoch' is the writer's"),
+                        ({**FORGED_COLLAPSE, "x": [[[[[[1]]]]]]}, "nested deeper than 4"),
+                        ({**FORGED_COLLAPSE, "x": "y" * 5000}, "a string of 5,000 characters"),
+                        ({**FORGED_COLLAPSE, "accepted_share": "high"}, "expected a share")):
+        refused = serving_state([["acceptance_collapse", "warning", fields]])
+        assert refused.status != 200 and why in refused.message, (why, refused.message[:400])
+    assert serving_state([["transition", "info", {"trigger": "recover"}]]).status != 200
+    assert len(server.audit_events()) == before  # nothing of them was written
+    assert serving_state([["acceptance_collapse", "warning", FORGED_COLLAPSE]]).ok  # well formed: written, marked
+    (written,) = [e for e in server.audit_events() if e["event"] == "acceptance_collapse" and e["period"] == 90]
+    assert written["origin"] == "rpc" and written["seq"] > 0
+    code = main(["audit", "--json", str(server.audit_dir)])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["input_problem_count"] == 0, doc  # before: exit 2, the forged line an input problem
+    (w,) = [w for w in doc["warnings"] if "serving period 90" in w["detail"]]
+    assert "[over RPC from the engine's front process]" in w["detail"]
+
+
+def test_stopping_the_server_audits_the_serving_periods_acceptance_event(served: dict[str, Any]) -> None:
+    """Issue 32 item 11: the period being served when the server stops has its `acceptance` event (the last test:
+    it stops the module's server)."""
+    c: RLClient = served["clients"][0]
+    server: VllmServer = served["server"]
+    _clean(served)
+    assert _statuses(_push(served, c, "draftB", "served-at-stop")) == [200] * 4
+    epoch = _draft_state(c)["epoch"]
+    for _ in range(3):
+        c.complete()  # drafts verified in this period
+    time.sleep(0.5)  # the last step's stats reach the front process
+    # as a container runtime stops it: SIGTERM to the API server alone, which stops the engine (at once: vLLM's
+    # shutdown_timeout 0 kills its processes)
+    import psutil
+
+    assert server.proc is not None
+    members = server.processes()
+    os.kill(server.proc.pid, signal.SIGTERM)
+    server.proc.wait(timeout=120)
+    psutil.wait_procs(members, timeout=60)  # its children (engine core, worker, resource tracker) end with it
+    stopped = server.stop()
+    assert stopped.left == [], stopped
+    finals = [e for e in server.audit_events() if e["event"] == "acceptance" and e.get("at_stop")]
+    assert finals, "no acceptance event for the period served when the server stopped"
+    last = finals[-1]
+    assert (last["push"], last["weight_version"], last["final"], last["origin"]) == (
+        f"epoch {epoch}", "served-at-stop", True, "rpc")
+    assert last["draft_tokens"] + last["placeholder_draft_tokens"] > 0 and last["epoch"] == epoch
