@@ -176,9 +176,9 @@ def take_over(worker: Any, push: object) -> dict[str, Any]:
         raise ValueError(f"{REFUSED} {TAKE_OVER_RPC}: the open push is {open_push.shown()}, not {push[:80]!r}; "
                          "nothing was changed")
     ended = open_push.identity
+    WORKER.taken_over[worker] = ended  # first: whatever lands below, the next push is told whom it follows
     _end_open(worker, "taken_over", f"taken over: {TAKE_OVER_RPC} ended the open draft session ({ended}, idle "
                                     f"{time.monotonic() - open_push.last_call:.1f} s)")
-    WORKER.taken_over[worker] = ended
     return {"taken_over": ended, "push_id": open_push.push_id}
 
 
