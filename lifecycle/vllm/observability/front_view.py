@@ -33,23 +33,9 @@ from .canary import AcceptanceCanary
 from .metrics import metrics
 from .serving_state import SERVING_RPC
 
-__all__ = [
-    "FRONT",
-    "GENERAL_PLUGIN",
-    "METRICS_PLUGIN",
-    "PUSH_CALLS",
-    "FrontProcess",
-    "FrontendView",
-    "attach",
-    "error_class",
-    "logger",
-    "logger_created",
-    "metrics_plugin_allowed",
-    "pull_async",
-    "pull_soon",
-    "pull_sync",
-    "view_of",
-]
+__all__ = ["FRONT", "GENERAL_PLUGIN", "METRICS_PLUGIN", "PUSH_CALLS", "FrontProcess", "FrontendView", "attach",
+           "error_class", "logger", "logger_created", "metrics_plugin_allowed", "pull_async", "pull_soon", "pull_sync",
+           "view_of"]
 
 # under vLLM's own logger: its handler writes the server's log (a logger of ours alone reached nothing online)
 logger = logging.getLogger("vllm.reload_lifecycle")
@@ -114,11 +100,17 @@ class FrontendView:
         self.pulling = False
         self.tasks: set[asyncio.Task[None]] = set()
         self.requeued: list[list[Any]] = []  # events taken for a call that failed: handed over with the next
+        self.serving: str | None = None  # the push the draft serves (`epoch N`), as the workers last answered
+        self.version: str | None = None  # the trainer's weight_version, as vLLM last set it
 
     def canary(self, engine: str) -> AcceptanceCanary:
         c = self.canaries.get(engine)
         if c is None:
             c = self.canaries[engine] = AcceptanceCanary(self.thresholds)
+            if self.serving is not None:  # the push the draft serves, known before this engine's first step
+                c.set_push(self.serving)
+            if self.version is not None:
+                c.set_weight_version(self.version)
         return c
 
     # ---- one engine step's verified drafts (the stat logger) -----------------------------------------------
@@ -160,6 +152,12 @@ class FrontendView:
         if events:
             self.requeued = [*events, *self.requeued]
 
+    def at_stop(self) -> list[list[Any]]:
+        """Each engine's current period as its final `acceptance` event: the workers keep it and write it if they
+        stop before the next push ends the period (handed over with every pull)."""
+        return [["acceptance", "info", {**f, "engine": int(e)}] for e, c in self.canaries.items()
+                if (f := c.provisional()) is not None]
+
     def take_events(self) -> list[list[Any]]:
         """The canary's events to audit, each `[event, level, fields]`; a collapse is also a warning in this
         process's log (the server's log, where an operator looks first)."""
@@ -171,10 +169,10 @@ class FrontendView:
                 if name != "acceptance_collapse":
                     continue
                 logger.warning("reload-lifecycle: acceptance collapse on engine %s after a push: %s of %s draft "
-                               "tokens accepted (weight_version %s), %s in the period before (weight_version %s): "
-                               "the push most likely broke the draft; outputs stay the target's", engine,
-                               f["accepted_share"], f["draft_tokens"], f.get("weight_version"), f["previous_share"],
-                               f.get("previous_weight_version"))
+                               "tokens accepted (%s, weight_version %s), %s in the period before (%s, weight_version "
+                               "%s): the push most likely broke the draft; outputs stay the target's", engine,
+                               f["accepted_share"], f["draft_tokens"], f.get("push"), f.get("weight_version"),
+                               f["previous_share"], f.get("previous_push"), f.get("previous_weight_version"))
         return out
 
     # ---- worker calls ----------------------------------------------------------------------------------------
@@ -224,9 +222,10 @@ class FrontendView:
         m.push_seconds.labels(kind, outcome).observe(now - started)
 
     def weight_version(self, version: str) -> None:
+        self.version = version
         for c in self.canaries.values():
             c.set_weight_version(version)
-        metrics().set_weight_version(version)
+        metrics().set_weight_version(version=version)
 
     # ---- the workers' answers --------------------------------------------------------------------------------
     def apply(self, answers: Sequence[Mapping[str, Any]] | None) -> None:
@@ -243,6 +242,7 @@ class FrontendView:
                 into["epoch"] = max(into["epoch"], int(b["epoch"]))
                 into["steps"] = max(into["steps"], int(b["steps_without_draft_total"]))  # ranks step together
                 into["bytes"] += int(b["written_bytes_total"])  # each rank writes its own shard
+                into.setdefault("push", b.get("serving_push"))  # every rank serves the same push
                 if b.get("quarantine_reason"):
                     into["reasons"].append(str(b["quarantine_reason"]))
         new_reasons: list[str] = []
@@ -259,6 +259,12 @@ class FrontendView:
             self.reasons[name] = reason
         if answers is not None:
             self.drafting = all(b["usable"] for b in merged.values())
+        serving = [str(b["push"]) for _, b in sorted(merged.items()) if b.get("push")]
+        if serving and self.session is None:  # the push the draft serves labels the canary's period and the info
+            self.serving = serving[0]
+            for c in self.canaries.values():
+                c.set_push(serving[0])
+            m.set_weight_version(push=serving[0])
         if self.refused is not None:
             kind, error = self.refused
             self.refused = None
@@ -338,11 +344,12 @@ def _safe(what: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 def pull_sync(engine: Any, view: FrontendView) -> None:
     events = _safe("taking the canary's events", view.take_events) or []
+    at_stop = _safe("taking the serving period", view.at_stop) or []
     if not view.workers_answer:
         _safe("booking the workers' state", view.apply, None)
         return
     try:
-        answers = engine.collective_rpc(SERVING_RPC, kwargs={"events": events})
+        answers = engine.collective_rpc(SERVING_RPC, kwargs={"events": events, "at_stop": at_stop})
     except Exception as e:
         _safe("booking a failed pull", view.no_answer, e)
         return
@@ -351,12 +358,13 @@ def pull_sync(engine: Any, view: FrontendView) -> None:
 
 async def pull_async(engine: Any, view: FrontendView) -> None:
     events = _safe("taking the canary's events", view.take_events) or []
+    at_stop = _safe("taking the serving period", view.at_stop) or []
     if not view.workers_answer:
         _safe("booking the workers' state", view.apply, None)
         return
     view.pulling = True
     try:
-        answers = await engine.collective_rpc(SERVING_RPC, kwargs={"events": events})
+        answers = await engine.collective_rpc(SERVING_RPC, kwargs={"events": events, "at_stop": at_stop})
     except Exception as e:
         _safe("booking a failed pull", view.no_answer, e)
         return

@@ -231,6 +231,7 @@ def finish_epoch(backbone: VLLMDraftBackbone, outcome: PartialOutcome | None = N
                            completed_with_last_values=sorted(outcome.filled) if outcome is not None else [])
         backbone.finalize_loading()
         backbone.refresh_derived_buffers()
+        backbone.lifecycle_runtime.serving_epoch, backbone.lifecycle_runtime.serving_version = lc.epoch, None
     except BaseException as e:  # an interrupt too: never left FINALIZED or mid-finish, where no reload begins
         # fail closed: the draft keeps its last good derived buffers and refuses to run until a good reload
         if lc.can("abort_reload"):
