@@ -94,7 +94,7 @@ def scenario_families(work: Path) -> dict[str, Any]:
     vi._config(None, None, None)  # makes the tiny target
     assert vi._TARGET is not None
     deeper = _deeper_target(work / "deeper-target", vi._TARGET)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"in_process_families": sorted(vi.CASES)}
     for fam, case in vi.CASES.items():
         for tag, c in (("plain", case), ("structure", case.with_structure())):
             own = vi.make_draft(c, work / f"{fam}-{tag}", 1)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ...derived import DerivedSpec
+from ...torch_private import own_buffers
 
 __all__ = ["CONFIDENCE_HEAD", "CONFIDENCE_HEAD_DROPPED", "D2T", "EMBED_TOKENS", "KV_ROWS", "LM_HEAD", "NONE",
            "NUM_LAYERS", "SHADOW", "Accounted", "HandWrite", "LoaderCopy", "OptionalModule", "Read", "Shadow",
@@ -174,7 +175,7 @@ class SubmoduleBuffers:
         """Point the submodule's attributes at the backbone's buffers (each once built; a no-op before)."""
         sub = backbone.get_submodule(self.path)
         for attr, names in self.binds.items():
-            values = [backbone._buffers.get(n) for n in names]
+            values = [own_buffers(backbone).get(n) for n in names]
             if all(isinstance(v, torch.Tensor) for v in values):
                 setattr(sub, attr, values[0] if len(values) == 1 else tuple(values))
 

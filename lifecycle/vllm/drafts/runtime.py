@@ -78,6 +78,10 @@ class DraftRuntime:
     digests_before_processing: dict[nn.Module, dict[str, str]] = field(default_factory=dict)
     #: linear module -> {K/V shadow name: sha256 of the rows captured into it}
     captured_digests: dict[nn.Module, dict[str, str]] = field(default_factory=dict)
+    #: the front process's current serving period of this draft's engine, as the `acceptance` event it becomes:
+    #: written when the worker stops before the next push ends the period (`observability.serving_state`); kept
+    #: per draft, so that a period reaches only the drafts of the engine it was measured on
+    at_stop: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
 
 
 class WorkerRuntime:
@@ -106,9 +110,6 @@ class WorkerRuntime:
         #: vLLM worker -> the push an explicit take-over ended, until the next start (that push's trainer may still
         #: be calling: the next push is told it took over, `online.sessions`)
         self.taken_over: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-        #: the front process's current serving period of this worker's engine, as the `acceptance` event it becomes:
-        #: written when the worker stops before the next push ends the period (`observability.serving_state`)
-        self.at_stop: list[tuple[str, str, dict[str, Any]]] = []
         #: (worker, the finish's `lifecycle=` options) -> what a finish answers the front process besides vLLM's
         #: result: the draft's serving state (set by the outside view at activation; None: nothing)
         self.finish_report: Callable[[Any, Mapping[str, Any]], Any] | None = None

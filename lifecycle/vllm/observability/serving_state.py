@@ -22,7 +22,7 @@ import atexit
 import contextlib
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ...events import host_name
@@ -113,11 +113,13 @@ def serving_state(worker: Any, drafts: Sequence[VLLMDraftBackbone], events: obje
             backbone.lifecycle.audit_event(name, level=level, **fields)
         if name == "acceptance" and fields.get("final"):
             ended.add(fields.get("period"))
-    if at_stop is not None:
-        WORKER.at_stop = [e for e in kept if e[2].get("engine", 0) == engine]
-    WORKER.at_stop = [e for e in WORKER.at_stop if e[2].get("period") not in ended]  # its final event came
-    if WORKER.at_stop:
-        _write_at_exit()
+    for backbone in drafts:
+        runtime = backbone.lifecycle_runtime
+        if at_stop is not None:
+            runtime.at_stop = [e for e in kept if e[2].get("engine", 0) == engine]
+        runtime.at_stop = [e for e in runtime.at_stop if e[2].get("period") not in ended]  # its final event came
+        if runtime.at_stop:
+            _write_at_exit()
     push = WORKER.sessions.get(worker) if getattr(worker, "_weight_update_active", False) else None
     open_push = push.identity if push is not None else None
     return {"rank": worker.rank, "node": host_name(),
@@ -131,11 +133,13 @@ def finish_report(worker: Any, options: Mapping[str, Any]) -> dict[str, Any]:
                          options.get("at_stop"))
 
 
-def write_at_stop() -> None:
-    """Write the serving period the front process handed last (`at_stop`) on every live draft, once."""
-    events, WORKER.at_stop = WORKER.at_stop, []
-    for name, level, fields in events:
-        for backbone in list(WORKER.drafts):
+def write_at_stop(drafts: Iterable[VLLMDraftBackbone] | None = None) -> None:
+    """Write the serving period the front process handed last (`at_stop`) on each of `drafts` (default: every live
+    draft), once: each draft only its own engine's period."""
+    for backbone in list(WORKER.drafts) if drafts is None else list(drafts):
+        runtime = backbone.lifecycle_runtime
+        events, runtime.at_stop = runtime.at_stop, []
+        for name, level, fields in events:
             backbone.lifecycle.audit_event(name, level=level, **fields)
 
 
@@ -153,7 +157,8 @@ def wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
     """vLLM's `Worker.shutdown` (a stopping server, a SIGTERM): the serving period is written first."""
     def shutdown(worker: Any, *args: Any, **kwargs: Any) -> Any:
         with contextlib.suppress(Exception):  # the audit must never stop vLLM's shutdown
-            write_at_stop()
+            draft = draft_model_of(worker.model_runner)
+            write_at_stop(backbones_in(draft) if draft is not None else [])
         return original(worker, *args, **kwargs)
 
     return shutdown
