@@ -293,9 +293,12 @@ DASHBOARD: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]
              f"sum by (kind) (rate(reload_lifecycle_push_duration_seconds_count{SELECT}[$__rate_interval]))",
              "{{kind}} mean")], "lines"),
         ("Refusals by error", "Weight calls refused, by kind and the class of the error (e.g. LayersNotReadyError); "
-         "the audit log names what each refused.", "short",
+         "the audit log names what each refused. Also chunks and finishes that came with no session open (vLLM "
+         "refused them; not pushes).", "short",
          [(f"sum by (kind, error) (increase(reload_lifecycle_refusals_total{SELECT}[$__rate_interval]))",
-           "{{kind}} {{error}}")], "bars"),
+           "{{kind}} {{error}}"),
+          (f"sum by (call) (increase(reload_lifecycle_stray_calls_total{SELECT}[$__rate_interval]))",
+           "{{call}} without a session")], "bars"),
         ("Draft bytes written", "Bytes of draft tensors written by reloads, all ranks.", "Bps",
          [(f"sum by (backbone) (rate(reload_lifecycle_written_bytes_total{SELECT}[$__rate_interval]))",
            "{{backbone}}")], "lines"),
@@ -318,8 +321,9 @@ DASHBOARD: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]
          "steps"),
     ]),
     ("Acceptance (steps the draft served)", [
-        ("Acceptance ratio", "Accepted / draft tokens of the current serving period (since the last push), and "
-         "whether a collapse after a push stands (the acceptance canary).", "percentunit",
+        ("Acceptance ratio", "Accepted / draft tokens of the latest serving period that verified a draft token "
+         "(a period runs from one push to the next), and whether a collapse after a push stands (the acceptance "
+         "canary).", "percentunit",
          [(f"max by (engine) (reload_lifecycle_acceptance_ratio{SELECT})", "engine {{engine}} ratio"),
           (f"max by (engine) (reload_lifecycle_acceptance_collapsed{SELECT})", "engine {{engine}} collapsed")],
          "lines"),
@@ -383,15 +387,21 @@ def dashboard() -> str:
     return json.dumps(board, indent=2) + "\n"
 
 
+#: how /metrics merges a gauge's values with several API servers (prometheus_client's multiprocess modes)
+MERGED = {"livemostrecent": "the latest a live server set", "livemax": "the highest of the live servers'",
+          None: "not exported (a series cannot be removed)"}
+
+
 def metrics_table() -> str:
     """Every `reload_lifecycle_*` metric as `vllm serve` exposes it: read from the plugin's `ReloadMetrics` (its
-    source: building the metrics would register them in this process)."""
+    source: building the metrics would register them in this process); then the `_created` samples prometheus_client
+    adds."""
     import importlib.util
 
     spec = importlib.util.find_spec("lifecycle.vllm.observability.metrics")
     assert spec is not None and spec.origin is not None
     suffix = {"Counter": "_total", "Gauge": "", "Histogram": "_bucket / _sum / _count"}
-    rows = []
+    rows, created = [], []
     for node in ast.walk(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in suffix:
             name, doc, labels = node.args[:3]
@@ -399,10 +409,17 @@ def metrics_table() -> str:
             assert isinstance(doc, ast.Constant) and isinstance(labels, ast.List)
             exposed = f"reload_lifecycle_{name.right.value}" + (suffix[node.func.id] if node.func.id == "Counter"
                                                                   else "")
+            mode = next((ast.literal_eval(k.value) for k in node.keywords if k.arg == "multiprocess_mode"), None)
+            if node.func.id != "Gauge":
+                created.append(f"`reload_lifecycle_{name.right.value}_created`")
             rows.append((f"`{exposed}`", node.func.id.lower() + (f" ({suffix['Histogram']})" if node.func.id ==
                                                                  "Histogram" else ""),
-                         ", ".join(f"`{ast.literal_eval(e)}`" for e in labels.elts), doc.value))
-    return md_table(["metric", "type", "labels", "what it is"], rows)
+                         ", ".join(f"`{ast.literal_eval(e)}`" for e in labels.elts),
+                         "summed" if node.func.id != "Gauge" else MERGED[mode], doc.value))
+    return md_table(["metric", "type", "labels", "with several API servers", "what it is"], rows) + (
+        "\n\nWith one API server prometheus_client also exports, for each counter and histogram, a `_created` "
+        "sample (the Unix time its series was created, as for vLLM's own): " + ", ".join(created) + ". With "
+        "several, none (prometheus_client's multiprocess mode has no `_created`).")
 
 
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {

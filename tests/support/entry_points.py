@@ -10,6 +10,7 @@ first for the name (it keeps the first of each name), so the server sees what an
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import tomllib
@@ -22,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def dist_info(folder: Path) -> Path:
     """Write this checkout's distribution metadata (name, version, entry points) into `folder`; returns `folder`."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    name, version = project["name"], project["version"]
+    name = project["name"]
+    # the version is dynamic (setuptools reads `lifecycle.__version__`): read it as setuptools does, without importing
+    version = project.get("version") or re.search(r'^__version__ = "([^"]+)"', (ROOT / "lifecycle" / "__init__.py")
+                                                  .read_text(), re.M).group(1)  # type: ignore[union-attr]
     groups = dict(project.get("entry-points", {}))
     if project.get("scripts"):
         groups["console_scripts"] = project["scripts"]

@@ -18,19 +18,19 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-import math
 import os
 import re
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ... import errors as lifecycle_errors
 from ..settings import acceptance_thresholds
 from .canary import AcceptanceCanary
-from .metrics import metrics
+from .metrics import metrics, multiprocess
+from .push_book import Call as _Call
+from .push_book import PushBook
 from .serving_state import SERVING_RPC
 
 __all__ = [
@@ -89,13 +89,6 @@ def metrics_plugin_allowed() -> bool:
     return raw is None or METRICS_PLUGIN in [p.strip() for p in raw.split(",")]
 
 
-@dataclass
-class _Call:
-    kind: str
-    step: str  # start, update, finish, once, other
-    started: float
-
-
 class FrontendView:
     """What one engine client (AsyncLLM or LLMEngine) of process 0 knows of its draft."""
 
@@ -106,7 +99,10 @@ class FrontendView:
         self.canaries: dict[str, AcceptanceCanary] = {}
         self.drafting: bool | None = True  # a cold load that succeeded left the draft usable
         self.in_flight = 0  # worker calls other than pushes
-        self.session: tuple[str, float] | None = None  # (kind, started) of a push in progress
+        # the push in progress (`push_book`: shared by the API servers of one `vllm serve`)
+        self.book = PushBook(os.environ.get("PROMETHEUS_MULTIPROC_DIR") if multiprocess() else None)
+        self.applied: tuple[int, str | None] = (0, None)  # the push (seq, outcome) the canaries last heard of
+        self.counts_workers = True  # whether the workers' totals are counted here (API server 0 of several)
         self.workers_answer = True  # False once a pull found no lifecycle RPC in the workers
         self.last: dict[tuple[str, str], int] = {}  # (backbone, counter) -> cumulative value last seen
         self.reasons: dict[str, str | None] = {}
@@ -125,10 +121,12 @@ class FrontendView:
     def record(self, engine: str, spec: Any) -> bool:
         """Count `spec` (vLLM's SpecDecodingStats of one step); True when the workers should be pulled now: audit
         events are due, or the first step served without the draft came (its paused state and steps)."""
-        drafting = self.drafting is True and self.in_flight == 0 and self.session is None
+        if self.book.shared:
+            self.sync()
+        idle = self.book.open_push() is None
+        drafting = self.drafting is True and self.in_flight == 0 and idle
         c = self.canary(engine)
-        first_without = not drafting and not c.period.placeholder_draft_tokens and self.session is None \
-            and not self.in_flight
+        first_without = not drafting and not c.period.placeholder_draft_tokens and idle and not self.in_flight
         per_pos = list(getattr(spec, "num_accepted_tokens_per_pos", ()) or ())
         c.count(drafts=spec.num_drafts, draft_tokens=spec.num_draft_tokens, accepted_tokens=spec.num_accepted_tokens,
                 draft_per_pos=list(getattr(spec, "num_draft_tokens_per_pos", ()) or ()), accepted_per_pos=per_pos,
@@ -147,7 +145,8 @@ class FrontendView:
 
     def _acceptance_gauges(self, engine: str, c: AcceptanceCanary) -> None:
         m, p = metrics(), c.period
-        m.acceptance.labels(engine).set(math.nan if p.share is None else p.share)
+        if p.share is not None:  # else the ratio of the period before stands (NaN broke every rule reading it)
+            m.acceptance.labels(engine).set(p.share)
         m.period_tokens.labels(engine).set(p.draft_tokens)
         m.collapsed.labels(engine).set(1 if c.collapsed else 0)
         self._inc_by_delta(m.collapses.labels(engine), (engine, "collapses"), c.collapses)
@@ -183,45 +182,51 @@ class FrontendView:
         push = PUSH_CALLS.get(method)
         if push is None:
             self.in_flight += 1
-            return _Call("", "other", now)
+            return _Call("", "other", now, method)
         kind, step = push
+        call = self.book.begin(method, kind, step, now)
         if step in ("start", "once"):
-            if self.session is not None:  # the last push never finished: the next start ends it
-                self._count_push(self.session[0], "abandoned", self.session[1], now)
-                self.session = None
-            for engine, c in self.canaries.items():
-                c.push_began(kind)
-                self._acceptance_gauges(engine, c)
-            if step == "start":
-                self.session = (kind, now)
-            started = now
-        else:
-            kind, started = self.session if self.session is not None else ("unknown", now)
+            self._push_began(call.kind, call.seq)
         self.drafting = None
-        return _Call(kind, step, started)
+        return call
 
     def end(self, call: _Call, error: BaseException | None) -> bool:
         """Book the call's end; True when the workers' state must be pulled now."""
         if call.step == "other":
             self.in_flight -= 1
             return True
-        now = time.monotonic()
-        if error is None and call.step in ("start", "update"):
-            return False  # mid-push: nothing to learn yet
-        outcome = "ok" if error is None else "refused"
-        self._count_push(call.kind, outcome, call.started, now)
-        self.session = None
-        for c in self.canaries.values():
-            c.push_ended(outcome)
-        if error is not None:
-            self.refused = (call.kind, error)
+        outcome = self.book.end(call, error, time.monotonic())
+        if outcome is None:
+            return False
+        if outcome != "stray":
+            self._push_ended(outcome, call.seq)
+            if error is not None:
+                self.refused = (call.kind, error)
         self.drafting = error is None  # what the workers' answer will confirm (or say otherwise)
         return True
 
-    def _count_push(self, kind: str, outcome: str, started: float, now: float) -> None:
-        m = metrics()
-        m.pushes.labels(kind, outcome).inc()
-        m.push_seconds.labels(kind, outcome).observe(now - started)
+    def _push_began(self, kind: str, seq: int) -> None:
+        self.applied = (seq, None)
+        for engine, c in self.canaries.items():
+            c.push_began(kind)
+            self._acceptance_gauges(engine, c)
+
+    def _push_ended(self, outcome: str, seq: int) -> None:
+        self.applied = (seq, outcome)
+        for c in self.canaries.values():
+            c.push_ended(outcome)
+
+    def sync(self) -> None:
+        """With several API servers: a push another server began or ended, as the shared book says, tells this
+        server's canary (its periods follow every push), and its state is pulled before a step counts as drafted."""
+        r = self.book.latest()
+        if r is None or (r.seq, r.outcome) == self.applied:
+            return
+        if r.seq != self.applied[0]:
+            self._push_began(r.kind, r.seq)
+        if r.outcome is not None:
+            self._push_ended(r.outcome, r.seq)
+        self.drafting = None
 
     def weight_version(self, version: str) -> None:
         for c in self.canaries.values():
@@ -251,6 +256,7 @@ class FrontendView:
             m.quarantined.labels(name).set(1 if b["quarantined"] else 0)
             m.paused.labels(name).set(1 if b["paused"] else 0)
             m.epoch.labels(name).set(b["epoch"])
+            m.ensure_backbone(name)
             self._inc_by_delta(m.steps_without.labels(name), (name, "steps"), b["steps"])
             self._inc_by_delta(m.written_bytes.labels(name), (name, "bytes"), b["bytes"])
             reason = b["reasons"][0] if b["reasons"] else None
@@ -266,7 +272,7 @@ class FrontendView:
 
     def _inc_by_delta(self, counter: Any, key: tuple[str, str], total: int) -> None:
         last = self.last.get(key, 0)
-        if total > last:
+        if total > last and self.counts_workers:  # of several API servers, server 0 counts the workers' totals
             counter.inc(total - last)
         self.last[key] = total  # lower: the workers restarted; count on from their value
 
@@ -307,7 +313,7 @@ def logger_created(stat_logger: Any) -> None:
 def attach(engine: Any, is_async: bool) -> FrontendView:
     """The engine client's view, made now (its `__init__` returned), with the stat loggers built inside it bound."""
     view = FRONT.views[engine] = FrontendView(engine, is_async=is_async)
-    bound = 0
+    bound_loggers = []
     for ref in list(FRONT.loggers):
         stat_logger = ref()
         if stat_logger is None:
@@ -315,7 +321,13 @@ def attach(engine: Any, is_async: bool) -> FrontendView:
         elif stat_logger.vllm_config is engine.vllm_config:
             stat_logger.view = view
             FRONT.loggers.remove(ref)
-            bound += 1
+            bound_loggers.append(stat_logger)
+    bound = len(bound_loggers)
+    view.counts_workers = getattr(engine, "_client_count", 1) <= 1 or getattr(
+        getattr(engine, "engine_core", None), "client_index", 0) == 0
+    spec = getattr(engine.vllm_config, "speculative_config", None)
+    metrics().ensure(sorted({ref.engine for ref in bound_loggers}) or ["0"],
+                     int(getattr(spec, "num_speculative_tokens", 0) or 0))
     if not metrics_plugin_allowed():
         logger.warning("reload-lifecycle: VLLM_PLUGINS=%r leaves out %r (vLLM's allowlist is one for every plugin "
                        "group): no reload_lifecycle_* acceptance metrics and no acceptance canary on this engine; "

@@ -14,6 +14,7 @@ only process 0 builds an engine client.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 from collections.abc import Callable
@@ -23,19 +24,20 @@ from ..online.sessions import LIFECYCLE_KW
 from .front_view import (
     FRONT,
     FrontendView,
-    _Call,
     _safe,
     attach,
     metrics_plugin_allowed,
     pull_async,
+    pull_soon,
     pull_sync,
 )
+from .push_book import Call
 
 __all__ = ["wrap_async_init", "wrap_async_rpc", "wrap_async_version", "wrap_sync_init", "wrap_sync_rpc",
            "wrap_sync_version"]
 
 # ---- the wrappers --------------------------------------------------------------------------------------------------
-def _begin(engine: Any, method: Any) -> tuple[FrontendView, _Call] | None:
+def _begin(engine: Any, method: Any) -> tuple[FrontendView, Call] | None:
     view = FRONT.views.get(engine)
     # the lifecycle's own RPCs change no draft (reload_draft_weights, a push, has no such prefix)
     if view is None or not isinstance(method, str) or method.startswith("lifecycle_"):
@@ -152,10 +154,20 @@ def _init(*, is_async: bool) -> Callable[[Callable[..., Any]], Callable[..., Any
             view = _safe("building the front view", attach, engine, is_async)
             if view is not None and not is_async:
                 pull_sync(engine, view)
+            elif view is not None and _loop_running():  # the backbones' series from the start, not the first push
+                _safe("pulling the workers' state", pull_soon, view)
 
         return __init__
 
     return make
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _set_version(original: Callable[..., Any], *, is_async: bool) -> Callable[..., Any]:
