@@ -116,7 +116,7 @@ class Auditor(Findings):
                 if self._first_untracked is None:
                     self._first_untracked = ev
                 return None
-            r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], node=node, source=ev.source, first_ts=ev.ts)
+            r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], node=node, source=ev.writer, first_ts=ev.ts)
         if r.clash or (not one_writer(r, ev) and withdraw(self, r, ev)):
             self.clashed_events += 1
             return None

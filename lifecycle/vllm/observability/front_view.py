@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ... import errors as lifecycle_errors
+from ..online.sessions import REFUSED, WeightUpdateRefused
 from ..settings import acceptance_thresholds
 from .canary import AcceptanceCanary
 from .metrics import metrics, multiprocess
@@ -80,7 +81,8 @@ def error_class(error: BaseException, reasons: Iterable[str] = ()) -> str:
         for m in _CLASS.finditer(text):
             if m.group(1) in _KNOWN and m.group(1) not in _GENERIC:
                 return m.group(1)
-    return name
+    # a call the plugin refused by itself (a start while a session is open): its class did not cross the transport
+    return WeightUpdateRefused.__name__ if REFUSED in str(error) else name
 
 
 def metrics_plugin_allowed() -> bool:

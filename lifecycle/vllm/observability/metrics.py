@@ -117,7 +117,7 @@ class ReloadMetrics:
             for pos in range(positions):
                 self.accepted_per_pos.labels(engine, str(pos))
             for gauge in (self.acceptance, self.period_tokens, self.collapsed):
-                gauge.labels(engine)
+                gauge.labels(engine).set(0)  # set: a gauge merged by its latest value shows only what was set
 
     def ensure_backbone(self, backbone: str) -> None:
         for counter in (self.steps_without, self.written_bytes):
