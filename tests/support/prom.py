@@ -34,7 +34,8 @@ DOCUMENTED = {
 LATER = {"reload_lifecycle_refusals", "reload_lifecycle_weight_version_info"}
 #: label -> the values docs/operating.md allows (a pattern for the open sets)
 LABEL_VALUES = {"kind": {"draft", "policy"}, "outcome": {"ok", "refused", "abandoned"},
-                "call": {"update_weights", "finish_weight_update"}, "error": re.compile(r"[A-Z]\w*(Error|Exception)"),
+                "call": {"update_weights", "finish_weight_update"},
+                "error": re.compile(r"[A-Z]\w*(Error|Exception)|WeightUpdateRefused"),
                 "engine": re.compile(r"\d+"), "position": re.compile(r"\d+"), "backbone": re.compile(r"\S+"),
                 "le": re.compile(r".+"), "weight_version": re.compile(r".*")}
 
