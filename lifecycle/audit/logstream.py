@@ -1,4 +1,4 @@
-"""Reading audit logs as one stream of events: files, directories of files, or `-` (stdin), one line at a time.
+"""Reading one audit log, one line at a time: a file, or `-` (stdin); `inputs.iter_events` reads several as one stream.
 
 Nothing reads a whole file: each input is read line by line (a line longer than `MAX_LINE` bytes is skipped and
 reported, not buffered). Several inputs are merged by timestamp, holding one pending line per input and at most
@@ -21,16 +21,15 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from .schema import depth_problem, problem
 
 __all__ = ["HELD_LINE", "LOG_PATTERNS", "MAX_LINE", "NOT_TEXT", "OPEN_FILES", "SNIFF", "STDIN", "InputProblem", "Item",
-           "LogEvent", "expand_inputs", "iter_events", "parse_line", "parse_ts", "read_input", "read_stream"]
+           "LogEvent", "parse_line", "parse_ts", "read_input", "read_stream"]
 
 #: A line longer than this (bytes) is reported as unreadable and skipped without being held in memory.
 MAX_LINE = 1 << 20
@@ -214,43 +213,3 @@ def read_input(name: str, *, max_line: int = MAX_LINE) -> Iterator[Item]:
         yield InputProblem(name, None, f"read failed: {e.strerror or e}")
     finally:
         fh.close()
-
-
-def expand_inputs(paths: Sequence[str | Path]) -> tuple[list[str], list[InputProblem]]:
-    """Files as given; a directory as its log files (`LOG_PATTERNS`, recursively, sorted); `-` as stdin."""
-    files: list[str] = []
-    problems: list[InputProblem] = []
-    for p in paths:
-        name = str(p)
-        if name == STDIN:
-            files.append(STDIN)
-            continue
-        path = Path(name)
-        if path.is_dir():
-            found = sorted({str(f) for pattern in LOG_PATTERNS for f in path.rglob(pattern) if f.is_file()})
-            if not found:
-                problems.append(InputProblem(name, None, f"directory holds no log files ({', '.join(LOG_PATTERNS)})"))
-            files.extend(found)
-        elif path.exists() and not path.is_file():
-            problems.append(InputProblem(name, None, "not a regular file"))
-        else:
-            files.append(name)  # a missing file is reported when it is opened, in order
-    return files, problems
-
-
-def iter_events(paths: Sequence[str | Path], *, max_line: int = MAX_LINE) -> Iterator[Item]:
-    """Every event of every input, merged by timestamp across inputs (each input's own order is kept, so an
-    input whose timestamps go backwards stays as written, for the auditor to see), with every input problem
-    in its place (an unreadable line takes the previous good timestamp of its input). The files of a rotated set
-    (`rotation`) come oldest first, and a file missing from one is an input problem."""
-    from .merge import Merge
-    from .rotation import rotated_sets
-
-    files, problems = expand_inputs(paths)
-    files, origins, missing = rotated_sets(files)
-    yield from problems
-    yield from missing
-    if len(files) == 1:
-        yield from read_input(files[0], max_line=max_line)
-    elif files:
-        yield from Merge(files, max_line, origins).items()

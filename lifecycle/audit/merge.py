@@ -1,4 +1,4 @@
-"""The k-way merge of several audit inputs by timestamp (`logstream.iter_events`): one pending line per input, at most
+"""The k-way merge of several audit inputs by timestamp (`inputs.iter_events`): one pending line per input, at most
 `OPEN_FILES` files open at once (fewer under a low open-file limit; an input whose turn comes while it is closed is
 reopened where it stopped), a pending line longer than `HELD_LINE` held as where it starts, read again in its turn.
 """

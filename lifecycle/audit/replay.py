@@ -35,7 +35,8 @@ from ..states import TRIGGERS, allowed_sources, possible_destinations
 from .coverage import unseen
 from .findings import Findings
 from .identity import behind, one_writer, order_key, withdraw
-from .logstream import InputProblem, Item, LogEvent, iter_events
+from .inputs import iter_events
+from .logstream import InputProblem, Item, LogEvent
 from .results import (
     MAX_BUFFERS,
     MAX_EDGES,
