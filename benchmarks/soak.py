@@ -118,9 +118,13 @@ def report_online(res: dict[str, Any]) -> dict[str, Any]:
     pts = res["points"]
     xs = [float(p["push"]) for p in pts]
     rows, per_process = [], {}
-    for pid, name in pts[0]["names"].items():
+    for k, (pid, name) in enumerate(pts[0]["names"].items()):
         if not all(pid in p["rss_kib"] for p in pts):
             continue
+        if k == 0:  # the server's own process: `vllm serve`'s API server (with one)
+            name = f"API server ({name})"
+        elif name in per_process:
+            name = f"{name} {pid}"
         ys = [float(p["rss_kib"][pid]) for p in pts]
         growth = slope(xs, ys)
         per_process[name] = {"rss_start_mib": ys[0] / KIB, "rss_end_mib": ys[-1] / KIB,
@@ -230,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     info = common.finish(info)
     common.say(common.end_line(info))
     common.say(common.noise_note(info))
-    out = common.write_json(common.json_path(args, NAME), {"machine": info, "online": online_res,
-                                                           "traced": traced_res})
+    out = common.write_json(common.json_path(args, NAME), {"machine": info, "quick": args.quick, "pushes": pushes,
+                                                           "online": online_res, "traced": traced_res})
     common.write_transcript(out.with_suffix(".txt"))
     return 0
 
