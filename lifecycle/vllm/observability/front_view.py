@@ -151,7 +151,7 @@ class FrontendView:
             m.acceptance.labels(engine).set(p.share)
         m.period_tokens.labels(engine).set(p.draft_tokens)
         m.collapsed.labels(engine).set(1 if c.collapsed else 0)
-        self._inc_by_delta(m.collapses.labels(engine), (engine, "collapses"), c.collapses)
+        self._inc_by_delta(m.collapses.labels(engine), (engine, "collapses"), c.collapses, own=True)
 
     def events_due(self) -> bool:
         return bool(self.requeued) or any(c._events for c in self.canaries.values())
@@ -272,9 +272,10 @@ class FrontendView:
             self.refused = None
             m.refusals.labels(kind, error_class(error, new_reasons)).inc()
 
-    def _inc_by_delta(self, counter: Any, key: tuple[str, str], total: int) -> None:
+    def _inc_by_delta(self, counter: Any, key: tuple[str, str], total: int, own: bool = False) -> None:
+        """`own`: a total of this process's (its canary's), else of the workers' (several API servers: server 0's)."""
         last = self.last.get(key, 0)
-        if total > last and self.counts_workers:  # of several API servers, server 0 counts the workers' totals
+        if total > last and (own or self.counts_workers):
             counter.inc(total - last)
         self.last[key] = total  # lower: the workers restarted; count on from their value
 
