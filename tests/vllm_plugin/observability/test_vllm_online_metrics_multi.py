@@ -38,7 +38,7 @@ def served(vllm_workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         os.pathsep))])
     server = VllmServer(target_z, draft_z, tmp_path_factory.mktemp("serve_metrics_multi"),
                         env={"PYTHONPATH": path, "RELOAD_LIFECYCLE_ACCEPTANCE_MIN_TOKENS": "30"},
-                        extra_args=["--api-server-count", "2"])
+                        extra_args=["--api-server-count", "2"], startup_timeout_s=600)  # three processes to start
     server.start()
     client = RLClient(server.url, server.model, keepalive=False)
     try:
