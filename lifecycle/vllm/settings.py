@@ -239,9 +239,10 @@ ACCEPTANCE_EVERY_STEPS: Setting[int] = Setting(
     read_in="front process",
     doc="an `acceptance` audit event every that many engine steps with draft tokens (0: only at pushes)")
 TAKEOVER_IDLE: Setting[float] = Setting(
-    TAKEOVER_IDLE_ENV, _seconds, 0.0, accepts="seconds, a finite number >= 0", scope="engine-wide", read_in="workers",
-    doc="a start while a draft weight-update session is open ends it and proceeds, unless that session had a call "
-        "less than this many seconds ago: then the start is refused (409)")
+    TAKEOVER_IDLE_ENV, _seconds, 60.0, accepts="seconds, a finite number >= 0", scope="engine-wide",
+    read_in="workers", doc="a start while a draft push is open and had a call less than this many seconds ago is "
+                           "refused (409, naming the push and how to take it over); an idle push is taken over (0: "
+                           "every start takes the open push over, as before 0.2.0)")
 
 #: Every setting, in the docs' order; any other name like theirs is refused (`check_names`).
 SETTINGS: tuple[Setting[Any], ...] = (PARTIAL, PATH_ROOT, AUDIT_DIR, AUDIT_CONSOLE, AUDIT_MAX_BYTES,
@@ -303,8 +304,10 @@ def audit_max_bytes() -> int | None:
 
 
 def takeover_idle_s() -> float:
-    """`RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S`: seconds (>= 0; unset or blank: 0): an open draft session that had
-    a call more recently than this is not taken over by a new start (`online.sessions`)."""
+    """`RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S`: seconds (>= 0; unset or blank: 60): an open draft push that had a
+    call more recently than this is not taken over by a new start (`online.sessions`). Why 60: longer than any pause
+    between the calls of one live push (a trainer writes or gathers the next chunk in seconds), shorter than a
+    crashed trainer's restart, whose first start then takes its abandoned push over without an operator."""
     return TAKEOVER_IDLE.read()
 
 

@@ -37,7 +37,7 @@ LABEL_VALUES = {"kind": {"draft", "policy"}, "outcome": {"ok", "refused", "aband
                 "call": {"update_weights", "finish_weight_update"},
                 "error": re.compile(r"[A-Z]\w*(Error|Exception)|WeightUpdateRefused"),
                 "engine": re.compile(r"\d+"), "position": re.compile(r"\d+"), "backbone": re.compile(r"\S+"),
-                "le": re.compile(r".+"), "weight_version": re.compile(r".*")}
+                "le": re.compile(r".+"), "weight_version": re.compile(r".*"), "push": re.compile(r"(epoch \d+.*)?")}
 
 
 def scrape(c: Any) -> dict[str, Any]:

@@ -157,6 +157,11 @@ class RLClient:
             raise RuntimeError(f"/weight_checker checksum: {ex}")
         return dict(ex.answer["checksums"])
 
+    def take_over(self, push: str) -> Exchange:
+        """End the open draft push named `push` ("epoch N", as a refused start names it) at once: the plugin's RPC
+        `lifecycle_take_over_push` through `/collective_rpc`."""
+        return self.post("/collective_rpc", {"method": "lifecycle_take_over_push", "kwargs": {"push": push}})
+
     # ---- the dev route ---------------------------------------------------------------------------------------
     def rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """`/collective_rpc` (VLLM_SERVER_DEV_MODE): one answer per worker."""

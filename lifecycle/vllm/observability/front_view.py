@@ -1,16 +1,11 @@
-"""What the engine's front process (process 0: `vllm serve`'s API server, or the process that built an `LLM`) knows
-of its draft: the weight pushes it saw, the draft's state it pulled from the workers, and the acceptance canary's
-per-step counts (`FrontendView`, one per engine client). The hooks that feed it are `frontend.py`'s.
-
-Only process 0's Prometheus registry reaches `/metrics`, and only it sees vLLM's per-step speculative-decoding
-counters (the stat loggers run there). Every weight call a trainer makes reaches the workers through the engine
-client's `collective_rpc` (AsyncLLM online, LLMEngine offline: the RL routes, `LLM.start_weight_update` and friends,
-`llm.collective_rpc("reload_draft_weights", ...)`), so wrapping it sees every push: its kind (draft or policy),
-outcome and duration. After a call that can change the draft, the front process pulls the workers' state with the
-same path (`serving_state.SERVING_RPC`, through the worker extension) and hands them the canary's audit events; vLLM's
-periodic stats tick pulls too. While a push or another worker call is in flight, steps are counted as served
-without the draft: the front process cannot tell, and the canary must count only steps where the draft served.
-
+"""What an engine's front process (an API server of `vllm serve`, or the process that built an `LLM`) knows of its
+draft: the weight pushes it saw (`push_book`, shared by the API servers of one server), the draft's state it pulled
+from the workers, and the acceptance canary's per-step counts (`FrontendView`, one per engine client); `frontend.py`
+holds the hooks that feed it. Every weight call reaches the workers through the engine client's `collective_rpc`, so
+wrapping it sees every push: kind, outcome, duration. After a call that can change the draft, and on vLLM's stats
+tick, the front process pulls the workers' state (`serving_state.SERVING_RPC`) and hands them the canary's events.
+While a push or another worker call is in flight, steps count as served without the draft (the canary counts only
+steps where the draft served).
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ... import errors as lifecycle_errors
-from ..online.sessions import REFUSED, WeightUpdateRefused
+from ..online.pushes import REFUSED, WeightUpdateRefused
 from ..settings import acceptance_thresholds
 from .canary import AcceptanceCanary
 from .metrics import metrics, multiprocess
@@ -34,23 +29,9 @@ from .push_book import Call as _Call
 from .push_book import PushBook
 from .serving_state import SERVING_RPC
 
-__all__ = [
-    "FRONT",
-    "GENERAL_PLUGIN",
-    "METRICS_PLUGIN",
-    "PUSH_CALLS",
-    "FrontProcess",
-    "FrontendView",
-    "attach",
-    "error_class",
-    "logger",
-    "logger_created",
-    "metrics_plugin_allowed",
-    "pull_async",
-    "pull_soon",
-    "pull_sync",
-    "view_of",
-]
+__all__ = ["FRONT", "GENERAL_PLUGIN", "METRICS_PLUGIN", "PUSH_CALLS", "FrontProcess", "FrontendView", "attach",
+           "error_class", "logger", "logger_created", "metrics_plugin_allowed", "pull_async", "pull_soon", "pull_sync",
+           "view_of"]
 
 # under vLLM's own logger: its handler writes the server's log (a logger of ours alone reached nothing online)
 logger = logging.getLogger("vllm.reload_lifecycle")
@@ -112,11 +93,17 @@ class FrontendView:
         self.pulling = False
         self.tasks: set[asyncio.Task[None]] = set()
         self.requeued: list[list[Any]] = []  # events taken for a call that failed: handed over with the next
+        self.serving: str | None = None  # the push the draft serves (`epoch N`), as the workers last answered
+        self.version: str | None = None  # the trainer's weight_version, as vLLM last set it
 
     def canary(self, engine: str) -> AcceptanceCanary:
         c = self.canaries.get(engine)
         if c is None:
             c = self.canaries[engine] = AcceptanceCanary(self.thresholds)
+            if self.serving is not None:  # the push the draft serves, known before this engine's first step
+                c.set_push(self.serving)
+            if self.version is not None:
+                c.set_weight_version(self.version)
         return c
 
     # ---- one engine step's verified drafts (the stat logger) -----------------------------------------------
@@ -161,6 +148,12 @@ class FrontendView:
         if events:
             self.requeued = [*events, *self.requeued]
 
+    def at_stop(self) -> list[list[Any]]:
+        """Each engine's current period as its final `acceptance` event: the workers keep it and write it if they
+        stop before the next push ends the period (handed over with every pull)."""
+        return [["acceptance", "info", {**f, "engine": int(e)}] for e, c in self.canaries.items()
+                if (f := c.provisional()) is not None]
+
     def take_events(self) -> list[list[Any]]:
         """The canary's events to audit, each `[event, level, fields]`; a collapse is also a warning in this
         process's log (the server's log, where an operator looks first)."""
@@ -172,10 +165,10 @@ class FrontendView:
                 if name != "acceptance_collapse":
                     continue
                 logger.warning("reload-lifecycle: acceptance collapse on engine %s after a push: %s of %s draft "
-                               "tokens accepted (weight_version %s), %s in the period before (weight_version %s): "
-                               "the push most likely broke the draft; outputs stay the target's", engine,
-                               f["accepted_share"], f["draft_tokens"], f.get("weight_version"), f["previous_share"],
-                               f.get("previous_weight_version"))
+                               "tokens accepted (%s, weight_version %s), %s in the period before (%s, weight_version "
+                               "%s): the push most likely broke the draft; outputs stay the target's", engine,
+                               f["accepted_share"], f["draft_tokens"], f.get("push"), f.get("weight_version"),
+                               f["previous_share"], f.get("previous_push"), f.get("previous_weight_version"))
         return out
 
     # ---- worker calls ----------------------------------------------------------------------------------------
@@ -231,9 +224,10 @@ class FrontendView:
         self.drafting = None
 
     def weight_version(self, version: str) -> None:
+        self.version = version
         for c in self.canaries.values():
             c.set_weight_version(version)
-        metrics().set_weight_version(version)
+        metrics().set_weight_version(version=version)
 
     # ---- the workers' answers --------------------------------------------------------------------------------
     def apply(self, answers: Sequence[Mapping[str, Any]] | None) -> None:
@@ -250,6 +244,7 @@ class FrontendView:
                 into["epoch"] = max(into["epoch"], int(b["epoch"]))
                 into["steps"] = max(into["steps"], int(b["steps_without_draft_total"]))  # ranks step together
                 into["bytes"] += int(b["written_bytes_total"])  # each rank writes its own shard
+                into.setdefault("push", b.get("serving_push"))  # every rank serves the same push
                 if b.get("quarantine_reason"):
                     into["reasons"].append(str(b["quarantine_reason"]))
         new_reasons: list[str] = []
@@ -267,6 +262,12 @@ class FrontendView:
             self.reasons[name] = reason
         if answers is not None:
             self.drafting = all(b["usable"] for b in merged.values())
+        serving = [str(b["push"]) for _, b in sorted(merged.items()) if b.get("push")]
+        if serving and self.book.open_push() is None:  # the push served labels the canary's period and the info
+            self.serving = serving[0]
+            for c in self.canaries.values():
+                c.set_push(serving[0])
+            m.set_weight_version(push=serving[0])
         if self.refused is not None:
             kind, error = self.refused
             self.refused = None
@@ -353,11 +354,12 @@ def _safe(what: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 def pull_sync(engine: Any, view: FrontendView) -> None:
     events = _safe("taking the canary's events", view.take_events) or []
+    at_stop = _safe("taking the serving period", view.at_stop) or []
     if not view.workers_answer:
         _safe("booking the workers' state", view.apply, None)
         return
     try:
-        answers = engine.collective_rpc(SERVING_RPC, kwargs={"events": events})
+        answers = engine.collective_rpc(SERVING_RPC, kwargs={"events": events, "at_stop": at_stop})
     except Exception as e:
         _safe("booking a failed pull", view.no_answer, e)
         return
@@ -366,12 +368,13 @@ def pull_sync(engine: Any, view: FrontendView) -> None:
 
 async def pull_async(engine: Any, view: FrontendView) -> None:
     events = _safe("taking the canary's events", view.take_events) or []
+    at_stop = _safe("taking the serving period", view.at_stop) or []
     if not view.workers_answer:
         _safe("booking the workers' state", view.apply, None)
         return
     view.pulling = True
     try:
-        answers = await engine.collective_rpc(SERVING_RPC, kwargs={"events": events})
+        answers = await engine.collective_rpc(SERVING_RPC, kwargs={"events": events, "at_stop": at_stop})
     except Exception as e:
         _safe("booking a failed pull", view.no_answer, e)
         return

@@ -13,8 +13,9 @@ Names follow vLLM's conventions: units in the name (`_seconds`, `_bytes`), count
 (prometheus_client adds it), gauges for states (0 or 1), labels `kind` (draft or policy), `outcome` (ok, refused,
 abandoned), `error` (an exception class name), `call` (a weight-update call), `backbone` (the draft's lifecycle name)
 and `engine` (the data-parallel engine index, as vLLM's own). The trainer's `weight_version` is never a label of a
-counter (it has no bound): `reload_lifecycle_weight_version_info` carries the current one only, and only with one
-API server (multiprocess mode cannot remove a series: each version pushed would stay).
+counter (it has no bound): `reload_lifecycle_weight_version_info` carries the current one only, bounded in length
+(`online.pushes.check_label`), with `push`, the draft push the draft serves by the plugin's own name (`epoch N`), and
+only with one API server (multiprocess mode cannot remove a series: each version pushed would stay).
 
 prometheus_client comes with vLLM; it is imported when the metrics are first used, never at import.
 """
@@ -90,17 +91,23 @@ class ReloadMetrics:
                                ["engine"], multiprocess_mode="livemax")
         self.collapses = Counter(p + "acceptance_collapses", "Acceptance collapses after a push.", ["engine"])
         self.weight_version = None if multiprocess() else Gauge(
-            p + "weight_version_info", "The weight_version the trainer gave last (1; with one API server only).",
-            ["weight_version"])
-        self._version: str | None = None
+            p + "weight_version_info", "The weight_version the trainer gave last, and the draft push the draft "
+            "serves (epoch N) (1; one series; with one API server only).", ["weight_version", "push"])
+        self._labels: tuple[str, str] | None = None
 
-    def set_weight_version(self, version: str) -> None:
+    def set_weight_version(self, version: str | None = None, push: str | None = None) -> None:
+        """The one series of `weight_version_info`: the trainer's version given last (empty before any) and the
+        push the draft serves; None keeps the current value of either."""
         if self.weight_version is None:
             return
-        if self._version is not None and self._version != version:
-            self.weight_version.remove(self._version)
-        self._version = version
-        self.weight_version.labels(version).set(1)
+        now = self._labels or ("", "")
+        labels = (now[0] if version is None else version, now[1] if push is None else push)
+        if labels == self._labels:
+            return
+        if self._labels is not None:
+            self.weight_version.remove(*self._labels)
+        self._labels = labels
+        self.weight_version.labels(*labels).set(1)
 
     def ensure(self, engines: Iterable[str] = (), positions: int = 0) -> None:
         """Make every series whose labels are known now (a counter's at 0, a gauge's at 0): present from the start."""

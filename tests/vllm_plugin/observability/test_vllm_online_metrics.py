@@ -115,17 +115,21 @@ def test_online_a_good_push_does_not_fire_a_bad_one_does_and_the_good_draft_agai
     assert value(got, "reload_lifecycle_acceptance_collapses_total", **ENGINE) == 1
     assert value(got, "reload_lifecycle_pushes_total", kind="draft", outcome="ok") == 3
     assert value(got, "reload_lifecycle_push_duration_seconds_count", kind="draft", outcome="ok") == 3
-    assert value(got, "reload_lifecycle_weight_version_info", weight_version="v3") == 1
-    assert value(got, "reload_lifecycle_weight_version_info", weight_version="v2") is None  # current only
+    # one series: the trainer's version and the push the draft serves, by the plugin's own name (issue 32 item 10)
+    assert value(got, "reload_lifecycle_weight_version_info", weight_version="v3", push="epoch 3") == 1
+    assert [k for k in got["values"] if k[0] == "reload_lifecycle_weight_version_info"] == [
+        ("reload_lifecycle_weight_version_info", (("push", "epoch 3"), ("weight_version", "v3")))]
     events = canary_events(c)
     (collapse,) = [e for e in events if e["event"] == "acceptance_collapse"]
     assert (collapse["weight_version"], collapse["previous_weight_version"]) == ("v2", "v1")
+    assert (collapse["push"], collapse["previous_push"], collapse["origin"]) == ("epoch 2", "epoch 1", "rpc")
     assert collapse["accepted_share"] == 0.0 and collapse["previous_share"] == 1.0
     (recovered,) = [e for e in events if e["event"] == "acceptance_recovered"]
     assert recovered["weight_version"] == "v3"
-    finals = [(e["period"], e.get("weight_version"), e["accepted_tokens"], e["draft_tokens"]) for e in events
-              if e["event"] == "acceptance" and e["final"]]
-    assert finals == [(0, None, GOOD, GOOD), (1, "v1", GOOD, GOOD), (2, "v2", 0, BAD)]
+    finals = [(e["period"], e.get("push"), e.get("weight_version"), e["accepted_tokens"], e["draft_tokens"])
+              for e in events if e["event"] == "acceptance" and e["final"]]
+    assert finals == [(0, "epoch 0", None, GOOD, GOOD), (1, "epoch 1", "v1", GOOD, GOOD),
+                      (2, "epoch 2", "v2", 0, BAD)]
     assert "reload-lifecycle: acceptance collapse on engine 0" in server.log_text()  # the server's log: a warning
 
 
