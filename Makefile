@@ -120,7 +120,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (about 15 minutes on 2 cores).
+# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (about 30 minutes on 2 cores,
+# half of it the 1,000-push soak).
 # BENCH_ARGS="--quick" for a smoke run of seconds; the GPU check skips (exit 0) without CUDA.
 BENCH_ARGS ?=
 bench: $(VLLM_STAMP)
@@ -139,6 +140,7 @@ bench: $(VLLM_STAMP)
 	$(BIN)/python -m benchmarks.hostile_logs $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.cli_start $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.engine_push $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.soak $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CORE_VENV) .pytest_cache .ruff_cache .hypothesis

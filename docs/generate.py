@@ -330,9 +330,12 @@ DASHBOARD: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]
              f"sum by (kind) (rate(reload_lifecycle_push_duration_seconds_count{SELECT}[$__rate_interval]))",
              "{{kind}} mean")], "lines"),
         ("Refusals by error", "Weight calls refused, by kind and the class of the error (e.g. LayersNotReadyError); "
-         "the audit log names what each refused.", "short",
+         "the audit log names what each refused. Also chunks and finishes that came with no session open (vLLM "
+         "refused them; not pushes).", "short",
          [(f"sum by (kind, error) (increase(reload_lifecycle_refusals_total{SELECT}[$__rate_interval]))",
-           "{{kind}} {{error}}")], "bars"),
+           "{{kind}} {{error}}"),
+          (f"sum by (call) (increase(reload_lifecycle_stray_calls_total{SELECT}[$__rate_interval]))",
+           "{{call}} without a session")], "bars"),
         ("Draft bytes written", "Bytes of draft tensors written by reloads, all ranks.", "Bps",
          [(f"sum by (backbone) (rate(reload_lifecycle_written_bytes_total{SELECT}[$__rate_interval]))",
            "{{backbone}}")], "lines"),
@@ -355,8 +358,9 @@ DASHBOARD: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]
          "steps"),
     ]),
     ("Acceptance (steps the draft served)", [
-        ("Acceptance ratio", "Accepted / draft tokens of the current serving period (since the last push), and "
-         "whether a collapse after a push stands (the acceptance canary).", "percentunit",
+        ("Acceptance ratio", "Accepted / draft tokens of the latest serving period that verified a draft token "
+         "(a period runs from one push to the next), and whether a collapse after a push stands (the acceptance "
+         "canary).", "percentunit",
          [(f"max by (engine) (reload_lifecycle_acceptance_ratio{SELECT})", "engine {{engine}} ratio"),
           (f"max by (engine) (reload_lifecycle_acceptance_collapsed{SELECT})", "engine {{engine}} collapsed")],
          "lines"),
@@ -420,15 +424,21 @@ def dashboard() -> str:
     return json.dumps(board, indent=2) + "\n"
 
 
+#: how /metrics merges a gauge's values with several API servers (prometheus_client's multiprocess modes)
+MERGED = {"livemostrecent": "the latest a live server set", "livemax": "the highest of the live servers'",
+          None: "not exported (a series cannot be removed)"}
+
+
 def metrics_table() -> str:
     """Every `reload_lifecycle_*` metric as `vllm serve` exposes it: read from the plugin's `ReloadMetrics` (its
-    source: building the metrics would register them in this process)."""
+    source: building the metrics would register them in this process); then the `_created` samples prometheus_client
+    adds."""
     import importlib.util
 
     spec = importlib.util.find_spec("lifecycle.vllm.observability.metrics")
     assert spec is not None and spec.origin is not None
     suffix = {"Counter": "_total", "Gauge": "", "Histogram": "_bucket / _sum / _count"}
-    rows = []
+    rows, created = [], []
     for node in ast.walk(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in suffix:
             name, doc, labels = node.args[:3]
@@ -436,10 +446,17 @@ def metrics_table() -> str:
             assert isinstance(doc, ast.Constant) and isinstance(labels, ast.List)
             exposed = f"reload_lifecycle_{name.right.value}" + (suffix[node.func.id] if node.func.id == "Counter"
                                                                   else "")
+            mode = next((ast.literal_eval(k.value) for k in node.keywords if k.arg == "multiprocess_mode"), None)
+            if node.func.id != "Gauge":
+                created.append(f"`reload_lifecycle_{name.right.value}_created`")
             rows.append((f"`{exposed}`", node.func.id.lower() + (f" ({suffix['Histogram']})" if node.func.id ==
                                                                  "Histogram" else ""),
-                         ", ".join(f"`{ast.literal_eval(e)}`" for e in labels.elts), doc.value))
-    return md_table(["metric", "type", "labels", "what it is"], rows)
+                         ", ".join(f"`{ast.literal_eval(e)}`" for e in labels.elts),
+                         "summed" if node.func.id != "Gauge" else MERGED[mode], doc.value))
+    return md_table(["metric", "type", "labels", "with several API servers", "what it is"], rows) + (
+        "\n\nWith one API server prometheus_client also exports, for each counter and histogram, a `_created` "
+        "sample (the Unix time its series was created, as for vLLM's own): " + ", ".join(created) + ". With "
+        "several, none (prometheus_client's multiprocess mode has no `_created`).")
 
 
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
@@ -808,6 +825,30 @@ def _engine_push(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, 
             "", *fails], targets
 
 
+#: bytes per push of the plugin's own allocations the soak may leave alive and still count as zero: what happens to be
+#: in flight at either snapshot (a few blocks over hundreds of pushes)
+SOAK_ZERO_BYTES = 16
+
+
+def _soak(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    on, tr = r["online"], r["traced"]
+    rows = [(name, num(p["rss_start_mib"]), num(p["rss_end_mib"]), num(p["kib_per_push_slope"]),
+             num(p["kib_per_push_end_minus_start"]), f"{p['fds_start']} -> {p['fds_end']}")
+            for name, p in on["processes"].items() if p["rss_start_mib"] > 50]
+    pushes = num(r.get("pushes") or 1000)
+    body = [md_table(["process", "RSS at start (MiB)", "at end", "KiB per push (slope)", "KiB per push (end - start)",
+                      "open files"], rows), "",
+            f"Online, {pushes} pushes in {num(on['seconds'])} s ({on['failed']} failed): `/dev/shm` entries "
+            f"{on['shm'][0]} -> {on['shm'][1]}; the audit grew {num(on['audit_bytes_per_push'])} bytes per push, "
+            f"{on['audit_files_end']} files at the end (rotated at 1 MiB). In one process with tracemalloc: the "
+            f"plugin's own allocations still alive grew {num(tr['plugin_bytes_per_push'])} bytes per push over "
+            f"{num(round(tr['plugin_bytes'] / tr['plugin_bytes_per_push']) if tr['plugin_bytes_per_push'] else 0)} "
+            f"pushes, the process's RSS {num(tr['rss_kib_per_push_slope'])} KiB per push."]
+    met = abs(tr["plugin_bytes_per_push"]) < SOAK_ZERO_BYTES
+    return body, [("the plugin's own allocations alive per push, over a long run: 0 (under "
+                   f"{SOAK_ZERO_BYTES} bytes)", f"{num(tr['plugin_bytes_per_push'])} bytes", verdict(met))]
+
+
 RENDERERS: dict[str, Callable[[Mapping[str, Any]], tuple[list[str], list[tuple[str, str, str]]]]] = {
     "tracking_overhead": _tracking_overhead,
     "tracking_breakdown": _tracking_breakdown,
@@ -821,6 +862,7 @@ RENDERERS: dict[str, Callable[[Mapping[str, Any]], tuple[list[str], list[tuple[s
     "hostile_logs": _hostile_logs,
     "cli_start": _cli_start,
     "engine_push": _engine_push,
+    "soak": _soak,
 }
 
 
@@ -854,8 +896,8 @@ def performance_page() -> str:
     met = sum(1 for t in targets if t[2] == "met")
     parts = [NOTICE, "", "# Performance", "",
              f"Generated by `{COMMAND}` from the results `make bench` stored in `benchmarks/results/*.json`; no "
-             "figure here is typed by hand. To update: `make bench` (about 15 minutes on 2 cores, most of it "
-             "`engine_push`'s live engines), then "
+             "figure here is typed by hand. To update: `make bench` (about 30 minutes on 2 cores, most of it "
+             "`engine_push`'s live engines and the 1,000-push `soak`), then "
              f"`{COMMAND}`. Each script times every arm next to a baseline measured in the same process, arms "
              "interleaved round by round after a warm-up, and reports medians with min-max and the median of the "
              "per-round ratios with its interquartile range (IQR). `make bench BENCH_ARGS=--quick` is a smoke run "

@@ -69,11 +69,14 @@ class RLClient:
     timeout_s: float = 120.0
     log: list[Exchange] = field(default_factory=list)
     resets: int = 0
+    #: False: a new connection per request (with several API servers, each may land on any of them)
+    keepalive: bool = True
 
     def __post_init__(self) -> None:
         import httpx
 
-        self.http = httpx.Client(base_url=self.url, timeout=self.timeout_s)
+        limits = httpx.Limits() if self.keepalive else httpx.Limits(max_keepalive_connections=0)
+        self.http = httpx.Client(base_url=self.url, timeout=self.timeout_s, limits=limits)
 
     def close(self) -> None:
         self.http.close()

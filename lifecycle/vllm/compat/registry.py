@@ -187,6 +187,10 @@ PATCHES: tuple[Patch, ...] = (
            "every push seen (offline)", "observability.frontend"),
     _wraps(_LLM_ENGINE, "LLMEngine.set_weight_version", "observability.frontend:wrap_sync_version",
            "the canary's period labelled (offline)", "observability.frontend"),
+    _reads(_ASYNC_LLM, "AsyncLLM._client_count", "observability.front_view",
+           "with several API servers, server 0 alone counts the workers' totals"),
+    _reads("vllm.v1.engine.core_client", "AsyncMPClient.client_index", "observability.front_view",
+           "which API server this is"),
     _reads("vllm.v1.metrics.loggers", "StatLoggerBase", "observability.stat_logger"),
     _reads("vllm.v1.metrics.stats", "SchedulerStats.spec_decoding_stats", "observability.front_view"),
     *(_reads(_SPEC_METRICS, f"SpecDecodingStats.{n}", "observability.front_view")

@@ -79,6 +79,11 @@ class DraftStructure:
             self.slots[m.name] = entries
         self.seen: set[str] = set()  # modules a call of the first load carried tensors for
         self.frozen: dict[str, bool] | None = None
+        #: checkpoint name -> the shape the first load's calls carried under it (whole checkpoint tensors, as vLLM
+        #: hands every rank; `reload.expected` holds a reload's payload to them exactly)
+        self.cold_shapes: dict[str, tuple[int, ...]] = {}
+        #: `reload.expected`'s lookup of `cold_shapes` by each form of their names, made once they are final
+        self.cold_lookup: dict[str, tuple[int, ...]] | None = None
         #: checkpoint tensors this vLLM's load_weights writes outside a weight loader (vLLM #57800)
         self.hand_writes: tuple[HandWrite, ...] = _hand_writes(family)
 
@@ -161,6 +166,9 @@ class DraftStructure:
             module = self.module_of(name)
             if module is not None:
                 self.seen.add(module)
+            shape = getattr(t, "shape", None)
+            if shape is not None:
+                self.cold_shapes[name] = tuple(shape)
             yield name, t
 
     @contextmanager

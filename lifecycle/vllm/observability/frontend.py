@@ -27,13 +27,14 @@ from ..online.sessions import LIFECYCLE_KW
 from .front_view import (
     FRONT,
     FrontendView,
-    _Call,
     _safe,
     attach,
     metrics_plugin_allowed,
     pull_async,
+    pull_soon,
     pull_sync,
 )
+from .push_book import Call
 
 __all__ = ["FINAL_PULL_S", "wrap_async_init", "wrap_async_rpc", "wrap_async_shutdown", "wrap_async_version",
            "wrap_sync_init", "wrap_sync_rpc", "wrap_sync_version"]
@@ -44,7 +45,7 @@ FINAL_PULL_S = 5.0
 _LOOPS: weakref.WeakKeyDictionary[Any, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
 
 # ---- the wrappers --------------------------------------------------------------------------------------------------
-def _begin(engine: Any, method: Any) -> tuple[FrontendView, _Call] | None:
+def _begin(engine: Any, method: Any) -> tuple[FrontendView, Call] | None:
     view = FRONT.views.get(engine)
     # the lifecycle's own RPCs change no draft (reload_draft_weights, a push, has no such prefix)
     if view is None or not isinstance(method, str) or method.startswith("lifecycle_"):
@@ -165,10 +166,20 @@ def _init(*, is_async: bool) -> Callable[[Callable[..., Any]], Callable[..., Any
             if is_async:
                 with contextlib.suppress(RuntimeError):  # the loop its calls run on (a final pull at shutdown)
                     _LOOPS[engine] = asyncio.get_running_loop()
+            if view is not None and is_async and _loop_running():  # the backbones' series from the start
+                _safe("pulling the workers' state", pull_soon, view)
 
         return __init__
 
     return make
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _set_version(original: Callable[..., Any], *, is_async: bool) -> Callable[..., Any]:
