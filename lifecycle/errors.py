@@ -66,6 +66,16 @@ def _listing(items: Sequence[str]) -> str:
     return "\n  ".join([*shown, f"... and {more} more"] if more else shown)
 
 
+def _layer_line(layer: str, names: Sequence[str]) -> str:
+    """`layer: a, b, c`; where every name carries the same reason (`name (why)`), the reason once, after the layer:
+    repeated per name it would fill the line's cap before the names it is about."""
+    split = [n.partition(" (") for n in names]
+    reasons = {sep + rest for _, sep, rest in split}
+    if len(names) > 1 and len(reasons) == 1 and "" not in reasons:
+        return f"{layer} {next(iter(reasons)).strip()}: {', '.join(n for n, _, _ in split)}"
+    return f"{layer}: {', '.join(names)}"
+
+
 def raise_unheld(error: BaseException | None) -> None:
     """Raise `error` (nothing when it is None) with no frame left holding it: pass the expression that makes it
     (`raise_unheld(refusal_of(bucket))`), not a local of the caller, which would keep it (see the module doc).
@@ -129,7 +139,7 @@ class LayersNotReadyError(StateError):
     draft."""
 
     def __init__(self, action: str, missing: Mapping[str, Sequence[str]], *, backbone: str, state: str) -> None:
-        lines = [f"{layer}: {', '.join(names)}" for layer, names in missing.items()]
+        lines = [_layer_line(layer, names) for layer, names in missing.items()]
         n_tensors = sum(len(v) for v in missing.values())
         super().__init__(
             f"{action} refused: {len(missing)} layer(s) not ready, {n_tensors} tensor(s) missing or on META:\n  "

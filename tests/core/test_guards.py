@@ -604,3 +604,20 @@ def test_refused_selective_finish_marks_nothing(loaded: DFlashQwen3Draft, ckpt_b
     assert lc.missing() == missing and lc.readiness.untouched_layers() == untouched
     assert lc.state is S.PARTIALLY_LOADED
     assert [(e["event"], e["trigger"]) for e in logs] == [("refused", "finalize_loading")]
+
+
+def test_a_reason_every_tensor_of_a_layer_shares_is_said_once_so_every_name_fits_the_message() -> None:
+    """Nine long-named tensors of one layer, each with the same long reason (a dummy start's `load_format='dummy'`
+    values, vLLM's names): repeated per name the reason filled the line's cap and the last names were cut, so a
+    refusal could leave out the very tensor it is about."""
+    why = "(holds what vLLM's loader put there without load_weights (load_format='dummy': random values), not a " \
+          "checkpoint's: write every tensor of it)"
+    names = [f"layers.1.{leaf}.weight" for leaf in ("input_layernorm", "mlp.down_proj", "mlp.gate_up_proj",
+                                                    "post_attention_layernorm", "self_attn.k_norm", "self_attn.o_proj",
+                                                    "self_attn.q_norm", "self_attn.qkv_proj", "self_attn.sinks")]
+    err = LayersNotReadyError("weights_unchanged", {"layers.1": [f"{n} {why}" for n in names]}, backbone="b",
+                              state="PARTIALLY_LOADED")
+    assert all(n in str(err) for n in names) and str(err).count("load_format='dummy'") == 1
+    assert err.missing == {"layers.1": tuple(f"{n} {why}" for n in names)}  # what callers read is unchanged
+    mixed = LayersNotReadyError("finalize_loading", {"layers.0": ["a (META)", "b"]}, backbone="b", state="S")
+    assert "layers.0: a (META), b" in str(mixed)  # different reasons stay beside their names
