@@ -48,6 +48,9 @@ class DraftRuntime:
     owned: dict[nn.Module, list[str]] = field(default_factory=dict)
     #: the outermost owned modules: what an implicit reload hands to vLLM's layerwise reload
     roots: list[nn.Module] = field(default_factory=list)
+    #: modules whose processing moved a kept tensor after an in-place write: vLLM's copy back for them since
+    #: (`reload.direct`)
+    copied_back: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     #: linear module -> the name of the K/V shadow its processing fills (`drafts.shadows`)
     shadow_of: dict[nn.Module, str] = field(default_factory=dict)
     #: a call the frozen structure refused, raised by the next write (`reload.classes`)
@@ -62,16 +65,22 @@ class DraftRuntime:
     entries: int = 0
     #: how the last epoch that failed ended: "rolled back" (exactly, serving again) or "quarantined"
     last_outcome: str | None = None
+    #: the reader's staging buffer, kept across pushes (`reload.staging.Staging`, made on the first push)
+    staging: Any = None
     # ---- serving and observability ----------------------------------------------------------------------------
     #: steps the engine served without this draft since it stopped being usable (None: drafting)
     drafting_paused_steps: int | None = None
     #: steps served without this draft since the process started
     steps_without_draft_total: int = 0
     written: WrittenBytes = field(default_factory=WrittenBytes)
-    #: module -> {parameter: sha256 as loaded, right before processing} (the weight checker, CPU tensors)
+    #: module -> {parameter: sha256 as loaded, right before processing emptied it} (the weight checker, CPU tensors)
     digests_before_processing: dict[nn.Module, dict[str, str]] = field(default_factory=dict)
-    #: linear module -> {K/V shadow name: sha256 of the rows captured into it}
-    captured_digests: dict[nn.Module, dict[str, str]] = field(default_factory=dict)
+    #: module -> the parameters its last processing emptied (learnt at its first: only those are hashed since)
+    emptied_by_processing: dict[nn.Module, set[str]] = field(default_factory=dict)
+    #: linear module -> {K/V shadow name: what the rows captured into it hash to (`weight_checker.RowsDigest`)}
+    captured_digests: dict[nn.Module, dict[str, Any]] = field(default_factory=dict)
+    #: bytes the push path hashed for the weight checker, since the draft was built (tests count them per push)
+    bytes_hashed: int = 0
 
 
 class WorkerRuntime:

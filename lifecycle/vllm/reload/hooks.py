@@ -5,8 +5,9 @@ epoch boundary (`epoch.py`) and leaves a model without lifecycle drafts (the tar
                                            then vLLM's
   _layerwise_process(layer, info)       -> a draft's layer is processed only once every tensor and every shard
                                            of a fused parameter arrived (`shards.py`; vLLM's element count can add
-                                           up without them); after vLLM processed it, the owning draft records
-                                           that layer's tensors as loaded
+                                           up without them), written straight into its kept tensors where
+                                           processing keeps their layout (`direct.py`), else by vLLM; then the
+                                           owning draft records that layer's tensors as loaded
   _copy_and_restore_kernel_tensors      -> the layer is recorded as written before vLLM copies it back
   finalize_layerwise_reload(model, c)   -> `epoch.finish`: the partial payload settled, vLLM's finalize, then each
                                            draft finishes (every layer ready, reload hooks, refresh in place) or is
@@ -33,6 +34,7 @@ from torch import nn
 
 from ..drafts.owners import backbones_in, note_engine_model, owner_of
 from ..drafts.runtime import WORKER
+from .direct import write_layer, writes_in_place
 from .epoch import begin, finish
 from .shards import missing_parts
 
@@ -82,7 +84,10 @@ def wrap_layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         complete = not completing and info.load_numel_total is not None \
             and info.load_numel >= info.load_numel_total > 0
         with WORKER.flag("in_vllm_reload"):
-            result = original(layer, info, *args, **kwargs)
+            if owner is not None and not completing and writes_in_place(layer, info, owner[0].lifecycle_runtime):
+                result = write_layer(layer, info, owner[0].lifecycle_runtime)
+            else:
+                result = original(layer, info, *args, **kwargs)
         WORKER.touched.discard(layer)  # processed and copied back whole: the reload wrote it (it no longer waits)
         if complete and owner is not None:
             backbone, names = owner
