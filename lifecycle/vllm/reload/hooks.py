@@ -34,7 +34,7 @@ from torch import nn
 
 from ..drafts.owners import backbones_in, note_engine_model, owner_of
 from ..drafts.runtime import WORKER
-from .direct import write_layer, writes_in_place
+from . import direct
 from .epoch import begin, finish
 from .shards import missing_parts
 
@@ -84,8 +84,9 @@ def wrap_layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         complete = not completing and info.load_numel_total is not None \
             and info.load_numel >= info.load_numel_total > 0
         with WORKER.flag("in_vllm_reload"):
-            if owner is not None and not completing and writes_in_place(layer, info, owner[0].lifecycle_runtime):
-                result = write_layer(layer, info, owner[0].lifecycle_runtime)
+            runtime = owner[0].lifecycle_runtime if owner is not None else None
+            if runtime is not None and not completing and direct.writes_in_place(layer, info, runtime):
+                result = direct.write_layer(layer, info, runtime)
             else:
                 result = original(layer, info, *args, **kwargs)
         WORKER.touched.discard(layer)  # processed and copied back whole: the reload wrote it (it no longer waits)
