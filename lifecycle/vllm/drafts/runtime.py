@@ -61,12 +61,16 @@ class DraftRuntime:
     loader_values: bool = False
     #: this reload's partial policy when its caller chose one; None: the engine's setting
     reload_partial: PartialPolicy | None = None
+    #: the epoch whose precompute metadata was recorded last (`reload.mixin._record_metadata`; -1: none yet)
+    metadata_epoch: int = -1
     #: entry points into the draft's weights being run now (`reload.epoch.entered`): only the outermost acts
     entries: int = 0
     #: how the last epoch that failed ended: "rolled back" (exactly, serving again) or "quarantined"
     last_outcome: str | None = None
     #: the reader's staging buffer, kept across pushes (`reload.staging.Staging`, made on the first push)
     staging: Any = None
+    #: payloads that passed the header check (`reload.expected`): (headers, names, ranks) -> None, oldest first
+    payloads_checked: dict[Any, None] = field(default_factory=dict)
     # ---- serving and observability ----------------------------------------------------------------------------
     #: steps the engine served without this draft since it stopped being usable (None: drafting)
     drafting_paused_steps: int | None = None
@@ -91,6 +95,10 @@ class WorkerRuntime:
         self.drafts: weakref.WeakSet[Any] = weakref.WeakSet()
         #: modules of the models the engine loaded that hold no lifecycle draft (the target)
         self.engine_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: model -> its submodules (name, module held weakly), walked once when a push begins and kept until its
+        #: epoch ends (`owners.modules_of`): the push's every look at the model's modules reads this one walk
+        self.walked: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, weakref.ref[nn.Module]]]] = (
+            weakref.WeakKeyDictionary())
         #: modules whose live tensors the current reload began to write, recorded BEFORE the write: an interrupt
         #: after it leaves them partly written, which putting their kept tensors back cannot undo
         self.touched: weakref.WeakSet[nn.Module] = weakref.WeakSet()

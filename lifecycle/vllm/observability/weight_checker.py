@@ -119,9 +119,11 @@ def record_before_processing(layer: nn.Module, shadow: tuple[str, torch.Tensor, 
     if owner is None:
         return None
     runtime = owner[0].lifecycle_runtime
+    known = runtime.emptied_by_processing.get(layer)  # None: never processed yet
+    if known is not None and not known and shadow is None:  # processing keeps every parameter: nothing to do
+        return None
     cpu = {name: p for name, p in own_parameters(layer).items()
            if p is not None and not p.is_meta and p.device.type == "cpu" and p.numel() > 0}
-    known = runtime.emptied_by_processing.get(layer)  # None: never processed yet
     split = _tail_split(cpu["weight"], shadow[2]) if shadow is not None and "weight" in cpu else None
     digests: dict[str, str] = {}
     rows: RowsDigest | None = None

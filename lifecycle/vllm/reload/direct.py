@@ -23,24 +23,32 @@ weight), the write fails the reload, naming the tensor, and that layer takes vLL
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...storage import StorageIdentity
-from ...torch_private import own_buffers, own_parameters
+from ...torch_private import own_buffers, own_parameters, torch_function_bypassed
 from ..drafts.runtime import WORKER, DraftRuntime
 
 __all__ = ["write_layer", "writes_in_place"]
 
 
-def writes_in_place(layer: nn.Module, info: Any, runtime: DraftRuntime) -> bool:
-    """Whether the completed `layer` (of the draft whose runtime is `runtime`) can take its buffered loads in its
-    kept tensors (module doc)."""
+@functools.cache
+def _vllm() -> tuple[Any, Any]:
+    """vLLM's names `writes_in_place` reads (imported once: it runs for every layer of every push)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
+    return is_deferred_attention_layer, UnquantizedLinearMethod
+
+
+def writes_in_place(layer: nn.Module, info: Any, runtime: DraftRuntime) -> bool:
+    """Whether the completed `layer` (of the draft whose runtime is `runtime`) can take its buffered loads in its
+    kept tensors (module doc)."""
+    is_deferred_attention_layer, UnquantizedLinearMethod = _vllm()
     if info.kernel_tensors is None or layer in runtime.copied_back or is_deferred_attention_layer(layer):
         return False
     quant = getattr(layer, "quant_method", None)
@@ -70,7 +78,8 @@ def write_layer(layer: nn.Module, info: Any, runtime: DraftRuntime) -> None:
     from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, _place_kernel_tensors
 
     kept = info.kernel_tensors[0]
-    before = {name: StorageIdentity.of(t) for name, t in kept.items()}
+    with torch_function_bypassed():  # vLLM's parameters answer every attribute through __torch_function__
+        before = {name: StorageIdentity.of(t) for name, t in kept.items()}
     WORKER.touched.add(layer)  # before the first write: an interrupt inside leaves this layer torn, and known
     _place_kernel_tensors(layer, info)  # the kept tensors back on the layer, the META placeholders dropped
     if hasattr(layer, "_already_called_process_weights_after_loading"):  # as vLLM's: processing runs again
@@ -86,8 +95,9 @@ def write_layer(layer: nn.Module, info: Any, runtime: DraftRuntime) -> None:
         if callable(update_tp_status):
             update_tp_status()
     now = own_parameters(layer)
-    moved = [name for name, was in before.items()
-             if now.get(name) is not kept[name] or StorageIdentity.of(kept[name]) != was]
+    with torch_function_bypassed():
+        moved = [name for name, was in before.items()
+                 if now.get(name) is not kept[name] or not was.matches(kept[name])]
     info.reset()
     if moved:
         runtime.copied_back.add(layer)

@@ -33,7 +33,7 @@ from ...torch_private import non_persistent_buffers
 from ...types import capped
 from ...types import describe_error as describe
 from .. import settings
-from ..drafts.owners import VLLMDraftBackbone, backbones_in, drafts_of
+from ..drafts.owners import VLLMDraftBackbone, drafts_of, forget_walk, modules_of, walk_once
 from ..drafts.quantized import reload_blocker
 from ..drafts.runtime import WORKER
 from .partial import PartialOutcome, settle_partial
@@ -94,7 +94,11 @@ def fail(model: nn.Module, reason: str) -> str | None:
     non_persistent, WORKER.initializing = WORKER.initializing, None
     written = unwind(model, non_persistent=non_persistent)
     outcome = None
-    for backbone in backbones_in(model):
+    drafts = drafts_of(model)
+    for walked in (model, *(d.lifecycle_runtime.outer() for d in drafts)):
+        if walked is not None:
+            forget_walk(walked)
+    for backbone in drafts:
         backbone.lifecycle_runtime.reload_partial = None
         lc = backbone.lifecycle
         if not lc.can("abort_reload"):
@@ -116,12 +120,13 @@ def begin(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: 
         raise NotImplementedError(f"reload-lifecycle: {why}")
     if reload_in_progress(model):  # the last reload never reached finalize
         fail(model, "abandoned: a new reload began before the previous one was finalized")
+    walk_once(model)  # the push's one walk of the model's modules (`owners.modules_of`), kept until its end
     # what vLLM's initialize moves to META and back: its buffers' persistence, for an interrupted one
-    WORKER.initializing = {m: set(non_persistent_buffers(m)) for m in model.modules()}
+    WORKER.initializing = {m: set(non_persistent_buffers(m)) for _, m in modules_of(model)}
     for m in WORKER.initializing:
         WORKER.touched.discard(m)
     with entered(model, "initialize_layerwise_reload"):
-        for backbone in backbones_in(model):
+        for backbone in drafts_of(model):
             if not backbone.lifecycle.unloaded:  # never before a first load
                 backbone.begin_reload()
         result = original(model, *args, **kwargs)
@@ -138,6 +143,9 @@ def begin_implicit(backbone: VLLMDraftBackbone, cause: str, *, layerwise: bool =
     lc = backbone.lifecycle
     lc.audit_event("implicit_reload", cause=cause, from_state=lc.state.value)
     backbone.begin_reload()
+    outer = backbone.lifecycle_runtime.outer()
+    if outer is not None:
+        walk_once(outer)
     if layerwise:
         initialize = layerwise_function("initialize_layerwise_reload")
         for module in backbone.lifecycle_runtime.roots:
@@ -147,8 +155,19 @@ def begin_implicit(backbone: VLLMDraftBackbone, cause: str, *, layerwise: bool =
 def finish(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """vLLM's `finalize_layerwise_reload(model, model_config, ...)` for a model with lifecycle drafts: settle what a
     partial payload left, vLLM's finalize, then each draft finishes its epoch (`finish_epoch`)."""
-    drafts = backbones_in(model)
+    drafts = drafts_of(model)
     model_config = args[0] if args else kwargs.get("model_config")
+    try:
+        return _finish(model, drafts, model_config, original, *args, **kwargs)
+    finally:
+        forget_walk(model)  # the push ended (or failed: `fail` forgot it already)
+        outer = drafts[0].lifecycle_runtime.outer() if drafts else None
+        if outer is not None:
+            forget_walk(outer)
+
+
+def _finish(model: nn.Module, drafts: list[VLLMDraftBackbone], model_config: Any, original: Callable[..., Any],
+            *args: Any, **kwargs: Any) -> Any:
     with entered(model, "finalize_layerwise_reload"):
         if not hasattr(model_config, "dtype"):  # vLLM reads it only after processing every other layer
             raise TypeError("finalize_layerwise_reload(model, model_config): model_config must be the draft's "

@@ -32,7 +32,7 @@ from typing import Any
 
 from torch import nn
 
-from ..drafts.owners import backbones_in, note_engine_model, owner_of
+from ..drafts.owners import drafts_of, note_engine_model, owner_of
 from ..drafts.runtime import WORKER
 from . import direct
 from .epoch import begin, finish
@@ -52,7 +52,7 @@ def _require_module(model: Any, function: str) -> None:
 def wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
         _require_module(model, "initialize_layerwise_reload")
-        if not backbones_in(model):  # the target, or a model without lifecycle drafts: vLLM's reload as it is
+        if not drafts_of(model):  # the target, or a model without lifecycle drafts: vLLM's reload as it is
             return original(model, *args, **kwargs)
         return begin(model, original, *args, **kwargs)
 
@@ -62,7 +62,7 @@ def wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_finalize(original: Callable[..., Any]) -> Callable[..., Any]:
     def finalize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
         _require_module(model, "finalize_layerwise_reload")
-        if not backbones_in(model):
+        if not drafts_of(model):
             with WORKER.flag("in_vllm_reload"):
                 return original(model, *args, **kwargs)
         return finish(model, original, *args, **kwargs)
@@ -111,7 +111,7 @@ def wrap_copy_back(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def wrap_process_weights_after_loading(original: Callable[..., Any]) -> Callable[..., Any]:
     def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
-        backbones = backbones_in(model)
+        backbones = drafts_of(model)
         if any(b.reload_open for b in backbones):  # a plain load_weights after the cold load opened an epoch
             model_config = args[0] if args else kwargs["model_config"]
             finalize = importlib.import_module(_LAYERWISE).finalize_layerwise_reload  # the wrapped one
