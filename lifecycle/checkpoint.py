@@ -55,8 +55,8 @@ from .errors import CheckpointError
 from .header import DTYPES, HEADER_LIMIT, parse_header
 from .header import error as _error
 
-__all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "check_paths", "checkpoint_files",
-           "checkpoint_index", "iter_buckets", "write_checkpoint"]
+__all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "ReadBuffer", "check_paths",
+           "checkpoint_files", "checkpoint_index", "iter_buckets", "write_checkpoint"]
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
@@ -325,6 +325,22 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]],
     finally:
         for f in files.values():
             os.close(f.fd)
+
+
+class ReadBuffer:
+    """One buffer every bucket is read into, kept by its owner from load to load (`iter_buckets(into=)`,
+    `load_safetensors(read_buffer=)`): it grows to the largest bucket once, then no read allocates. `pinned`: page-
+    locked host memory, so that the copy of each value to a CUDA device reads it directly."""
+
+    def __init__(self, *, pinned: bool = False) -> None:
+        self.pinned = pinned
+        self.buffer: torch.Tensor | None = None
+
+    def __call__(self, need: int) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() < need:
+            self.buffer = None  # the smaller one goes first
+            self.buffer = torch.empty(need, dtype=torch.uint8, pin_memory=self.pinned)
+        return self.buffer[:need]
 
 
 def _read_tensor(f: _OpenFile, entry: IndexEntry, into: torch.Tensor | None = None) -> torch.Tensor:

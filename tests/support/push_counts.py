@@ -8,7 +8,8 @@ fails a test instead of hiding in a noisy benchmark.
     counts.bytes_hashed, counts.fresh_storages, counts.read_passes, counts.write_passes
 
 Counted from outside the code: the weight checker's own counter (`DraftRuntime.bytes_hashed`), the checkpoint
-reader's one read function (`lifecycle.checkpoint._read_exact`) and a dispatch mode that sees every torch op
+reader's read of a tensor's bytes (`lifecycle.checkpoint._read_tensor`; the headers are not the payload) and a
+dispatch mode that sees every torch op
 (`aten.copy_` into a real tensor; every op output whose storage is new and at least `FRESH_MIN` bytes). The
 benchmark `benchmarks.engine_push` prints the same counts for each push it times.
 """
@@ -50,7 +51,8 @@ class PushCounts:
         return self.bytes_written / self.payload_bytes
 
     def as_dict(self) -> dict[str, Any]:
-        return {"payload_bytes": self.payload_bytes, "bytes_hashed": self.bytes_hashed,
+        return {"payload_bytes": self.payload_bytes, "bytes_hashed": self.bytes_hashed, "bytes_read": self.bytes_read,
+                "bytes_written": self.bytes_written, "bytes_derived": self.bytes_derived,
                 "fresh_storages_1mib": self.fresh_storages,
                 "fresh_mib": round(sum(n for _, n in self.fresh) / 2**20, 1),
                 "read_passes": round(self.read_passes, 3), "write_passes": round(self.write_passes, 3),
@@ -109,21 +111,22 @@ def push_counts(model: nn.Module, payload_bytes: int) -> Iterator[PushCounts]:
     runtime = backbone.lifecycle_runtime
     counts = PushCounts(payload_bytes)
 
-    # the derived buffers' storages (the K/V shadows are views of the fused buffer): they never move
-    derived = {_storage(t) for n in backbone.derived_buffer_names()
-               if isinstance(t := backbone._buffers.get(n), torch.Tensor) and _real(t)}
+    # the derived buffers' storages (the K/V shadows are views of the fused buffer; an alias IS its source, a
+    # weight): they never move
+    derived = {_storage(t) for spec in backbone.derived_buffers if spec.kind != "alias"
+               if isinstance(t := backbone._buffers.get(spec.name), torch.Tensor) and _real(t)}
 
-    read_exact = checkpoint._read_exact
+    read_tensor = checkpoint._read_tensor
 
-    def counted_read(fd: int, out: memoryview, offset: int, path: Any) -> None:
-        counts.bytes_read += len(out)
-        read_exact(fd, out, offset, path)
+    def counted_read(f: Any, entry: Any, into: torch.Tensor | None = None) -> torch.Tensor:
+        counts.bytes_read += entry.nbytes
+        return read_tensor(f, entry, into)
 
     hashed = runtime.bytes_hashed
-    checkpoint._read_exact = counted_read  # type: ignore[assignment]
+    checkpoint._read_tensor = counted_read  # type: ignore[assignment]
     try:
         with _counting_mode(counts, derived):
             yield counts
     finally:
-        checkpoint._read_exact = read_exact  # type: ignore[assignment]
+        checkpoint._read_tensor = read_tensor  # type: ignore[assignment]
         counts.bytes_hashed = runtime.bytes_hashed - hashed
