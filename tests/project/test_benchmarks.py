@@ -180,9 +180,10 @@ def test_gpu_check_cpu_stand_in_in_place_reads_new_weights_rebuild_reads_stale(t
     out_json = tmp_path / "g.json"
     assert gpu_check.main(["--device", "cpu", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    assert out.rstrip().endswith("RESULT: all checks passed")
+    assert "\nRESULT: all checks passed\n" in out and out.rstrip().endswith(f"JSON: {out_json}")
     data = json.loads(out_json.read_text())
     assert data["skipped"] is False and data["ok"] is True
+    assert data["summary"]["targets"][0]["met"] is True and data["measured_on"]["commit"]
     rows = {(r["family"], r["path"]): r for r in data["rows"]}
     assert {f for f, _ in rows} == set(FAMILIES)
     for family in FAMILIES:
