@@ -76,4 +76,6 @@ def test_a_push_reads_the_payload_once_and_writes_it_once(counted: dict[str, Any
     for what, c in counted["counts"].items():
         assert c["bytes_written"] == c["payload_bytes"], (what, c)  # each byte copied once into the draft
         assert c["bytes_read"] == (c["payload_bytes"] if what in SESSIONS else 0), (what, c)  # plain: the trainer's
-        assert c["bytes_derived"] == 2 * 2**20, (what, c)  # the K/V rows into the fused buffer (or its shadows), once
+        # the derived buffers written once: 2 layers' K/V rows (2 x 2 x 256 x 512 fp32) into the fused buffer (or
+        # its shadows, which are views of it), and 2 layers' k-norms (128 fp32) into the stacked buffer
+        assert c["bytes_derived"] == 2 * 2 * 256 * 512 * 4 + 2 * 128 * 4, (what, c)
