@@ -118,8 +118,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (about 15 minutes on 2 cores).
-# BENCH_ARGS="--quick" for a smoke run of seconds; the GPU check skips (exit 0) without CUDA.
+# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (about 25 minutes on 2 cores;
+# each result records the commit it measured: commit first). BENCH_ARGS="--quick" for a smoke run of seconds; the
+# GPU check skips (exit 0) without CUDA; on a CUDA machine it also runs the push with pinned staging (gpu_push).
 BENCH_ARGS ?=
 bench: $(VLLM_STAMP)
 	$(BIN)/python -m benchmarks.tracking_overhead $(BENCH_ARGS)
