@@ -21,7 +21,7 @@ same difference).
 
 Targets (issue 15), each printed against a figure measured in this run:
   end to end     lifecycle / baseline - 1 <= 2%, audit on, every shape, reload and cold load (the median of the
-                 per-round ratios)
+                 per-round ratios; of the CPU-time ratios when the machine was busy, both shown)
   per tensor     the readiness update of a bucket (`LayerReadiness.mark_loaded`), per tensor, within 2x of a dict
                  update per tensor (a function told each bucket, `loaded[name] = epoch` for each name in it), both
                  timed here on the same buckets
@@ -260,10 +260,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         costs = event_costs(tmp, args.quick)
     configure_audit(console=False)
     common.finish(info)
+    judged_on = "CPU time (MACHINE BUSY)" if common.busy(info) else "wall time"
+    for r in rows:  # other tenants inflate wall time far more than the loaders' CPU time
+        r["met_end_to_end"] = r["overhead_cpu" if common.busy(info) else "overhead_paired"]["median"] <= TARGET_OVERHEAD
+        r["judged_on"] = judged_on
     off = audit_off_share(rows, kinds, costs)
 
     common.say("\n1. end to end: loader time, median ms (min-max); overhead = lifecycle / baseline - 1, the median of "
-               "the per-round ratios (IQR). Target: <= +2.0% with audit on.\n   bookkeeping = the lifecycle's own "
+               f"the per-round ratios (IQR), in wall and in CPU time. Target: <= +2.0% with audit on, judged on the "
+               f"{judged_on} ratio.\n   bookkeeping = the lifecycle's own "
                "CPU work (I/O and copies stubbed out, min over rounds) / baseline min.\n   page faults/load = minor "
                "page faults of a load, median, baseline / lifecycle: where they differ, the allocator gave a buffer "
                "back between rounds in one arm (its pages are faulted in again), not the lifecycle's own work.")
@@ -324,6 +329,8 @@ def summary(rows: list[dict[str, Any]], updates: list[dict[str, Any]], completio
                 " / ".join(num(v) for v in r["page_faults_per_load"])) for r in rows])
     out.table(["what", "median µs", "min µs", "note"], [(c["what"], c["median_us"], c["min_us"], c["note"])
                                                        for c in costs], title="Per event:")
+    if rows:
+        out.note(f"End to end judged on the {rows[0]['judged_on']} ratios (the median of the per-round ratios).")
     for r in rows:
         if r["end_to_end_is_target"]:
             out.target(f"tracking <= {pct(TARGET_OVERHEAD)} end to end, {r['shape']} {r['mode']} ({r['arm']})",

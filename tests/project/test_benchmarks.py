@@ -60,6 +60,10 @@ def test_tracking_overhead_quick(tmp_path, capsys):
                 "met_end_to_end", "target_overhead"} <= r.keys()
         assert {"median_ms", "min_ms", "max_ms", "p25_ms", "p75_ms", "n"} <= r["baseline"].keys()
         assert r["baseline"]["n"] == r["lifecycle"]["n"] >= 3
+        # judged on the CPU-time ratio when the machine was busy (other tenants inflate wall time far more)
+        judged = "overhead_cpu" if data["machine"]["busy"] else "overhead_paired"
+        assert r["met_end_to_end"] == (r[judged]["median"] <= r["target_overhead"]), (r["shape"], r["mode"])
+        assert r["judged_on"] == ("CPU time (MACHINE BUSY)" if data["machine"]["busy"] else "wall time")
     # deterministic: quick shapes have 2 x (7 + 2 x 4) + 1, 4 x 8 + 3 and 2 x 8 + 3 tensors
     assert {r["shape"]: r["tensors"] for r in rows} == {"many-tensor": 31, "dflash-deep": 35, "dflash-8x4k": 19}
     reload_on = [r for r in rows if r["mode"] == "reload" and r["arm"] == "lifecycle, audit on"]
