@@ -51,10 +51,16 @@ def _failure(probe: Mapping[str, Any]) -> str:
         return f"the push raises: {run['error']}"
     gen = check["generate"]
     if not gen["ok"]:
-        return f"the push returns; the next generate fails: {gen['error'][:160]}"
+        return f"the push returns; the next generate fails: {_first_sentence(gen['error'])}"
     if not check["fused_equals_checkpoint"]:
         return "the push returns; the fused K/V buffer does not hold the pushed checkpoint's rows"
     return f"the push returns; the draft is left unusable ({check.get('quarantine') or check.get('state')})"
+
+
+def _first_sentence(error: str, limit: int = 200) -> str:
+    """An error's first sentence (torch's go on for lines), cut at `limit` characters with a visible mark."""
+    first = error.split(". ")[0].strip()
+    return first if len(first) <= limit else first[:limit].rstrip() + " ..."
 
 
 def _breakdown(runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:

@@ -89,4 +89,6 @@ def test_gpu_push_on_the_cpu_pushes_every_family_in_every_bucket_size_with_pins_
     for (family, bucket), r in rows.items():
         assert r["pins_ok"] and r["state"] == "GRAPH_CAPTURED"
         assert r["calls"] == {"whole": 1, "tensor": r["tensors"]}.get(bucket, r["calls"]) and r["calls"] >= 1
-        assert (r["met"] is None) == (family != gpu_push.REAL_WIDTH or bucket == "layer")
+        # every bucket size of the real-width draft is judged (issue 33: one-layer buckets too), no tiny family
+        assert r["target_x"] == (gpu_push.TARGETS[bucket] if family == gpu_push.REAL_WIDTH else None)
+        assert (r["met"] is None) == (family != gpu_push.REAL_WIDTH)
