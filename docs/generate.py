@@ -600,7 +600,7 @@ def _section(name: str, result: Mapping[str, Any]) -> tuple[list[str], list[tupl
     summary = result.get("summary")
     if summary is None:
         return [f"_Stored before results carried their own summary rows: run `python -m benchmarks."
-                f"{result.get('benchmark', name)}` again._"], []
+                f"{result.get('benchmark', name)}` again._", ""], []
     body: list[str] = []
     for table in summary.get("tables", []):
         if table.get("title"):
@@ -624,8 +624,9 @@ def performance_page() -> str:
         doc = first_line(source_docstring(ROOT / "benchmarks" / f"{script}.py"))
         command = f"python -m benchmarks.{script}" + (" --device cpu" if name == "gpu_check_cpu" else "")
         path = ", ".join(f"`{p}`" for p in measured.get("path", []))
-        provenance = (f"Measured on commit `{commit}`" + (" with uncommitted changes on its path" if measured.get(
-            "uncommitted") else "") + f"; {stale_text(count)} to its measured path since ({path}).")
+        provenance = ((f"Measured on commit `{commit}`" + (" with uncommitted changes on its path" if measured.get(
+            "uncommitted") else "") + f"; {stale_text(count)} to its measured path since ({path}).") if path else
+            f"The result records no commit and no measured path: {stale_text(count)}.")
         sections += [f"### {name}", "", f"`{command}`: {doc}", "", _machine(result), "", provenance, "", *body,
                      f"The full printout of that run: [`benchmarks/results/{name}.txt`]"
                      f"(../benchmarks/results/{name}.txt).", ""]
