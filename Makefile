@@ -102,9 +102,11 @@ test-core: $(CORE_STAMP) $(PROMTOOL)
 crash: $(STAMP)
 	CRASH=full $(BIN)/python -m pytest tests/core/test_crash.py -q -s
 
-# vLLM 0.33.0 by its sources: every name the plugin relies on must exist in the release wheel (fetched once with
-# `pip download --no-deps` into .cache/vllm-wheels/, about 340 MB; it is CUDA-only, so it is read, not run).
-compat: $(STAMP)
+# vLLM 0.33.0 by its sources and the installed 0.32: every name the plugin relies on must exist in the release wheel
+# (fetched once with `pip download --no-deps` into .cache/vllm-wheels/, about 340 MB; it is CUDA-only, so it is read,
+# not run), and every draft of each release's speculative-decoding registry must be a declared family or listed as
+# deriving nothing, with what its sources derive declared (the drift check, lifecycle/vllm/plugin/drift.py).
+compat: $(VLLM_STAMP)
 	$(BIN)/python -m pytest -m compat tests/vllm_plugin/compat/test_vllm_compat.py
 
 # The tests marked `ray` (tests/vllm_plugin/online/test_vllm_ray.py): TP=2 under both of vLLM's Ray executors, a few minutes on
@@ -118,9 +120,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (about 25 minutes on 2 cores;
-# each result records the commit it measured: commit first). BENCH_ARGS="--quick" for a smoke run of seconds; the
-# GPU check skips (exit 0) without CUDA; on a CUDA machine it also runs the push with pinned staging (gpu_push).
+# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (about 35 minutes on 2 cores,
+# most of it engine_push's live engines and the 1,000-push soak; each result records the commit it measured: commit
+# first). BENCH_ARGS="--quick" for a smoke run of seconds; the GPU check skips (exit 0) without CUDA; on a CUDA
+# machine it also runs the push with pinned staging (gpu_push).
 BENCH_ARGS ?=
 bench: $(VLLM_STAMP)
 	$(BIN)/python -m benchmarks.tracking_overhead $(BENCH_ARGS)
@@ -138,6 +141,7 @@ bench: $(VLLM_STAMP)
 	$(BIN)/python -m benchmarks.hostile_logs $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.cli_start $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.engine_push $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.soak $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CORE_VENV) .pytest_cache .ruff_cache .hypothesis

@@ -15,6 +15,10 @@ For every draft family in `models.FAMILIES`, on the device:
      `_build_fused_kv_buffers` does); eager output then equals `expected`, but the replay still reads the
      buffers captured before: it must DIFFER from `expected` (stale). The old buffers are kept referenced, so
      the replay reads stale values rather than freed memory (vLLM frees them: garbage or an illegal access).
+  4. level-2 sleep: load A, refresh, capture; what vLLM's level-2 sleep and wake do (buffers saved, the weights'
+     memory released and mapped back at the same addresses holding other bytes, NaN here, the buffers copied
+     back) and what the plugin does (quarantined, every layer owed a full write); the refill with B through the
+     lifecycle; the replay WITHOUT re-capture must equal `expected` (vLLM #52479: acceptance fell to 0 there).
 The CPU stand-in (`--device cpu`) replays with the tensor objects that existed at capture swapped back into the
 module, which is what a graph does with addresses; everything else (loading, comparisons, verdicts) is shared.
 Prints the checks' table (the replay before the reload equal to eager A, after it equal to a cold B or stale);
@@ -55,6 +59,7 @@ from models import FAMILIES, DraftFamily
 NAME = "gpu_check"
 MEASURED = ("lifecycle", ":(exclude)lifecycle/vllm", ":(exclude)lifecycle/audit", "models", "benchmarks/gpu_check.py",
             "benchmarks/gpu_push.py")
+SLEEP = "level-2 sleep, refill"
 ATOL = 1e-5  # replay vs eager of the same weights: same kernels, expected bit-exact; this allows reassociation
 STALE_MIN_DIFF = 1e-3  # A and B are independent random weights: stale outputs differ by far more than this
 
@@ -225,7 +230,7 @@ def check_family(family: DraftFamily, device: str, tmp: Path, *, layers: int = 3
     inputs = family.example_inputs(cfg, seed + 7, device)  # static inputs: the same tensors at capture and replay
     expected = tuple(t.clone() for t in family.fused(loaded(family, cfg, path_b, device, "cold-B"), inputs))
     rows = []
-    for path in ("lifecycle in place", "vLLM rebuild"):
+    for path in ("lifecycle in place", "vLLM rebuild", SLEEP):
         model = loaded(family, cfg, path_a, device, f"{family.name}-{path}")
         eager_a = tuple(t.clone() for t in family.fused(model, inputs))
         replayer = make_replayer(model, lambda m=model: family.fused(m, inputs), device)
@@ -234,7 +239,10 @@ def check_family(family: DraftFamily, device: str, tmp: Path, *, layers: int = 3
         before_ok = outputs_equal(replayer.replay(), eager_a)
         ids = derived_identities(model)
         kept_alive: dict[str, torch.Tensor] = {}
-        if path == "lifecycle in place":
+        discarded_ok = True
+        if path == SLEEP:
+            discarded_ok = level_2_sleep(model)
+        if path in ("lifecycle in place", SLEEP):
             model.begin_reload()
             load_safetensors(model, path_b, bucket_by=3, shuffle=True, seed=seed, device=device)
             model.finalize_loading()
@@ -250,14 +258,35 @@ def check_family(family: DraftFamily, device: str, tmp: Path, *, layers: int = 3
         pins_ok = not model.lifecycle.pinned_changes()
         equal = outputs_equal(out, expected)
         diff = max_diff(out, expected)
-        expect_equal = path == "lifecycle in place"
-        ok = (before_ok and outputs_equal(eager_after, expected)
+        expect_equal = path != "vLLM rebuild"
+        ok = (discarded_ok and before_ok and outputs_equal(eager_after, expected)
               and (equal if expect_equal else (not equal and diff > STALE_MIN_DIFF)))
         rows.append(Row(family.name, device, path, False, kept, pins_ok, before_ok,
                         outputs_equal(eager_after, expected), equal,
                         all(torch.equal(x, y) for x, y in zip(out, expected, strict=True)), diff, expect_equal, ok))
         del kept_alive
     return rows
+
+
+@torch.no_grad()
+def level_2_sleep(model: DraftBackbone) -> bool:
+    """What vLLM's level-2 sleep and wake do to a draft (vLLM #52479), and what the plugin does about it
+    (`lifecycle.vllm.reload.epoch.discard`): its buffers saved, its weights' memory released and mapped back at the
+    same addresses holding other bytes (NaN here), the buffers copied back; the draft quarantined, owed a full write
+    of every layer. True when it then refuses to serve and its derived buffers kept their storage."""
+    lc = model.lifecycle
+    saved = {n: t.clone() for n, t in model.named_buffers()}
+    ids = derived_identities(model)
+    for p in model.parameters():
+        if p.dtype.is_floating_point:
+            p.fill_(float("nan"))
+    for n, t in model.named_buffers():
+        t.copy_(saved[n])
+    lc.audit_event("weights_discarded", cause="a level-2 sleep (gpu_check)")
+    model.begin_reload()
+    lc.readiness.require_full_write(list(lc.readiness.tensors_of_layer), "a level-2 sleep (gpu_check)")
+    lc.abort_reload("weights discarded by a level-2 sleep")
+    return lc.quarantined and lc.recovery_blocker is not None and derived_identities(model) == ids
 
 
 def run(device: str, families: Sequence[str] | None = None, layers: int = 3) -> list[Row]:

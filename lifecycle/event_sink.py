@@ -166,16 +166,26 @@ class JsonLinesSink:
     One `write(2)` per line on a descriptor opened with O_APPEND: nothing is buffered, so a failed write loses
     that line only (and a line torn by a partial write is ended before the next one, so the auditor names it
     and reads on). A failure is counted (`failures`, and the process-wide `sink_failures()`), reported once on
-    stderr, and never raised."""
+    stderr, and never raised.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    `max_bytes`: before a write would take the file past it, the file is renamed `<name>.<n>` (n one more than the
+    highest there: the lowest is the oldest) and a new one is begun; a write (one line, or a held batch of up to
+    64) is never split, and a file holds at least one. The auditor reads such a set in order and names a file
+    missing from it (`lifecycle.audit.rotation`). A rotation that fails is reported once and writing goes on in the
+    same file, unrotated."""
+
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int | None = None) -> None:
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._fd = self._open()
+            self._size = os.fstat(self._fd).st_size
         except OSError as e:
             shown = str(self.path) if len(str(self.path)) <= 200 else f"{str(self.path)[:200]}..."
             raise AuditSinkError(e.errno, f"cannot open the audit log {shown}: {e.strerror or e}") from e
+        self.max_bytes = max_bytes
+        self.rotations = 0
+        self._next_number = 0  # the number the next rotated file gets (0: not looked up yet)
         self._lock = threading.Lock()
         self._torn = False
         self.closed = False
@@ -242,11 +252,36 @@ class JsonLinesSink:
         _, _, head, middle = self._frame_for(level, node)
         return f"{head}{line[1:-1]}{middle}{timestamp(now_ns)}{_LINE_END}"
 
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def _rotate(self) -> None:
+        """The file full: renamed to the next number, a new one begun (under the lock)."""
+        try:
+            if not self._next_number:
+                prefix = self.path.name + "."
+                self._next_number = 1 + max((int(f.name[len(prefix):]) for f in self.path.parent.iterdir()
+                                             if f.name.startswith(prefix) and f.name[len(prefix):].isdigit()),
+                                            default=0)
+            os.rename(self.path, self.path.with_name(f"{self.path.name}.{self._next_number}"))
+            fd = self._open()
+        except OSError as e:
+            self.max_bytes = None  # writing goes on in this file; said once
+            _say(f"audit sink {self.path}: rotating it failed ({type(e).__name__}: {e}); it grows unrotated")
+            return
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self._fd, self._size, self._torn = fd, 0, False
+        self._next_number += 1
+        self.rotations += 1
+
     def _write(self, data: bytes) -> None:
         with self._lock:
             if self.closed:
                 self._failed(ValueError("the sink was closed"), data.count(b"\n"))
                 return
+            if self.max_bytes is not None and self._size and self._size + len(data) > self.max_bytes:
+                self._rotate()
             if self._torn:
                 data = b"\n" + data
             left = len(data)
@@ -261,6 +296,8 @@ class JsonLinesSink:
             except OSError as e:
                 self._torn = self._torn or left < len(data)  # a line cut part way: the next starts on a new line
                 self._failed(e, data.count(b"\n", len(data) - left))  # the lines not written to their end
+            finally:
+                self._size += len(data) - left
 
     def _failed(self, error: BaseException, lines: int = 1) -> None:
         first = self.failures == 0

@@ -132,10 +132,12 @@ def _level_number(level: Any, who: str, *, any_case: bool = False) -> int:
 
 
 def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console: bool = True, level: str = "info",
-                    stream: TextIO | None = None, node: str | None = None) -> JsonLinesSink | None:
+                    stream: TextIO | None = None, node: str | None = None, max_bytes: int | None = None
+                    ) -> JsonLinesSink | None:
     """Route audit events: JSON lines to `json_path` (if given) and readable lines to `stream` (stderr by
     default) if `console`; events below `level` are not written. Every written event carries `node`, the
-    machine that wrote it (default: this host's name), so the logs of several nodes can be merged. Returns the
+    machine that wrote it (default: this host's name), so the logs of several nodes can be merged. `max_bytes`:
+    the JSON file is rotated by size (`JsonLinesSink`; None: never). Returns the
     file sink (close it, or call again, to release the file). Configures only the audit logger, never
     structlog's process-wide defaults.
 
@@ -154,9 +156,11 @@ def configure_audit(json_path: str | os.PathLike[str] | None = None, *, console:
     if node is not None and not _is_node_name(node):
         raise ValueError(f"configure_audit: node must be a non-empty name of at most {STR_CAP} characters, "
                          f"got {node!r:.80}")
+    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
+        raise ValueError(f"configure_audit: max_bytes must be a positive int or None, got {max_bytes!r:.80}")
     node_name = node or host_name()
     with _configure_lock:
-        sink = JsonLinesSink(json_path) if json_path is not None else None  # may raise: nothing changed yet
+        sink = JsonLinesSink(json_path, max_bytes) if json_path is not None else None  # may raise: nothing changed
         logger = None
         if sink is not None or console:
             out = stream if stream is not None else sys.stderr

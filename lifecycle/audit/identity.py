@@ -25,9 +25,9 @@ def one_writer(r: StreamReplay, ev: LogEvent) -> bool:
     seq = ev.fields.get("seq")
     if type(seq) is not int:
         return True
-    if ev.source != r.source:
+    if ev.writer != r.source:  # a rotated set's files are one input (`rotation`)
         if seq == 1 or seq == r.seq + 1:
-            r.source = ev.source
+            r.source = ev.writer
             return True
         return False
     return not (r.prev_seq and seq == r.prev_seq + 1 and seq != r.seq + 1 and seq != 1)
@@ -35,7 +35,7 @@ def one_writer(r: StreamReplay, ev: LogEvent) -> bool:
 
 def clash_problem(r: StreamReplay, ev: LogEvent) -> InputProblem:
     """The input problem of a stream two writers feed, at the event that showed it."""
-    where = (f"{shown(r.source)} and {shown(ev.source)} interleave" if ev.source != r.source else
+    where = (f"{shown(r.source)} and {shown(ev.writer)} interleave" if ev.writer != r.source else
              f"{shown(ev.source)} holds two lifecycles' numbering at once")
     node = "no node" if r.node is None else f"node {shown(r.node)}"
     return InputProblem(ev.source, ev.line, clip(

@@ -1,4 +1,4 @@
-"""Reading audit logs as one stream of events: files, directories of files, or `-` (stdin), one line at a time.
+"""Reading one audit log, one line at a time: a file, or `-` (stdin); `inputs.iter_events` reads several as one stream.
 
 Nothing reads a whole file: each input is read line by line (a line longer than `MAX_LINE` bytes is skipped and
 reported, not buffered). Several inputs are merged by timestamp, holding one pending line per input and at most
@@ -18,21 +18,18 @@ not read past it: one problem says it is binary (a checkpoint given by mistake),
 
 from __future__ import annotations
 
-import heapq
 import json
 import re
 import sys
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, BinaryIO
 
 from .schema import depth_problem, problem
 
 __all__ = ["HELD_LINE", "LOG_PATTERNS", "MAX_LINE", "NOT_TEXT", "OPEN_FILES", "SNIFF", "STDIN", "InputProblem", "Item",
-           "LogEvent", "expand_inputs", "iter_events", "parse_line", "parse_ts", "read_input", "read_stream"]
+           "LogEvent", "parse_line", "parse_ts", "read_input", "read_stream"]
 
 #: A line longer than this (bytes) is reported as unreadable and skipped without being held in memory.
 MAX_LINE = 1 << 20
@@ -41,7 +38,7 @@ OPEN_FILES = 64
 #: While inputs are merged, a pending line longer than this is not held parsed: only its timestamp and where it
 #: starts, and it is read again when its turn comes (memory: inputs x HELD_LINE, whatever the lines).
 HELD_LINE = 4096
-#: In a directory, files whose names look like audit logs (rotated logs `audit.jsonl.1` included).
+#: In a directory, files whose names look like audit logs (rotated logs `audit.jsonl.1` included: `rotation`).
 LOG_PATTERNS = ("*.jsonl", "*.jsonl.*", "*.ndjson", "*.log")
 STDIN = "-"
 #: Bytes of an input's first line looked at for a NUL (`NOT_TEXT`), peeked before the line is read.
@@ -59,10 +56,16 @@ class LogEvent:
     line: int
     fields: dict[str, Any]
     ts: float  # seconds since the epoch, UTC
+    origin: str = ""  # the rotated set the file belongs to (`rotation`): one writer's input, its files in turn
 
     @property
     def where(self) -> str:
         return f"{self.source}:{self.line}"
+
+    @property
+    def writer(self) -> str:
+        """The input one writer feeds: the file, or the rotated set it is a file of."""
+        return self.origin or self.source
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +128,7 @@ def _parse_iso(value: str) -> float | None:
 _decode = json.JSONDecoder().decode
 
 
-def parse_line(raw: bytes | str, source: str, line: int) -> Item:
+def parse_line(raw: bytes | str, source: str, line: int, origin: str = "") -> Item:
     """One JSON line as a `LogEvent`, or the reason it is not one."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     deep = depth_problem(data)
@@ -143,7 +146,7 @@ def parse_line(raw: bytes | str, source: str, line: int) -> Item:
     ts = parse_ts(fields["ts"])
     if ts is None:
         return InputProblem(source, line, f"not a valid event: field 'ts' is not ISO-8601: {fields['ts']!r:.60}")
-    return LogEvent(source, line, fields, ts)
+    return LogEvent(source, line, fields, ts, origin)
 
 
 def _next_line(fh: BinaryIO, max_line: int) -> tuple[int, bytes | None] | None:
@@ -162,10 +165,10 @@ def _next_line(fh: BinaryIO, max_line: int) -> tuple[int, bytes | None] | None:
     return len(raw), raw
 
 
-def _item(raw: bytes | None, source: str, number: int, max_line: int) -> Item | None:
+def _item(raw: bytes | None, source: str, number: int, max_line: int, origin: str = "") -> Item | None:
     if raw is None:
         return InputProblem(source, number, f"line longer than {max_line} bytes: skipped")
-    return parse_line(raw, source, number) if raw.strip() else None  # blank lines are skipped
+    return parse_line(raw, source, number, origin) if raw.strip() else None  # blank lines are skipped
 
 
 def _head(fh: BinaryIO) -> bytes | None:
@@ -210,174 +213,3 @@ def read_input(name: str, *, max_line: int = MAX_LINE) -> Iterator[Item]:
         yield InputProblem(name, None, f"read failed: {e.strerror or e}")
     finally:
         fh.close()
-
-
-def expand_inputs(paths: Sequence[str | Path]) -> tuple[list[str], list[InputProblem]]:
-    """Files as given; a directory as its log files (`LOG_PATTERNS`, recursively, sorted); `-` as stdin."""
-    files: list[str] = []
-    problems: list[InputProblem] = []
-    for p in paths:
-        name = str(p)
-        if name == STDIN:
-            files.append(STDIN)
-            continue
-        path = Path(name)
-        if path.is_dir():
-            found = sorted({str(f) for pattern in LOG_PATTERNS for f in path.rglob(pattern) if f.is_file()})
-            if not found:
-                problems.append(InputProblem(name, None, f"directory holds no log files ({', '.join(LOG_PATTERNS)})"))
-            files.extend(found)
-        elif path.exists() and not path.is_file():
-            problems.append(InputProblem(name, None, "not a regular file"))
-        else:
-            files.append(name)  # a missing file is reported when it is opened, in order
-    return files, problems
-
-
-def iter_events(paths: Sequence[str | Path], *, max_line: int = MAX_LINE) -> Iterator[Item]:
-    """Every event of every input, merged by timestamp across inputs (each input's own order is kept, so an
-    input whose timestamps go backwards stays as written, for the auditor to see), with every input problem
-    in its place (an unreadable line takes the previous good timestamp of its input)."""
-    files, problems = expand_inputs(paths)
-    yield from problems
-    if len(files) == 1:
-        yield from read_input(files[0], max_line=max_line)
-    elif files:
-        yield from _Merge(files, max_line).items()
-
-
-def _open_files_limit() -> int:
-    """`OPEN_FILES`, or fewer when the process may open few files (leaving most of its allowance to the rest)."""
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (ImportError, OSError, ValueError):
-        return OPEN_FILES
-    if soft == resource.RLIM_INFINITY:
-        return OPEN_FILES
-    return max(1, min(OPEN_FILES, (soft - 16) // 4))
-
-
-@dataclass(slots=True)
-class _Source:
-    """One input being merged: where its next line starts, its line count, its last good timestamp."""
-
-    name: str
-    index: int
-    offset: int = 0
-    number: int = 0
-    last_ts: float = float("-inf")
-    done: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Deferred:
-    """A pending line too long to hold parsed: read again when its turn comes."""
-
-    start: int
-    number: int
-
-
-class _Merge:
-    """The k-way merge by timestamp over inputs, with at most `_open_files_limit()` files open (least recently
-    read closed first) and one pending item per input."""
-
-    def __init__(self, files: Sequence[str], max_line: int) -> None:
-        self.sources = [_Source(name, i) for i, name in enumerate(files)]
-        self.max_line = max_line
-        self.limit = _open_files_limit()
-        self.handles: OrderedDict[int, BinaryIO] = OrderedDict()
-
-    def items(self) -> Iterator[Item]:
-        heap: list[tuple[float, int, Item | _Deferred]] = []
-        try:
-            for src in self.sources:
-                self._push(heap, src)
-            while heap:
-                _, index, pending = heap[0]
-                src = self.sources[index]
-                item = self._reread(src, pending) if isinstance(pending, _Deferred) else pending
-                heapq.heappop(heap)
-                yield item
-                self._push(heap, src)
-        finally:
-            for fh in self.handles.values():
-                if fh is not sys.stdin.buffer:
-                    fh.close()
-
-    def _push(self, heap: list[tuple[float, int, Item | _Deferred]], src: _Source) -> None:
-        nxt = self._advance(src)
-        if nxt is not None:
-            heapq.heappush(heap, (nxt[0], src.index, nxt[1]))
-
-    def _handle(self, src: _Source) -> BinaryIO:
-        fh = self.handles.get(src.index)
-        if fh is not None:
-            self.handles.move_to_end(src.index)
-            return fh
-        if src.name == STDIN:  # cannot be reopened: stays open, outside the limit
-            fh = self.handles[src.index] = sys.stdin.buffer
-            return fh
-        open_files = [i for i, h in self.handles.items() if h is not sys.stdin.buffer]
-        for i in open_files[:max(0, len(open_files) - self.limit + 1)]:
-            self.handles.pop(i).close()
-        fh = open(src.name, "rb")  # noqa: SIM115 - kept in self.handles, closed on eviction or at the end
-        if src.offset:
-            fh.seek(src.offset)
-        self.handles[src.index] = fh
-        return fh
-
-    def _end(self, src: _Source) -> None:
-        src.done = True
-        fh = self.handles.pop(src.index, None)
-        if fh is not None and fh is not sys.stdin.buffer:
-            fh.close()
-
-    def _advance(self, src: _Source) -> tuple[float, Item | _Deferred] | None:
-        """The input's next item with its merge key (its timestamp, or the last good one), or None at its end."""
-        shown = "<stdin>" if src.name == STDIN else src.name
-        while not src.done:
-            start = src.offset
-            try:
-                fh = self._handle(src)
-                head = _head(fh) if start == 0 else None
-                got = _next_line(fh, self.max_line)
-            except OSError as e:
-                what = "cannot open" if start == 0 else ("cannot reopen" if src.index not in self.handles
-                                                         else "read failed")
-                self._end(src)
-                return src.last_ts, InputProblem(shown, None, f"{what}: {e.strerror or e}")
-            if got is None:
-                self._end(src)
-                return None
-            consumed, raw = got
-            src.offset += consumed
-            src.number += 1
-            if src.number == 1 and _binary(head, raw):
-                self._end(src)
-                return src.last_ts, InputProblem(shown, 1, NOT_TEXT)
-            item = _item(raw, shown, src.number, self.max_line)
-            if item is None:
-                continue
-            if isinstance(item, LogEvent):
-                src.last_ts = item.ts
-                if consumed > HELD_LINE and src.name != STDIN:
-                    return item.ts, _Deferred(start, src.number)
-            return src.last_ts, item
-        return None
-
-    def _reread(self, src: _Source, pending: _Deferred) -> Item:
-        shown = src.name
-        try:
-            fh = self._handle(src)
-            fh.seek(pending.start)
-            got = _next_line(fh, self.max_line)
-        except OSError as e:
-            self._end(src)
-            return InputProblem(shown, None, f"read failed: {e.strerror or e}")
-        if got is None or got[1] is None or pending.start + got[0] != src.offset:
-            self._end(src)
-            return InputProblem(shown, pending.number, "the file changed while it was read")
-        item = _item(got[1], shown, pending.number, self.max_line)
-        return item if item is not None else InputProblem(shown, pending.number, "the file changed while it was read")

@@ -35,7 +35,8 @@ from ..states import TRIGGERS, allowed_sources, possible_destinations
 from .coverage import unseen
 from .findings import Findings
 from .identity import behind, one_writer, order_key, withdraw
-from .logstream import InputProblem, Item, LogEvent, iter_events
+from .inputs import iter_events
+from .logstream import InputProblem, Item, LogEvent
 from .results import (
     MAX_BUFFERS,
     MAX_EDGES,
@@ -116,7 +117,7 @@ class Auditor(Findings):
                 if self._first_untracked is None:
                     self._first_untracked = ev
                 return None
-            r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], node=node, source=ev.source, first_ts=ev.ts)
+            r = self.streams[key] = StreamReplay(f["rank"], f["backbone"], node=node, source=ev.writer, first_ts=ev.ts)
         if r.clash or (not one_writer(r, ev) and withdraw(self, r, ev)):
             self.clashed_events += 1
             return None

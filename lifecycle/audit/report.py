@@ -33,7 +33,8 @@ from pathlib import Path
 
 from markupsafe import Markup
 
-from .logstream import LogEvent, iter_events
+from .inputs import iter_events
+from .logstream import LogEvent
 from .panels import backbone_panel, label, slug
 from .replay import MAX_STREAMS, Auditor
 from .results import AuditResult, StreamReplay

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 from itertools import accumulate
 from typing import Any
 
-__all__ = ["FIELDS", "LIST_CAP", "MAX_COUNT", "MAX_DEPTH", "NAME_CAP", "REQUIRED", "SCHEMA_READ", "TEXT_CAP",
-           "depth_problem", "describe", "problem"]
+__all__ = ["COMMON", "FIELDS", "LIST_CAP", "MAX_COUNT", "MAX_DEPTH", "NAME_CAP", "REQUIRED", "RPC_EVENTS", "RPC_ORIGIN",
+           "SCHEMA_READ", "TEXT_CAP", "depth_problem", "describe", "problem"]
 
 #: The event schema this auditor reads (`lifecycle.events.SCHEMA_VERSION` of the writer). A line of another
 #: version is an input problem: its transitions follow another table or its events another shape (3 added the
@@ -37,6 +37,12 @@ LIST_CAP = 256
 MAX_COUNT = 2**63 - 1
 #: Nesting of arrays and objects at most (the writer's deepest event, `refresh`, nests 3 deep).
 MAX_DEPTH = 16
+
+#: The `origin` of an event a worker wrote for another process (it arrived over RPC, checked against this schema:
+#: lifecycle.vllm.observability.rpc_events), and the only kinds that ever arrive so: the acceptance canary's. A line
+#: that claims another origin, or this one for another kind, was not written by reload-lifecycle.
+RPC_ORIGIN = "rpc"
+RPC_EVENTS = ("acceptance", "acceptance_collapse", "acceptance_recovered")
 
 Check = Callable[[Any], str | None]  # None when the value is fine, else what was expected
 
@@ -121,7 +127,7 @@ REQUIRED = ("event", "backbone", "rank", "epoch", "ts")
 #: Fields of every event: the required ones (checked first, in this order) and the ones the tools read.
 COMMON: dict[str, Field] = {
     "event": NAME_F, "backbone": NAME_F, "rank": COUNT_F, "epoch": COUNT_F, "ts": _slow(TIMESTAMP), "seq": COUNT_F,
-    "layers_ready": COUNT_F, "layers_total": COUNT_F, "node": NAME_F,
+    "layers_ready": COUNT_F, "layers_total": COUNT_F, "node": NAME_F, "origin": NAME_F,
 }
 #: Per event kind the tools read: the fields they read, with their types, and the ones it must have. A field no
 #: tool reads is not checked (a newer writer may add fields; `MAX_LINE` and `MAX_DEPTH` bound it all the same).
@@ -137,14 +143,15 @@ FIELDS: dict[str, tuple[dict[str, Field], tuple[str, ...]]] = {
     "storage_check": ({"ok": FLAG_F, "action": NAME_F, "problems": _slow(TEXTS), "problems_more": COUNT_F}, ("ok",)),
     # the acceptance canary's (lifecycle.vllm.observability.canary): a serving period's figures, a collapse, a recovery
     "acceptance": ({"period": COUNT_F, "draft_tokens": COUNT_F, "accepted_tokens": COUNT_F,
-                    "accepted_share": _slow(_share_or_null), "weight_version": TEXT_F, "final": FLAG_F,
+                    "accepted_share": _slow(_share_or_null), "weight_version": TEXT_F, "push": NAME_F, "final": FLAG_F,
                     "collapsed": FLAG_F}, ("period", "draft_tokens", "accepted_tokens")),
     "acceptance_collapse": ({"period": COUNT_F, "draft_tokens": COUNT_F, "accepted_share": _slow(_share),
                              "previous_period": COUNT_F, "previous_share": _slow(_share),
-                             "weight_version": TEXT_F, "previous_weight_version": TEXT_F, "floor": _slow(_share),
-                             "healthy": _slow(_share)}, ("period", "draft_tokens", "accepted_share", "previous_share")),
+                             "weight_version": TEXT_F, "previous_weight_version": TEXT_F, "push": NAME_F,
+                             "previous_push": NAME_F, "floor": _slow(_share), "healthy": _slow(_share)},
+                            ("period", "draft_tokens", "accepted_share", "previous_share")),
     "acceptance_recovered": ({"period": COUNT_F, "accepted_share": _slow(_share), "collapsed_period": COUNT_F,
-                              "weight_version": TEXT_F}, ("period", "accepted_share")),
+                              "weight_version": TEXT_F, "push": NAME_F}, ("period", "accepted_share")),
 }
 _ABSENT = object()
 _REQUIRED_FIELDS = tuple((k, COMMON[k]) for k in REQUIRED)
@@ -198,6 +205,11 @@ def problem(fields: dict[str, Any]) -> str | None:
             bad = _fields_problem(fields, _REQUIRED_FIELDS)  # a bad rank is named before a missing timestamp
             return bad if bad is not None else f"field {key!r} missing"
     kind = fields["event"]
+    origin = fields.get("origin")
+    if origin is not None and (origin != RPC_ORIGIN or kind not in RPC_EVENTS):
+        return (f"field 'origin': {describe(origin)} on a {describe(kind)} event; a worker marks only the acceptance "
+                f"canary's events ({', '.join(RPC_EVENTS)}) with origin {RPC_ORIGIN!r}: this line was not written "
+                "by reload-lifecycle")
     declared, required = FIELDS.get(kind, (None, ())) if type(kind) is str else (None, ())
     for key in required:
         if key not in fields:

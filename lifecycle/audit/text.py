@@ -57,11 +57,15 @@ def shown(value: object, cap: int = VALUE_CAP) -> str:
 
 
 def collapse_detail(f: Mapping[str, Any]) -> str:
-    """An `acceptance_collapse` event, for the warning list."""
-    def version(key: str) -> str:
-        return f" (weight_version {clip(f[key])})" if key in f else ""
+    """An `acceptance_collapse` event, for the warning list (the pushes named as the plugin names them, and the
+    trainer's versions; an event that arrived over RPC says so)."""
+    def which(push: str, version: str) -> str:
+        named = [clip(f[push])] if push in f else []
+        named += [f"weight_version {clip(f[version])}"] if version in f else []
+        return f" ({', '.join(named)})" if named else ""
 
     before = f"period {f['previous_period']}" if "previous_period" in f else "the period before"
+    over = " [over RPC from the engine's front process]" if f.get("origin") == "rpc" else ""
     return (f"accepted share {f['accepted_share']:.3f} over {f['draft_tokens']} draft tokens in serving period "
-            f"{f['period']}{version('weight_version')}, after {f['previous_share']:.3f} in {before}"
-            f"{version('previous_weight_version')}")
+            f"{f['period']}{which('push', 'weight_version')}, after {f['previous_share']:.3f} in {before}"
+            f"{which('previous_push', 'previous_weight_version')}{over}")

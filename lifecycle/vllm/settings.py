@@ -38,10 +38,10 @@ from .. import env
 from ..env import EnvSettingError, choice
 
 __all__ = ["ACCEPTANCE_EVERY_STEPS_ENV", "ACCEPTANCE_FLOOR_ENV", "ACCEPTANCE_HEALTHY_ENV", "ACCEPTANCE_MIN_TOKENS_ENV",
-           "AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "ENV_PREFIX", "KNOWN_ENV", "PARTIAL_ENV", "PARTIAL_POLICIES",
-           "PATH_ROOT_ENV", "SETTINGS", "TAKEOVER_IDLE_ENV", "AcceptanceThresholds", "PartialPolicy", "Setting",
-           "acceptance_thresholds", "allowed_root", "audit_console", "audit_dir", "check_all", "check_names",
-           "check_partial", "partial_policy", "takeover_idle_s"]
+           "AUDIT_CONSOLE_ENV", "AUDIT_DIR_ENV", "AUDIT_MAX_BYTES_ENV", "AUDIT_MIN_BYTES", "ENV_PREFIX", "KNOWN_ENV",
+           "PARTIAL_ENV", "PARTIAL_POLICIES", "PATH_ROOT_ENV", "SETTINGS", "TAKEOVER_IDLE_ENV", "AcceptanceThresholds",
+           "PartialPolicy", "Setting", "acceptance_thresholds", "allowed_root", "audit_console", "audit_dir",
+           "audit_max_bytes", "check_all", "check_names", "check_partial", "partial_policy", "takeover_idle_s"]
 
 #: The prefix of every switch of this package.
 ENV_PREFIX = "RELOAD_LIFECYCLE_"
@@ -49,6 +49,7 @@ PARTIAL_ENV = "RELOAD_LIFECYCLE_PARTIAL"
 PATH_ROOT_ENV = "RELOAD_LIFECYCLE_PATH_ROOT"
 AUDIT_DIR_ENV = "RELOAD_LIFECYCLE_AUDIT_DIR"
 AUDIT_CONSOLE_ENV = "RELOAD_LIFECYCLE_AUDIT_CONSOLE"
+AUDIT_MAX_BYTES_ENV = "RELOAD_LIFECYCLE_AUDIT_MAX_BYTES"
 ACCEPTANCE_FLOOR_ENV = "RELOAD_LIFECYCLE_ACCEPTANCE_FLOOR"
 ACCEPTANCE_HEALTHY_ENV = "RELOAD_LIFECYCLE_ACCEPTANCE_HEALTHY"
 ACCEPTANCE_MIN_TOKENS_ENV = "RELOAD_LIFECYCLE_ACCEPTANCE_MIN_TOKENS"
@@ -134,6 +135,26 @@ def _seconds(name: str, default: float) -> float:
     return value
 
 
+#: the smallest audit file a rotation leaves (a full held batch of events is about 30 KB)
+AUDIT_MIN_BYTES = 65536
+
+
+def _file_size(name: str, default: int) -> int:
+    """Bytes: 0 (off) or at least `AUDIT_MIN_BYTES`; a K, M or G suffix multiplies by 1024 each."""
+    raw = os.environ.get(name, "")
+    text = raw.strip().upper().removesuffix("B")
+    if not text:
+        return default
+    scale = 1024 ** (" KMG".index(text[-1]) if text[-1] in "KMG" else 0)
+    try:
+        value: int = int(text[:-1] if text[-1] in "KMG" else text) * scale
+    except ValueError:
+        raise EnvSettingError(name, raw, "is not a number of bytes (an integer, or with K, M or G)") from None
+    if value != 0 and value < AUDIT_MIN_BYTES:
+        raise EnvSettingError(name, raw, f"must be 0 (no rotation) or at least {AUDIT_MIN_BYTES} bytes")
+    return value
+
+
 def _integer(low: int) -> Callable[[str, int], int]:
     def parse(name: str, default: int) -> int:
         raw = os.environ.get(name, "")
@@ -197,6 +218,11 @@ AUDIT_DIR: Setting[Path | None] = Setting(
 AUDIT_CONSOLE: Setting[bool] = Setting(
     AUDIT_CONSOLE_ENV, env.flag, False, accepts="1/true/yes/on or 0/false/no/off/empty", scope="engine-wide",
     read_in="every process", doc="also print readable audit events to stderr")
+AUDIT_MAX_BYTES: Setting[int] = Setting(
+    AUDIT_MAX_BYTES_ENV, _file_size, 64 * 2**20, accepts="bytes (K, M, G: 1024s), 0 or at least 64K",
+    scope="engine-wide", read_in="every process",
+    doc="an audit file about to grow past it is renamed `<file>.1`, `.2`, ... (oldest first) and a new one begun; "
+        "`reload-lifecycle audit` reads the set in order and names a missing file (0: never rotated)")
 ACCEPTANCE_FLOOR: Setting[float] = Setting(
     ACCEPTANCE_FLOOR_ENV, _real(0.0, 1.0), _CANARY.floor, accepts="a number from 0 to 1, below `_HEALTHY`",
     scope="engine-wide", read_in="front process",
@@ -213,13 +239,15 @@ ACCEPTANCE_EVERY_STEPS: Setting[int] = Setting(
     read_in="front process",
     doc="an `acceptance` audit event every that many engine steps with draft tokens (0: only at pushes)")
 TAKEOVER_IDLE: Setting[float] = Setting(
-    TAKEOVER_IDLE_ENV, _seconds, 0.0, accepts="seconds, a finite number >= 0", scope="engine-wide", read_in="workers",
-    doc="a start while a draft weight-update session is open ends it and proceeds, unless that session had a call "
-        "less than this many seconds ago: then the start is refused (409)")
+    TAKEOVER_IDLE_ENV, _seconds, 60.0, accepts="seconds, a finite number >= 0", scope="engine-wide",
+    read_in="workers", doc="a start while a draft push is open and had a call less than this many seconds ago is "
+                           "refused (409, naming the push and how to take it over); an idle push is taken over (0: "
+                           "every start takes the open push over, as before 0.2.0)")
 
 #: Every setting, in the docs' order; any other name like theirs is refused (`check_names`).
-SETTINGS: tuple[Setting[Any], ...] = (PARTIAL, PATH_ROOT, AUDIT_DIR, AUDIT_CONSOLE, ACCEPTANCE_FLOOR,
-                                      ACCEPTANCE_HEALTHY, ACCEPTANCE_MIN_TOKENS, ACCEPTANCE_EVERY_STEPS, TAKEOVER_IDLE)
+SETTINGS: tuple[Setting[Any], ...] = (PARTIAL, PATH_ROOT, AUDIT_DIR, AUDIT_CONSOLE, AUDIT_MAX_BYTES,
+                                      ACCEPTANCE_FLOOR, ACCEPTANCE_HEALTHY, ACCEPTANCE_MIN_TOKENS,
+                                      ACCEPTANCE_EVERY_STEPS, TAKEOVER_IDLE)
 KNOWN_ENV: tuple[str, ...] = tuple(s.name for s in SETTINGS)
 
 
@@ -270,9 +298,16 @@ def audit_console() -> bool:
     return AUDIT_CONSOLE.read()
 
 
+def audit_max_bytes() -> int | None:
+    """The size past which an audit file is rotated, or None: never."""
+    return AUDIT_MAX_BYTES.read() or None
+
+
 def takeover_idle_s() -> float:
-    """`RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S`: seconds (>= 0; unset or blank: 0): an open draft session that had
-    a call more recently than this is not taken over by a new start (`online.sessions`)."""
+    """`RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S`: seconds (>= 0; unset or blank: 60): an open draft push that had a
+    call more recently than this is not taken over by a new start (`online.sessions`). Why 60: longer than any pause
+    between the calls of one live push (a trainer writes or gathers the next chunk in seconds), shorter than a
+    crashed trainer's restart, whose first start then takes its abandoned push over without an operator."""
     return TAKEOVER_IDLE.read()
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from lifecycle.audit import logstream
-from lifecycle.audit.logstream import LogEvent, iter_events, read_input
+from lifecycle.audit.inputs import iter_events
+from lifecycle.audit.logstream import LogEvent, read_input
 from lifecycle.audit.replay import Auditor, audit_logs
 from lifecycle.audit.report import FIGURES_CAP, write_report
 from lifecycle.audit.results import DETAIL_CAP, MAX_LAYERS

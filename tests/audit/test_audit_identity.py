@@ -30,7 +30,7 @@ from lifecycle.testing import cold_load
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 from support.scenarios import bucketed_reload, logging_to
 
-HERE = Path(__file__).resolve().parents[2]  # tests/
+HERE = Path(__file__).resolve().parents[1]  # tests/
 NODE = """
 import sys
 import time

@@ -87,3 +87,25 @@ def test_a_chmod_of_the_file_during_a_load_also_refuses_it(tmp_path: Path) -> No
     path.chmod(0o400)
     with pytest.raises(CheckpointError, match=r"after reading 1 tensor\(s\).*ctime_ns"):
         next(read)
+
+
+def test_a_write_through_a_shared_mapping_to_pages_it_already_dirtied_is_not_detected(tmp_path: Path) -> None:
+    """What is NOT detected, pinned so that docs/guarantees.md stays exact (issue 32, item 13): a process that holds
+    the file mapped shared and writable, and already wrote to a page (the kernel updates mtime and ctime at the
+    first write to a clean page, not at later ones), changes no stat field when it writes that page again. A load
+    between two buckets then reads the new bytes unnoticed. A trainer must not rewrite a checkpoint in place (the
+    refusals say: write the next checkpoint to a new path)."""
+    import mmap
+
+    path = write_checkpoint({"a": torch.ones(1024), "b": torch.zeros(1024)}, tmp_path / "w.safetensors")
+    index = checkpoint_index(path)
+    start = index["b"].start
+    with path.open("r+b") as fh, mmap.mmap(fh.fileno(), 0) as mapped:
+        mapped[start:start + 4] = mapped[start:start + 4]  # the page of b dirtied (times updated) before the index
+        index = checkpoint_index(path)
+        got = []
+        for bucket in iter_buckets(index, [["a"], ["b"]]):
+            if not got:
+                mapped[start:start + 4] = torch.tensor([5.0]).numpy().tobytes()  # between the buckets, no stat change
+            got.append(bucket)
+    assert float(got[1][0][1][0]) == 5.0  # read, undetected: the promise says so

@@ -95,6 +95,30 @@ def test_nothing_of_a_refused_file_reaches_the_message(layout: tuple[Path, Path]
     assert "header" not in message
 
 
+@pytest.mark.parametrize("how", ["file_link", "folder_link", "open_file"])
+def test_a_refused_path_never_names_a_links_target_or_an_open_file(layout: tuple[Path, Path], how: str) -> None:
+    """Issue 32, item 13: a path given as a link out of the root, or as `/proc/self/fd/N` (one of the engine's open
+    files), was refused with a message naming where it points ("resolves to /.../outside/secret.safetensors")."""
+    root, outside = layout
+    fd = os.open(outside / "notes.txt", os.O_RDONLY)
+    try:
+        if how == "file_link":
+            (root / "ln.safetensors").symlink_to(outside / "secret.safetensors")
+            given = str(root / "ln.safetensors")
+        elif how == "folder_link":
+            (root / "dir").symlink_to(outside)
+            given = str(root / "dir")
+        else:
+            given = f"/proc/self/fd/{fd}"
+        with pytest.raises(PermissionError) as ei:
+            plan_payload(given)
+    finally:
+        os.close(fd)
+    message = str(ei.value)
+    assert given in message and "outside the allowed root" in message, message
+    assert str(outside) not in message and "secret" not in message and "notes" not in message, message
+
+
 def test_a_folder_swapped_for_a_link_between_the_check_and_the_open_is_not_followed(
         layout: tuple[Path, Path], opener: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Deterministic check-then-open: the folder is real when its path is resolved and a link to OUTSIDE right

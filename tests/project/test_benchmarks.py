@@ -197,6 +197,8 @@ def test_gpu_check_cpu_stand_in_in_place_reads_new_weights_rebuild_reads_stale(t
         assert not stale["replay_equals_expected"] and stale["max_abs_diff"] > gpu_check.STALE_MIN_DIFF
         assert not stale["buffers_kept_address"] and not stale["lifecycle_pins_ok"]
         assert stale["eager_after_equals_expected"]  # the rebuild itself is right; only the replay is stale
+        slept = rows[(family, gpu_check.SLEEP)]  # a level-2 sleep's discarded weights, then a refill (#52479)
+        assert slept["ok"] and slept["replay_equals_expected"] and slept["buffers_kept_address"]
 
 
 def test_gpu_check_reports_fail_when_the_in_place_refresh_skips_a_slice(tmp_path, monkeypatch):

@@ -183,6 +183,9 @@ def layer(name: str) -> str:
     return "core"
 
 
+#: The audit's modules the vLLM layer may import: events that arrive over RPC are checked against the auditor's own
+#: schema before a worker writes one (issue 32; torch-free, so the offline tools stay as they are).
+AUDIT_SCHEMA_READERS = frozenset({"lifecycle.audit.schema"})
 #: layer -> the layers it may import (itself always allowed; "core": any of the core's layers). The composition
 #: root (cli) imports lazily.
 ALLOWED = {
@@ -210,6 +213,8 @@ def allowed(src: str, dst: str) -> bool:
         return True
     if src_layer == "lifecycle.audit":  # only the table, by module name
         return dst in ALLOWED[src_layer]
+    if src_layer == "lifecycle.vllm" and dst in AUDIT_SCHEMA_READERS:
+        return True
     return dst_layer in ALLOWED[src_layer]
 
 

@@ -10,6 +10,7 @@ first for the name (it keeps the first of each name), so the server sees what an
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import tomllib
@@ -19,10 +20,18 @@ __all__ = ["dist_info"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _package_version() -> str:
+    """`lifecycle.__version__` as the source says it (the version is dynamic: pyproject.toml reads it there)."""
+    found = re.search(r'^__version__ = "([^"]+)"', (ROOT / "lifecycle" / "__init__.py").read_text(), flags=re.M)
+    if found is None:
+        raise LookupError("lifecycle/__init__.py declares no __version__")
+    return found.group(1)
+
+
 def dist_info(folder: Path) -> Path:
     """Write this checkout's distribution metadata (name, version, entry points) into `folder`; returns `folder`."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    name, version = project["name"], project["version"]
+    name, version = project["name"], project.get("version") or _package_version()
     groups = dict(project.get("entry-points", {}))
     if project.get("scripts"):
         groups["console_scripts"] = project["scripts"]

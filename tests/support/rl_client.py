@@ -69,11 +69,14 @@ class RLClient:
     timeout_s: float = 120.0
     log: list[Exchange] = field(default_factory=list)
     resets: int = 0
+    #: False: a new connection per request (with several API servers, each may land on any of them)
+    keepalive: bool = True
 
     def __post_init__(self) -> None:
         import httpx
 
-        self.http = httpx.Client(base_url=self.url, timeout=self.timeout_s)
+        limits = httpx.Limits() if self.keepalive else httpx.Limits(max_keepalive_connections=0)
+        self.http = httpx.Client(base_url=self.url, timeout=self.timeout_s, limits=limits)
 
     def close(self) -> None:
         self.http.close()
@@ -153,6 +156,11 @@ class RLClient:
         if not ex.ok:
             raise RuntimeError(f"/weight_checker checksum: {ex}")
         return dict(ex.answer["checksums"])
+
+    def take_over(self, push: str) -> Exchange:
+        """End the open draft push named `push` ("epoch N", as a refused start names it) at once: the plugin's RPC
+        `lifecycle_take_over_push` through `/collective_rpc`."""
+        return self.post("/collective_rpc", {"method": "lifecycle_take_over_push", "kwargs": {"push": push}})
 
     # ---- the dev route ---------------------------------------------------------------------------------------
     def rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

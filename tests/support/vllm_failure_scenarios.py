@@ -37,7 +37,8 @@ def _variant(work: Path, name: str, tensors: dict[str, Any], config_from: str = 
 
 def make_variants(work: Path) -> None:
     """draftM: draft B with layer 1 of draft A (so a keep-reload of B's layer 1 makes B); bad_shape: B with a
-    tensor of another shape in layer 1; bogus_first: B plus a name the draft does not have, sorted first;
+    tensor of another shape in layer 1; short_row / long_row: B with layer 1's k_proj a row short / long;
+    bogus_first: B plus a name the draft does not have, sorted first;
     only_k0 / only_k0_b: draft A's / B's layer-0 k_proj alone; dup_q0_no_k0: B without layer 0's k_proj and with
     its q_proj a second time under `midlayer.` (vLLM's DFlash alias of `layers.0.`: the elements vLLM counts add
     up); changing: a copy of B that a case rewrites; an empty folder; a FIFO; sparse_tib: B whose layer-1
@@ -53,6 +54,9 @@ def make_variants(work: Path) -> None:
     a, b = dflash_draft_tensors(1), dflash_draft_tensors(2)
     _variant(work, "draftM", {n: (a[n] if n.startswith(LAYER1) else t) for n, t in b.items()})
     _variant(work, "bad_shape", {**b, "layers.1.mlp.down_proj.weight": torch.zeros(64, 96)})
+    k1 = "layers.1.self_attn.k_proj.weight"  # a shard of the fused qkv_proj, within its bound either way
+    _variant(work, "short_row", {**b, k1: b[k1][:-1].clone()})
+    _variant(work, "long_row", {**b, k1: torch.cat([b[k1], b[k1][:1]])})
     _variant(work, "bogus_first", {**b, "a_bogus.weight": torch.zeros(4)})
     _variant(work, "only_k0", {"layers.0.self_attn.k_proj.weight": a["layers.0.self_attn.k_proj.weight"]})
     _variant(work, "only_k0_b", {"layers.0.self_attn.k_proj.weight": b["layers.0.self_attn.k_proj.weight"]})
@@ -167,6 +171,23 @@ def _raise_in_first_load_weights(worker: Any) -> str:
     def load_weights(weights: Any) -> Any:
         del draft.load_weights  # once
         raise ValueError("injected: load_weights failed on the first bucket")
+
+    draft.load_weights = load_weights
+    return "armed"
+
+
+def _raise_in_second_load_weights(worker: Any) -> str:
+    """vLLM's load_weights raises on the second bucket, after the first was written (once)."""
+    draft = worker.model_runner.get_draft_model()
+    cls_load = type(draft).load_weights
+    calls = []
+
+    def load_weights(weights: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            return cls_load(draft, weights)
+        del draft.load_weights  # once
+        raise RuntimeError("injected: load_weights failed on the second bucket")
 
     draft.load_weights = load_weights
     return "armed"
@@ -289,6 +310,10 @@ def scenario_failures(work: Path) -> dict[str, Any]:
         "sparse_tib": _reload(llm, work / "sparse_tib"),
         "target_folder": _reload(llm, work / "deeper_target"),
         "bogus_name": _reload(llm, work / "bogus_first", bucket_size=1),
+        # a tensor of another shape, exactly from the header (issue 32, item 5): vLLM's check ran mid-load
+        "bad_shape": _reload(llm, work / "bad_shape"),
+        "short_row": _reload(llm, work / "short_row"),
+        "long_row": _reload(llm, work / "long_row"),
     }
     out["untouched"] = {}
     for name, call in untouched.items():
@@ -307,6 +332,7 @@ def scenario_failures(work: Path) -> dict[str, Any]:
         return run
 
     out["session_missing_file"] = _case(llm, session(str(work / "vanished")), session(str(work / "draftB")))
+    out["session_short_row"] = _case(llm, session(str(work / "short_row")), session(str(work / "draftB")))
     out["session_bad_update_info"] = _case(llm, session(str(work / "draftA"), key="pathh"),
                                            session(str(work / "draftA")))
     out["first_bucket_raises"] = _case(
@@ -319,8 +345,9 @@ def scenario_failures(work: Path) -> dict[str, Any]:
         _reload(llm, work / "draftA"))  # generate runs while the reload is still open
 
     # mid-bucket, and a checkpoint that changes while it is read
-    out["mid_bucket"] = _case(llm, _reload(llm, work / "bad_shape"), _reload(llm, work / "draftB"),
-                              fingerprinted=True)
+    out["mid_bucket"] = _case(
+        llm, lambda: (llm.collective_rpc(_raise_in_second_load_weights), _reload(llm, work / "draftA")())[1],
+        _reload(llm, work / "draftB"), fingerprinted=True)
     changing = work / "changing" / "model.safetensors"
     original = changing.read_bytes()
     for how in ("rewrite", "truncate"):

@@ -26,9 +26,10 @@ import torch
 
 from lifecycle.loading import write_checkpoint
 from lifecycle.vllm.demo.tiny import ENGINE_ENV, HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB
+from lifecycle.vllm.drafts.families import family
 
-__all__ = ["CASES", "HEAD", "STRUCTURE", "DraftCase", "build", "build_target", "gpu_weight_layout", "make_draft",
-           "memory", "setup", "share_target"]
+__all__ = ["CASES", "HEAD", "LISTED_CASES", "STRUCTURE", "DraftCase", "build", "build_target", "gpu_weight_layout",
+           "make_draft", "memory", "setup", "share_target"]
 
 ENV = {**ENGINE_ENV, "VLLM_KIMI_K3_GEMM_AR": "0"}
 
@@ -45,7 +46,7 @@ class DraftCase:
     """A tiny draft of one family: its config, the speculative method that serves it, how its checkpoint names
     relate to vLLM's parameter names."""
 
-    family: str  # lifecycle.vllm.drafts.families name
+    family: str  # lifecycle.vllm.drafts.families name (or a drafts.underived name: vLLM's own class serves it)
     method: str  # speculative_config["method"]
     config: dict[str, Any]
     split: Callable[[str, torch.Tensor, Any], list[tuple[str, torch.Tensor]]] | None = None  # vLLM name -> ckpt
@@ -102,6 +103,13 @@ CASES: dict[str, DraftCase] = {
         "max_position_embeddings": 256, "torch_dtype": "float32", "tie_word_embeddings": False,
         "target_layer_ids": [0, 1], "markov_rank": 16, "block_size": 4,
     }, _split_fused),
+    # served with method="dflash" (vLLM keeps its architecture name); the correlator head on DFlash's layers
+    "lilicorr": DraftCase("lilicorr", "dflash", {
+        **_BASE, "architectures": ["LiLiCorrDraftModel"],
+        "dflash_config": {**_BASE["dflash_config"], "lilicorr_enabled": True, "lilicorr_hidden_size": 0,
+                          "lilicorr_candidate_topk": 2, "lilicorr_num_heads": 2, "lilicorr_mlp_ratio": 2,
+                          "lilicorr_factor_dim": 16, "lilicorr_vector_eps": 1e-6, "lilicorr_logit_scale": 8.0,
+                          "lilicorr_num_layers": 1, "block_size": 4}}, _split_fused),
     "kimi_k3_dspark": DraftCase("kimi_k3_dspark", "dspark", {
         "model_type": "k3_dspark", "architectures": ["K3DSparkModel"], "vocab_size": VOCAB, "hidden_size": HIDDEN,
         "intermediate_size": INTER, "num_hidden_layers": 2, "num_attention_heads": HEADS,
@@ -114,6 +122,18 @@ CASES: dict[str, DraftCase] = {
 }
 
 
+#: Drafts the plugin leaves to vLLM (`lifecycle.vllm.drafts.underived`: they derive nothing), that this CPU build
+#: constructs: their reload is vLLM's own layerwise reload.
+LISTED_CASES: dict[str, DraftCase] = {
+    "eagle3_qwen3": DraftCase("eagle3_qwen3", "eagle3", {
+        **_BASE, "architectures": ["Eagle3Qwen3ForCausalLM"], "num_hidden_layers": 1, "draft_vocab_size": VOCAB},
+        _split_fused, drop=("embed_tokens.",)),
+    "eagle_llama": DraftCase("eagle_llama", "eagle", {
+        **_BASE, "model_type": "llama", "architectures": ["EagleLlamaForCausalLM"], "num_hidden_layers": 1},
+        _split_fused, drop=("embed_tokens.", "lm_head.")),
+}
+
+
 #: Per family, the config that gives a draft every optional submodule the family has (besides its own embeddings
 #: and lm_head, which only depend on the checkpoint carrying them): a confidence head, a reduced output vocabulary
 #: (half the target's, mapped by d2t).
@@ -121,7 +141,7 @@ HEAD = {"enable_confidence_head": True, "confidence_head_with_markov": True}
 _REDUCED = {"draft_vocab_size": VOCAB // 2}
 STRUCTURE: dict[str, dict[str, Any]] = {
     "dflash": _REDUCED, "dflash2": _REDUCED, "laguna_dflash": {}, "qwen3_dspark": {**HEAD, **_REDUCED},
-    "gemma4_dspark": HEAD, "kimi_k3_dspark": HEAD,
+    "gemma4_dspark": HEAD, "kimi_k3_dspark": HEAD, "lilicorr": {},
 }
 
 
@@ -189,19 +209,14 @@ def build(case: DraftCase, draft_dir: Path, target_dir: Path | None = None, *, s
     """The family's draft, cold-loaded from `draft_dir` by vLLM's loader (`load=False`: constructed only;
     `load_format="dummy"`: vLLM's random values, `draft_dir` gives the config only). `stock=True`: vLLM's own
     class, not the lifecycle-enabled one. The returned model has `.vllm_config`."""
-    import importlib
-
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from lifecycle.vllm.drafts.families import family
-
     cfg = _config(case, draft_dir, target_dir)
     cfg.load_config.load_format = load_format
     draft_config = cfg.speculative_config.draft_model_config
-    fam = family(case.family)
-    model_class = getattr(importlib.import_module(fam.module), fam.causal_lm) if stock else None
+    model_class = _vllm_class(case.family) if stock else None
     loader = get_model_loader(cfg.load_config)
 
     def create_model(vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
@@ -221,6 +236,18 @@ def build(case: DraftCase, draft_dir: Path, target_dir: Path | None = None, *, s
                 model = create_model(cfg, draft_config)
     model.vllm_config = cfg
     return model
+
+
+def _vllm_class(name: str) -> type:
+    """vLLM's own class of a family, or of a draft the plugin lists as deriving nothing (`drafts.underived`)."""
+    import importlib
+
+    from lifecycle.vllm.drafts.underived import UNDERIVED
+
+    listed = {u.name: (u.module, u.cls) for u in UNDERIVED}
+    module, cls = listed[name] if name in listed else (family(name).module, family(name).causal_lm)
+    found: type = getattr(importlib.import_module(module), cls)
+    return found
 
 
 def build_target(target_dir: Path | None = None) -> Any:

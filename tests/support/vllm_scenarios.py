@@ -340,6 +340,48 @@ def scenario_noplugin(work: Path) -> dict[str, Any]:
     return out
 
 
+def scenario_extensions(work: Path) -> dict[str, Any]:
+    """The lifecycle's RPCs beside a trainer's own worker extension, and with none; a clashing one refused.
+    Checks run beside their actions (a failure names its line)."""
+    from support.vllm_writes_runs import expect
+
+    def kwargs(extension: str | None) -> dict[str, Any]:
+        from lifecycle.vllm.demo.tiny import engine_kwargs
+
+        args = engine_kwargs(work / "target", work / "draftA")
+        if extension is None:
+            del args["worker_extension_cls"]
+        else:
+            args["worker_extension_cls"] = extension
+        return args
+
+    from vllm import LLM
+
+    done = []
+    for extension in ("support.other_extension.OtherExtension", None):
+        llm = LLM(**kwargs(extension), disable_log_stats=False)
+        if extension is not None:
+            expect(llm.collective_rpc("other_ping") == ["pong"], "the trainer's own RPC stopped answering")
+        (states,) = llm.collective_rpc("lifecycle_states")
+        draft = next(s for s in states if s["role"] == "draft")
+        expect(draft["state"] in ("DERIVED_REFRESHED", "GRAPH_CAPTURED"), f"draft {draft['state']}")
+        (answer,) = llm.collective_rpc("reload_draft_weights", args=(str(work / "draftB"),))
+        expect(answer["tensors"] == 25, f"the reload through the RPC answered {answer}")
+        tokens = _generate(llm)["tokens"]
+        expect(len(tokens) == len(PROMPTS) and all(tokens), f"generation after the reload gave {tokens}")
+        done.append(f"with {extension or 'no extension'}: the lifecycle's RPCs answer beside it; a reload works")
+        _shutdown(llm)
+    try:
+        LLM(**kwargs("support.other_extension.ClashingExtension"))
+    except Exception as e:
+        expect("lifecycle_states" in str(e) and "ClashingExtension" in str(e), f"the clash was refused as {e!r}")
+        done.append("a clashing extension: the start refused naming both")
+    else:
+        raise AssertionError("an extension redefining lifecycle_states was accepted")
+    _release_distributed()
+    return {"done": done}
+
+
 def scenario_tp2(work: Path) -> dict[str, Any]:
     """Two tensor-parallel ranks (worker processes) run every trainer path; events carry the rank."""
     from vllm import LLM

@@ -147,12 +147,16 @@ def _sessions(llm: Any, work: Path) -> dict[str, Any]:
                         _call(lambda: llm.update_weights({"update_info": {"path": str(work / "draftA")}}))]
     out["abandoned_state"] = _draft(llm)
     out["abandoned_checksums"] = _draft_entries(_checksums(llm))
+    out["abandoned_refused_start"] = _call(llm.start_draft_weight_update)  # active: refused for 60 s by default
+    out["abandoned_taken_over"] = llm.collective_rpc("lifecycle_take_over_push",
+                                                     kwargs={"push": f"epoch {out['abandoned_state']['epoch']}"})
     out["next"] = _push(llm, work / "draftB", "B-2")
     out["next_state"] = _draft(llm)
     out["next_digests"] = llm.collective_rpc("lifecycle_derived_digests")
     # an abandoned draft push, then a policy start
     out["abandoned_policy"] = [_call(llm.start_draft_weight_update),
                                _call(lambda: llm.update_weights({"update_info": {"path": str(work / "draftA")}}))]
+    llm.collective_rpc("lifecycle_take_over_push", kwargs={"push": f"epoch {_draft(llm)['epoch']}"})
     out["abandoned_policy"] += _push(llm, work / "target", "policy-2", draft=False)
     out["abandoned_policy_state"] = _draft(llm)
     out["after_policy"] = _push(llm, work / "draftB", "B-3")

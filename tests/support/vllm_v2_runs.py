@@ -93,6 +93,7 @@ def _gate(work: Path) -> dict[str, Any]:
     out["mid_reload"] = {"state": lc.state.value, **_call_installed(spec, batch), "buffer": spec.draft_tokens.tolist(),
                          "paused_steps": b.lifecycle_runtime.drafting_paused_steps,
                          "steps_without_draft": steps_without_draft_total(b) - before}
+    out["draft_model"] = _draft_model_speculator(draft, batch, "mid_reload")
     positional = [batch, None, None, None, None, None, None, None, None, None, None, None, True]  # dummy_run: 12th
     gate(spec, batch, dummy_run=True)
     gate(spec, *positional)
@@ -115,7 +116,32 @@ def _gate(work: Path) -> dict[str, Any]:
     calls.clear()
     gate(spec, batch)
     out["reloaded"] = {"state": lc.state.value, "calls": list(calls), **_call_installed(spec, batch)}
+    out["draft_model"].update(_draft_model_speculator(draft, batch, "reloaded"))
     out["events"] = [e["event"] for e in lc.recent_events if e["event"].startswith("drafting_")]
+    return out
+
+
+def _draft_model_speculator(draft: Any, batch: Any, when: str) -> dict[str, Any]:
+    """V2's draft-model speculator (`StandaloneARSpeculator`, vLLM #43091) holding the draft: is its propose the
+    plugin's gate, and what does a step get (`when`: mid-reload, zeros without running the draft; reloaded, vLLM's
+    own propose, which needs CUDA)."""
+    from vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator import StandaloneARSpeculator
+
+    from lifecycle.vllm.compat import patching
+
+    spec = object.__new__(StandaloneARSpeculator)  # its __init__ needs CUDA
+    spec.model = draft
+    spec.draft_tokens = torch.full((REQS, K), 9, dtype=torch.int64)
+    out: dict[str, Any] = {"installed": bool(getattr(StandaloneARSpeculator.propose, patching.MARK, False))}
+    try:
+        tokens = StandaloneARSpeculator.propose(spec, batch, *dict.fromkeys(_TENSORS).values(),
+                                                num_speculative_tokens=K)
+    except Exception as e:
+        out[when] = {"raised": type(e).__name__, "entered_vllms_propose": any(
+            f.name == "propose" and f.filename.endswith("standalone_ar/speculator.py")
+            for f in traceback.extract_tb(e.__traceback__))}
+    else:
+        out[when] = {"tokens": tokens.tolist(), "same_storage": tokens.data_ptr() == spec.draft_tokens.data_ptr()}
     return out
 
 

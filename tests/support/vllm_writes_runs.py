@@ -18,6 +18,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from support.vllm_inprocess import (
     CASES,
     ENV,
@@ -167,7 +169,66 @@ def run_writes(work: Path, layout: str) -> dict[str, Any]:
             inner._build_fused_kv_buffers()
             _usable_and_current(draft, cold["A"], pinned, "after a complete push following a direct write")
             done.append("a direct write: not drafting until a complete push; then equal to a cold load")
+        done.extend(_structured(work, layout))
     return {"layout": layout, "done": done}
+
+
+def _no_meta(model: Any, what: str) -> None:
+    on_meta = sorted(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta)
+    expect(not on_meta, f"{what}: left on META: {on_meta}")
+
+
+def _structured(work: Path, layout: str) -> list[str]:
+    """A draft with its own lm_head and d2t (held by the ForCausalLM, out of the inner model's reach): an inner push
+    keeps them and reloads the rest in place; an inner push failing part way leaves nothing on META, rolled back."""
+    from safetensors.torch import save_file
+
+    from lifecycle.vllm.reload.epoch import OUTCOME_QUARANTINED
+    from support.vllm_inprocess import make_draft
+
+    case = CASES["dflash"].with_structure()
+    folders = {w: work / f"dflashS{w}" for w in "AB"}
+    for folder, seed in zip(folders.values(), (1, 2), strict=True):
+        if not folder.exists():
+            make_draft(case, folder, seed, work / "target")
+    a, b = dict(read(folders["A"])), dict(read(folders["B"]))
+    outer_held = ("lm_head.", "d2t")
+    mixed = {n: (a if n.startswith(outer_held) else b)[n] for n in a}  # B through the inner model, A's own heads
+    mix = work / "dflashS-mix"
+    mix.mkdir(exist_ok=True)
+    (mix / "config.json").write_text((folders["A"] / "config.json").read_text())
+    save_file(mixed, str(mix / "model.safetensors"))
+    reference = build(case, mix, work / "target")
+    cold = {"weights": weight_digests(reference), "derived": derived_digests(reference)}
+
+    draft = build(case, folders["A"], work / "target")
+    inner, b_ = draft.model, backbone(draft)
+    b_.capture_graphs()
+    pinned = identities(draft)
+    inner_names = [(n, t) for n, t in b.items() if not n.startswith(outer_held)]
+    inner.load_weights(inner_names)
+    _not_drafting(draft, "after an inner push of a draft with its own heads")
+    _no_meta(draft, "during an inner push (the ForCausalLM's heads out of the reload)")
+    inner._build_fused_kv_buffers()
+    _usable_and_current(draft, cold, pinned, "after an inner push keeping the draft's own heads")
+    out = ["a draft with its own heads: the inner push keeps them, equal to a cold load of the mix"]
+
+    bad = [(n, t) for n, t in b.items() if n.startswith("layers.0.")]
+    bad.append(("layers.1.self_attn.o_proj.weight", torch.zeros(3, 5)))  # a wrong shape, after layer 0's tensors
+    try:
+        inner.load_weights(bad)
+    except Exception:
+        pass
+    else:
+        raise AssertionError("an inner push with a tensor of the wrong shape was accepted")
+    _no_meta(draft, "after an inner push that failed part way")
+    expect(b_.lifecycle.usable or b_.lifecycle_runtime.last_outcome == OUTCOME_QUARANTINED,
+           f"the failed inner push left {b_.lifecycle.state.value}, neither serving nor quarantined")
+    inner.load_weights(inner_names)
+    inner._build_fused_kv_buffers()
+    _usable_and_current(draft, cold, pinned, "after a complete inner push following a failed one")
+    out.append("an inner push failing part way: nothing left on META; the next complete push is current")
+    return out
 
 
 def main() -> None:

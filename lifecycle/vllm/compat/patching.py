@@ -12,7 +12,8 @@ without importing the layers the wrappers live in.
 - `wrap_instance(key, obj, make)`, `swap_class(key, obj, cls)` and `write_private(key, obj, value)` apply the records
   that act on one object (a layer's quant method, the draft's inner model, vLLM's worker): each refuses a key the
   registry does not declare, and an attribute the object does not have, so no change of vLLM's objects goes
-  undeclared and none silently creates a new attribute after vLLM renamed the old one.
+  undeclared and none silently creates a new attribute after vLLM renamed the old one; `set_flag(key, obj, value)`
+  sets a flag vLLM reads with a default (the capability check requires vLLM's module to mention it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ...errors import UnsupportedVLLMError
 from .records import SWAPS_CLASS, WRAPS, WRAPS_INSTANCE, WRITES, Patch
 from .registry import PATCHES
 
-__all__ = ["MARK", "ORIGINAL", "Wrapper", "apply", "is_wrapped", "original_of", "resolve_wrapper",
+__all__ = ["MARK", "ORIGINAL", "Wrapper", "apply", "is_wrapped", "original_of", "resolve_wrapper", "set_flag",
            "swap_class", "wrap_instance", "write_private"]
 
 #: A wrapper maker: vLLM's original in, its replacement out.
@@ -136,6 +137,14 @@ def swap_class(key: str, obj: Any, cls: type) -> None:
     if not issubclass(cls, type(obj)):
         raise TypeError(f"{patch.where}: {cls.__name__} is not a subclass of {type(obj).__name__}")
     obj.__class__ = cls
+
+
+def set_flag(key: str, obj: Any, value: Any) -> None:
+    """Set an attribute that vLLM reads with a default (`getattr(layer, "_cpu_skip_gemm_dispatch", False)`), so
+    the object need not have it (a WRITES record whose owner is no class: the capability check requires vLLM's
+    module to mention the name, so a rename upstream refuses the activation instead of setting a dead flag)."""
+    patch = _declared(key, WRITES)
+    setattr(obj, patch.target.rpartition(".")[2], value)
 
 
 def write_private(key: str, obj: Any, value: Any) -> None:

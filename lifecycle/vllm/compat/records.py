@@ -28,6 +28,9 @@ class Patch:
     user: str  # the plugin's module that applies it or reads it
     wrapper: str = ""  # WRAPS: "module:function" under lifecycle.vllm, the maker
     since: str = "0.32"  # the first vLLM release series that has the target
+    #: READS of a function: the attribute it must call (a route of vLLM's RL layer calling the engine client's
+    #: method the plugin wraps: the capability check finds the call in its source)
+    calls: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

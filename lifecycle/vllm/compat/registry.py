@@ -22,6 +22,7 @@ _LLM_ENGINE = "vllm.v1.engine.llm_engine"
 _SPECULATOR = "vllm.v1.worker.gpu.spec_decode.speculator"
 _SPEC_METRICS = "vllm.v1.spec_decode.metrics"
 _TRANSFER = "vllm.distributed.weight_transfer"
+_RL_ROUTES = "vllm.entrypoints.rl.online.api_router"
 
 _BEGIN = "a draft reload epoch begins with vLLM's layerwise reload (explicit paths, transfer sessions)"
 _FINISH = "the epoch finishes after vLLM's finalize: every layer ready, reload hooks, refresh in place"
@@ -66,6 +67,12 @@ PATCHES: tuple[Patch, ...] = (
           "per tracked draft parameter (plain torch Parameters carry it as an attribute, vLLM's behind this "
           "property): a direct call outside every load_weights begins an epoch; the draft does not draft until it "
           "finishes", "reload.writes"),
+    Patch(WRAPS_INSTANCE, "vllm.model_executor.models.lilicorr", "LiLiCorrHead.materialize_inference_buffers",
+          "LiLiCorr's correlator head: its derived tensors are the draft's buffers, refreshed in place; vLLM's call at "
+          "the end of every load_weights points the head at them instead of building new ones", "drafts.submodules"),
+    Patch(WRITES, "vllm.model_executor.layers.linear", "layer._cpu_skip_gemm_dispatch",
+          "on CPU the linears a submodule's buffers read keep their weight in checkpoint layout (vLLM's own flag for "
+          "MLA's kv_b_proj: F.linear instead of a oneDNN repack that empties the weight)", "drafts.submodules"),
     Patch(SWAPS_CLASS, "vllm.model_executor.models", "inner_model.__class__",
           "each family's inner draft model (its `inner` class, checked with the family) gets the lifecycle mixin",
           "reload.classes"),
@@ -101,6 +108,9 @@ PATCHES: tuple[Patch, ...] = (
     _wraps("vllm.v1.worker.gpu.spec_decode.dflash.speculator", "DFlashSpeculator.propose",
            "serving.runner_v2:wrap_propose", "the same gate on Model Runner V2: zero draft tokens without running "
            "the draft", "serving.runner_v2"),
+    _wraps("vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator", "StandaloneARSpeculator.propose",
+           "serving.runner_v2:wrap_propose", "the same gate on V2's draft-model speculator (`method='draft_model'`, "
+           "vLLM #43091): zero draft tokens without running the draft", "serving.runner_v2"),
     _reads("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_draft_model", "drafts.owners"),
     _reads("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.get_draft_model", "drafts.owners"),
     _reads(_SPECULATOR, "DraftModelSpeculator.draft_tokens", "serving.runner_v2"),
@@ -115,23 +125,30 @@ PATCHES: tuple[Patch, ...] = (
            "drafts.own_heads"),
     # ---- online: weight-update sessions, the transfer engine -------------------------------------------------------
     _wraps(_WORKER, "Worker._start_weight_update", "online.sessions:wrap_start",
-           "an open draft session is taken over or refused; a policy session is vLLM's", "online.sessions"),
+           "one push owns the draft: a start while a draft push is active is refused, an idle one taken over; a policy "
+           "session is vLLM's", "online.sessions"),
     _wraps(_WORKER, "Worker.update_weights", "online.sessions:wrap_update",
-           "a refused draft chunk ends the epoch and names what was refused", "online.sessions"),
+           "a chunk of another push is refused untouched; a re-sent tensor is compared; a refused draft chunk ends the "
+           "epoch and names what was refused", "online.sessions"),
     _wraps(_WORKER, "Worker.finish_weight_update", "online.sessions:wrap_finish",
-           "a refused draft finish ends the epoch and closes vLLM's session", "online.sessions"),
+           "a finish of another push is refused untouched; a refused draft finish ends the epoch and closes vLLM's "
+           "session", "online.sessions"),
     _wraps(_ASYNC_LLM, "AsyncLLM.start_weight_update", "online.answers:answer_conflict",
            "a refused start answers 409 naming the refusal", "online.answers"),
     _wraps(_ASYNC_LLM, "AsyncLLM.start_draft_weight_update", "online.answers:answer_conflict",
            "a refused start answers 409 naming the refusal", "online.answers"),
     _wraps(_ASYNC_LLM, "AsyncLLM.update_weights", "online.answers:answer_unprocessable",
-           "a refused chunk answers 422 naming the refusal", "online.answers"),
+           "a refused chunk answers 422 naming the refusal (409: another push's)", "online.answers"),
     _wraps(_ASYNC_LLM, "AsyncLLM.finish_weight_update", "online.answers:wrap_async_finish",
-           "vLLM's two calls, the workers' finish carrying the trainer's weight_version (one worker round trip); a "
-           "refusal answers 422", "online.answers"),
+           "vLLM's two calls, the workers' finish carrying the trainer's weight_version (bounded; one worker round "
+           "trip); a refusal answers 422 (409: another push's)", "online.answers"),
     _wraps("vllm.entrypoints.rl.offline", "RLOfflineMixin.finish_weight_update", "online.answers:wrap_offline_finish",
            "vLLM's two calls, the workers' finish carrying the trainer's weight_version (offline LLM)",
            "online.answers"),
+    _wraps(_WORKER, "Worker.sleep", "online.sleep:wrap_sleep",
+           "a level-2 sleep frees the draft's weights without a copy (vLLM #52479): the draft is quarantined until a "
+           "refill writes every layer, refreshed in place", "online.sleep"),
+    _reads(_WORKER, "Worker._sleep_saved_parameters", "online.sleep", "the parameters a level-2 sleep preserves"),
     Patch(WRITES, _WORKER, "Worker._weight_update_active",
           "a refused draft finish closes vLLM's session (vLLM leaves it open, refusing every later start)",
           "online.sessions"),
@@ -142,27 +159,51 @@ PATCHES: tuple[Patch, ...] = (
     _reads(f"{_TRANSFER}.base", "WeightTransferEngine.set_weight_update_target", "online.transfer"),
     _reads(f"{_TRANSFER}.factory", "WeightTransferEngineFactory._registry", "online.transfer"),
     _reads("vllm.exceptions", "GracefulHTTPError", "online.answers", "HTTP answers"),
+    # the RL route layer (`vllm serve`'s weight-sync routes, one module in 0.32 and 0.33): each route calls the
+    # engine client's method the plugin wraps (AsyncLLM's, above), so the front-process hooks see every HTTP push
+    *(Patch(READS, _RL_ROUTES, route, f"the route `/{route}` calls AsyncLLM.{method}, which the plugin wraps",
+            user, calls=method) for route, method, user in (
+        ("start_weight_update", "start_weight_update", "online.answers"),
+        ("start_draft_weight_update", "start_draft_weight_update", "online.answers"),
+        ("update_weights", "update_weights", "online.answers"),
+        ("finish_weight_update", "finish_weight_update", "online.answers"),
+        ("update_weight_version", "update_weight_version", "observability.frontend"),
+        ("weight_checker", "compute_weight_checksums", "observability.weight_checker"))),
     # ---- observability: the weight checker, the front process ------------------------------------------------------
     _wraps(_WORKER, "Worker.compute_weight_checksums", "observability.weight_checker:wrap_compute",
            "the draft's weights and derived-buffer verdicts in vLLM's /weight_checker", "observability.weight_checker"),
     _reads(_WORKER, "Worker._weight_checksum_prefix", "observability.weight_checker"),
+    _wraps(_WORKER, "Worker.shutdown", "observability.serving_state:wrap_shutdown",
+           "the serving period the front process handed last is audited (its `acceptance` event) when the worker "
+           "stops", "observability.serving_state"),
     _wraps(_ASYNC_LLM, "AsyncLLM.__init__", "observability.frontend:wrap_async_init",
            "the front view of an online engine (metrics, canary)", "observability.frontend"),
+    _wraps(_ASYNC_LLM, "AsyncLLM.shutdown", "observability.frontend:wrap_async_shutdown",
+           "the serving period's final `acceptance` event handed to the workers before vLLM stops them",
+           "observability.frontend"),
     _wraps(_ASYNC_LLM, "AsyncLLM.collective_rpc", "observability.frontend:wrap_async_rpc",
            "every push seen: kind, outcome, duration; the workers' state pulled after it", "observability.frontend"),
     _wraps(_ASYNC_LLM, "AsyncLLM.update_weight_version", "observability.frontend:wrap_async_version",
-           "the canary's period labelled with the trainer's weight_version", "observability.frontend"),
+           "the canary's period labelled with the trainer's weight_version (bounded: 422)", "observability.frontend"),
     _wraps(_LLM_ENGINE, "LLMEngine.__init__", "observability.frontend:wrap_sync_init",
            "the front view of an offline engine, and its stat logger", "observability.frontend"),
     _wraps(_LLM_ENGINE, "LLMEngine.collective_rpc", "observability.frontend:wrap_sync_rpc",
            "every push seen (offline)", "observability.frontend"),
     _wraps(_LLM_ENGINE, "LLMEngine.set_weight_version", "observability.frontend:wrap_sync_version",
            "the canary's period labelled (offline)", "observability.frontend"),
+    _reads(_ASYNC_LLM, "AsyncLLM._client_count", "observability.front_view",
+           "with several API servers, server 0 alone counts the workers' totals"),
+    _reads("vllm.v1.engine.core_client", "AsyncMPClient.client_index", "observability.front_view",
+           "which API server this is"),
     _reads("vllm.v1.metrics.loggers", "StatLoggerBase", "observability.stat_logger"),
     _reads("vllm.v1.metrics.stats", "SchedulerStats.spec_decoding_stats", "observability.front_view"),
     *(_reads(_SPEC_METRICS, f"SpecDecodingStats.{n}", "observability.front_view")
       for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
                 "num_draft_tokens_per_pos")),
+    # ---- entry: the worker RPCs join any worker extension -----------------------------------------------------------
+    _wraps("vllm.v1.worker.worker_base", "WorkerWrapperBase.init_worker", "worker:wrap_init_worker",
+           "the lifecycle's worker RPCs join whatever worker_extension_cls the engine has (a trainer's own): the "
+           "worker class gets LifecycleWorkerExtension among its bases unless it has it", "worker"),
     # ---- plugin: every Ray node runs the plugin ----------------------------------------------------------------------
     _wraps("vllm.v1.executor.abstract", "Executor.__init__", "plugin.nodes:wrap_executor_init",
            "a Ray executor checks that every worker's node runs the plugin", "plugin.nodes"),

@@ -80,6 +80,19 @@ class SourceIndex:
     def has_module(self, module: str) -> bool:
         return self._parse(module) is not None
 
+    def tree(self, module: str) -> ast.Module | None:
+        """The module's parsed source (None if the distribution has no such module)."""
+        parsed = self._parse(module)
+        return parsed[0] if parsed is not None else None
+
+    def file_of(self, module: str) -> str | None:
+        """The distribution's path of the module's source: `vllm/models/beam/__init__.py`."""
+        parsed = self._parse(module)
+        if parsed is None:
+            return None
+        base = module.replace(".", "/")
+        return f"{base}/__init__.py" if parsed[1] else f"{base}.py"
+
     def attribute_names(self, module: str) -> set[str]:
         """Every attribute name the module's source reads or sets (`x.name`), anywhere in it."""
         parsed = self._parse(module)

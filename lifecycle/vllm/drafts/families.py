@@ -1,172 +1,50 @@
 """What each vLLM draft family derives, as data: the classes it serves, the vLLM builder methods it replaces, what
-those builders set (derived buffers and non-tensor precompute metadata), and every attribute they read.
+those builders set (derived buffers and non-tensor precompute metadata), and every attribute they read; the types
+are `declarations.py`'s.
 
-`drafts.py` turns each declaration into a class; `capabilities.py` checks every name a declaration uses against
-vLLM's own sources (at plugin activation, and against the 0.33 wheel in `make compat`), so a declaration cannot
-silently drift from the vLLM it runs on. A family exists from the vLLM series named in `since`.
+`reload.classes` turns each declaration into a class; `plugin.capabilities` checks every name a declaration uses
+against vLLM's own sources (at plugin activation, and against the 0.33 wheel in `make compat`), and `plugin.drift`
+checks that every draft of vLLM's speculative-decoding registry is a family here or listed in `underived.py`, each
+with everything its sources derive declared, so a declaration cannot silently drift from the vLLM it runs on. A
+family exists from the vLLM series named in `since`.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ...derived import DerivedSpec, alias, concat, custom, stack
+from ..compat.derived_scan import DERIVED, NON_PERSISTENT
+from .declarations import (
+    CONFIDENCE_HEAD,
+    CONFIDENCE_HEAD_DROPPED,
+    D2T,
+    EMBED_TOKENS,
+    KV_ROWS,
+    LM_HEAD,
+    NONE,
+    NUM_LAYERS,
+    SHADOW,
+    Accounted,
+    HandWrite,
+    LoaderCopy,
+    OptionalModule,
+    Read,
+    Shadow,
+    SubmoduleBuffers,
+    VLLMDraftFamily,
+    VLLMModule,
+    WholeCheckpointCheck,
+    attn0,
+    each_attn,
+)
 
-__all__ = ["FAMILIES", "SHADOW", "OptionalModule", "Read", "Shadow", "VLLMDraftFamily", "WholeCheckpointCheck",
-           "family"]
-
-#: A module of vLLM's (a draft's ForCausalLM or inner model, a layer, an attention, a linear): vLLM is read as Any
-#: (pyproject.toml's [tool.mypy]), and so are the attributes the declarations read on its modules (`q_size`,
-#: `quant_method`, `layers`), which torch would type `Tensor | Module`.
-VLLMModule = Any
-
-#: The per-layer buffer holding a source's rows in checkpoint layout, captured before post-processing.
-SHADOW = "ckpt_kv_weight"
-
-
-@dataclass(frozen=True)
-class Read:
-    """One value vLLM's builder computes from the draft's modules, declared with the attribute names it reads."""
-
-    get: Callable[[VLLMModule], Any]
-    attrs: tuple[str, ...] = ()
-
-
-def attn0(path: str) -> Read:
-    """`path` read on the first layer's attention (vLLM's builders read geometry there)."""
-    get = operator.attrgetter(path)
-    return Read(lambda m: get(m.layers[0].self_attn), ("layers", "self_attn", *path.split(".")))
-
-
-def each_attn(path: str) -> Read:
-    """`path` read on every layer's attention, as a list."""
-    get = operator.attrgetter(path)
-    return Read(lambda m: [get(layer.self_attn) for layer in m.layers], ("layers", "self_attn", *path.split(".")))
-
-
-NUM_LAYERS = Read(lambda m: len(m.layers), ("layers",))
-NONE = Read(lambda m: None)
-
-
-@dataclass(frozen=True)
-class Shadow:
-    """Which rows of which linear a fused buffer reads, captured in checkpoint layout before post-processing."""
-
-    linear: str  # the attention's attribute holding the linear layer
-    rows: Callable[[VLLMModule], slice] = lambda attn: slice(None)  # attention -> rows of linear.weight
-    attrs: tuple[str, ...] = ()  # what `rows` reads
-
-    def of(self, attn: VLLMModule) -> tuple[VLLMModule, slice]:
-        return getattr(attn, self.linear), self.rows(attn)
-
-    def live(self, spec: DerivedSpec) -> DerivedSpec:
-        """`spec` (a fused buffer read from the shadows) reading the live weight rows instead: where
-        post-processing keeps the weight in checkpoint layout (CUDA, unquantized), no shadow is registered."""
-        if not any(src.endswith(SHADOW) for src in spec.sources):
-            return spec
-
-        def rows(layer: VLLMModule) -> torch.Tensor:
-            linear, r = self.of(layer.self_attn)
-            weight_rows: torch.Tensor = linear.weight[r]
-            return weight_rows
-
-        return replace(spec, sources=(f"self_attn.{self.linear}.weight",), per_layer=rows, backed=False)
-
-
-KV_ROWS = Shadow("qkv_proj", lambda attn: slice(attn.q_size, None), ("q_size",))
-
-
-@dataclass(frozen=True)
-class OptionalModule:
-    """A submodule a draft may or may not have, whose presence vLLM's `load_weights` reads off the tensors of
-    the CURRENT call (`structure.py` decides it once, at the first load, and freezes it)."""
-
-    name: str  # what the structure calls it: confidence_head, embed_tokens, lm_head, d2t
-    marker: str  # vLLM's test on a checkpoint name: `marker in name`
-    path: str  # attribute path from the ForCausalLM (`model.` = the inner model)
-    dropped_per_call: bool = False  # vLLM sets it to None in a call that lacks its tensors
-    shareable: bool = False  # vLLM's proposer may replace it with the target's module after the load
-
-
-@dataclass(frozen=True)
-class WholeCheckpointCheck:
-    """A validation vLLM's `load_weights` runs on every call that only a whole checkpoint can pass: run once
-    per reload epoch at finalize instead (over what the epoch wrote plus what it kept), with vLLM's message."""
-
-    message: str  # vLLM's text, word for word (the capability check finds it in vLLM's load_weights)
-    needs: str  # the optional module the checkpoint must include
-    applies: Callable[[VLLMModule], bool]  # on the ForCausalLM: does the rule hold for this draft?
-
-
-CONFIDENCE_HEAD = OptionalModule("confidence_head", "confidence_head", "model.confidence_head")
-CONFIDENCE_HEAD_DROPPED = OptionalModule("confidence_head", "confidence_head", "model.confidence_head",
-                                         dropped_per_call=True)
-EMBED_TOKENS = OptionalModule("embed_tokens", "embed_tokens", "model.embed_tokens", shareable=True)
-LM_HEAD = OptionalModule("lm_head", "lm_head", "lm_head", shareable=True)
-D2T = OptionalModule("d2t", "d2t", "draft_id_to_target_id")
-
-
-@dataclass(frozen=True)
-class VLLMDraftFamily:
-    """One vLLM draft family: where its classes live and what their builders derive."""
-
-    name: str
-    architectures: tuple[str, ...]  # vLLM registry names this class serves
-    module: str  # the vLLM module defining both classes
-    causal_lm: str  # the class vLLM's registry builds
-    inner: str  # the class of `causal_lm.<inner_model_attr>`: the backbone that owns the derived state
-    builders: tuple[str, ...]  # the inner class's methods that build the derived state; replaced by metadata-only
-    derived: Callable[[], tuple[DerivedSpec, ...]]
-    metadata: Mapping[str, Read]  # the non-tensor precompute attributes the builders set
-    shadow: Shadow | None = None  # a source post-processing may repack; None: every source stays readable
-    # what its load_weights decides per call (`structure.py`; set per family in `_STRUCTURE` below):
-    optional: tuple[OptionalModule, ...] = ()  # submodules whose presence vLLM decides from the call's tensors
-    checks: tuple[WholeCheckpointCheck, ...] = ()  # vLLM's per-call validations that need a whole checkpoint
-    # what the ForCausalLM shows vLLM's load_weights during a call, so its per-call `checks` pass (they run once
-    # per epoch at finalize); None: vLLM's checks cannot be suspended (they read the call's names)
-    check_view: Callable[[VLLMModule], Mapping[str, Any]] | None = None
-    check_reads: tuple[str, ...] = ()  # the attribute names vLLM's load_weights reads for its checks
-    since: str = "0.32"  # the first vLLM release series that has this family
-    inner_model_attr: str = "model"
-    untracked_prefixes: tuple[str, ...] = ("embed_tokens.", "mask_embedding", "lm_head.")
-    #: its load_weights needs every call to carry the whole checkpoint (names it tests per call): a payload
-    #: without `bucket_size` is sent as one bucket instead of layer by layer (`expected.needs_whole_calls`)
-    whole_calls: bool = False
-    #: checkpoint name prefixes its load_weights renames in its own code, not through a WeightsMapper: the
-    #: payload check from the headers (`expected.py`) leaves those names to vLLM
-    renamed_in_code: tuple[str, ...] = ()
-    notes: tuple[str, ...] = field(default=())  # what vLLM derives here that the lifecycle does not (yet) own
-
-    #: vLLM's class runs each attention projection through its quant method when the fused weight is None
-    #: (DFlash's `_build_context_kv_buffers`); without it a quantized draft is refused at load
-    quantized_fallback: bool = False
-
-    @property
-    def sets(self) -> frozenset[str]:
-        """Every attribute the replaced builders set in vLLM: the derived buffers and the metadata."""
-        return frozenset(s.name for s in self.derived()) | frozenset(self.metadata)
-
-    @property
-    def reads(self) -> frozenset[str]:
-        """Every attribute name the declaration reads from vLLM's modules."""
-        names: set[str] = set()
-        for r in self.metadata.values():
-            names.update(r.attrs)
-        if self.shadow is not None:
-            names.update(("layers", "self_attn", self.shadow.linear, "weight", *self.shadow.attrs))
-        for spec in self.derived():
-            for src in spec.sources:
-                names.update(p for p in src.split(".") if not p.isdigit() and p != SHADOW)
-        return frozenset(names)
-
-    def set_metadata(self, model: VLLMModule) -> None:
-        for name, read in self.metadata.items():
-            setattr(model, name, read.get(model))
+__all__ = ["FAMILIES", "SHADOW", "Accounted", "HandWrite", "LoaderCopy", "OptionalModule", "Read", "Shadow",
+           "VLLMDraftFamily", "VLLMModule", "WholeCheckpointCheck", "family"]
 
 
 # ---- per-family declarations -------------------------------------------------------------------------------
@@ -276,6 +154,65 @@ _MUSE_METADATA: dict[str, Read] = {
 }
 
 _DFLASH_BUILDER = ("_build_fused_kv_buffers",)
+
+
+# ---- LiLiCorr: DFlash's buffers, and its correlator head's (vLLM's `materialize_inference_buffers`) ----------------
+_LILICORR = "lilicorr."
+
+
+def _like_head(m: VLLMModule) -> dict[str, Any]:
+    """Where vLLM puts the head's buffers: the device and dtype of its `slot_embedding`."""
+    p = m.lilicorr.slot_embedding
+    return {"device": p.device, "dtype": p.dtype}
+
+
+def _edges(leaf: str) -> DerivedSpec:
+    # vLLM: out_head and in_head stacked, so one linear computes both edge vectors
+    def build(m: VLLMModule) -> torch.Tensor:
+        head = m.lilicorr
+        return torch.cat([getattr(head.out_head, leaf), getattr(head.in_head, leaf)]).to(**_like_head(m)).contiguous()
+
+    return custom(f"_lilicorr_fused_edge_{leaf}", build=build,
+                  depends_on=(f"{_LILICORR}out_head.{leaf}", f"{_LILICORR}in_head.{leaf}"))
+
+
+def _factor_split(part: int) -> DerivedSpec:
+    # vLLM: factor_input_proj's weight split into its self / anchor / cross input blocks
+    def build(m: VLLMModule) -> torch.Tensor:
+        h = m.lilicorr.hidden_size
+        block: torch.Tensor = m.lilicorr.factor_input_proj.weight[:, part * h:(part + 1) * h if part < 2 else None]
+        return block.contiguous()
+
+    return custom(f"_lilicorr_factor_input_{('self', 'anchor', 'cross')[part]}", build=build,
+                  depends_on=(f"{_LILICORR}factor_input_proj.weight",))
+
+
+def _rank_columns(m: VLLMModule) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's two constant feature columns: each candidate's rank as a fraction, and whether it is the top one."""
+    topk, device = m.lilicorr.candidate_topk, _like_head(m)["device"]
+    rank = (torch.arange(topk, device=device, dtype=torch.float32).view(1, 1, topk) / float(topk - 1) if topk > 1
+            else torch.zeros(1, 1, topk, device=device, dtype=torch.float32))
+    top1 = torch.zeros(1, 1, topk, device=device, dtype=torch.float32)
+    top1[..., 0] = 1.0
+    return rank.contiguous(), top1.contiguous()
+
+
+def _lilicorr_derived() -> tuple[DerivedSpec, ...]:
+    return (*_dflash_derived(), _edges("weight"), _edges("bias"), *(_factor_split(i) for i in range(3)),
+            custom("_lilicorr_attn_bias", build=lambda m: m.lilicorr._build_attention_bias(**_like_head(m)),
+                   depends_on=(f"{_LILICORR}relative_slot_bias", f"{_LILICORR}same_slot_bias")),
+            custom("_lilicorr_rank_frac", build=lambda m: _rank_columns(m)[0]),
+            custom("_lilicorr_is_top1", build=lambda m: _rank_columns(m)[1]))
+
+
+_LILICORR_HEAD = SubmoduleBuffers(
+    "lilicorr", "LiLiCorrHead", "materialize_inference_buffers",
+    {"_fused_edge_weight": ("_lilicorr_fused_edge_weight",), "_fused_edge_bias": ("_lilicorr_fused_edge_bias",),
+     "_factor_input_splits": ("_lilicorr_factor_input_self", "_lilicorr_factor_input_anchor",
+                              "_lilicorr_factor_input_cross"),
+     "_attn_bias": ("_lilicorr_attn_bias",), "_rank_frac_col": ("_lilicorr_rank_frac",),
+     "_is_top1_col": ("_lilicorr_is_top1",)},
+    keep_layout=("out_head", "in_head", "factor_input_proj"), uses=("_build_attention_bias",))
 _EAGLE_HEADS = (EMBED_TOKENS, LM_HEAD)  # process_eagle_weight: has_own_* set by the names of each call
 
 
@@ -344,6 +281,20 @@ FAMILIES: tuple[VLLMDraftFamily, ...] = (
                                            ("q_size", "kv_size")), since="0.33",
                     notes=("vLLM's load_weights raises unless every call carries `lm_head` and `d2t`",),
                     whole_calls=True),
+    VLLMDraftFamily("lilicorr", ("LiLiCorrDraftModel",), "vllm.model_executor.models.lilicorr", "LiLiCorrForCausalLM",
+                    "LiLiCorr", _DFLASH_BUILDER, _lilicorr_derived, _DFLASH_METADATA, KV_ROWS, quantized_fallback=True,
+                    submodule_buffers=(_LILICORR_HEAD,), whole_calls=True,
+                    notes=("vLLM's load_weights raises unless every call carries every `lilicorr.*` tensor (and "
+                           "`lm_head` when the draft has its own)",)),
+    # DeepSeek-V4 / V4.1 DSpark: vLLM's registry names the per-platform package; the family is its CUDA class (the
+    # CPU class is a stub that raises; ROCm and XPU keep vLLM's own). The draft layers ship in the target checkpoint
+    # as `mtp.{i}.*`, renamed by its own `_remap_dspark_name`; embeddings and lm_head are always the target's.
+    VLLMDraftFamily("deepseek_v4_dspark", ("DSparkDraftModel",), "vllm.models.deepseek_v4.nvidia.dspark",
+                    "DSparkDeepseekV4ForCausalLM", "DSparkDeepseekV4Model", (), lambda: (), {},
+                    dispatched_by="vllm.models.deepseek_v4", renamed_in_code=("mtp.", "context_wkv_proj.")),
+    VLLMDraftFamily("deepseek_v41_dspark", ("DSparkV41DraftModel",), "vllm.models.deepseek_v41.nvidia.dspark",
+                    "DSparkDeepseekV4ForCausalLM", "DSparkDeepseekV4Model", (), lambda: (), {},
+                    dispatched_by="vllm.models.deepseek_v41", renamed_in_code=("mtp.",)),
 )
 
 #: Per family, what its `load_weights` decides from the current call's tensors (read in both releases' sources):
@@ -360,8 +311,56 @@ _STRUCTURE: dict[str, dict[str, Any]] = {
     "qwen3_xpress": {"optional": _EAGLE_HEADS},
     "dflash2_beam": {"optional": _EAGLE_HEADS},  # never in its checkpoint: frozen absent, refused if sent
     "muse_spark_dspark": {"optional": (CONFIDENCE_HEAD, LM_HEAD, D2T), "checks": _MUSE_CHECKS},
+    "lilicorr": {"optional": _EAGLE_HEADS},  # full vocabulary only: never a d2t
+    "deepseek_v4_dspark": {"optional": (CONFIDENCE_HEAD_DROPPED,)},
+    "deepseek_v41_dspark": {"optional": (CONFIDENCE_HEAD_DROPPED,)},
 }
-FAMILIES = tuple(replace(f, **_STRUCTURE.get(f.name, {})) for f in FAMILIES)
+
+#: vLLM 0.32's DeepSeek-V4 drafts write each layer's attention sink by hand (`params_dict[name][:n].copy_(...)`,
+#: vLLM #57800); 0.33 loads it through the parameter's weight loader
+_ATTN_SINK = HandWrite("attn_sink", "layers.*.attn.attn_sink", until="0.32")
+_ZERO_MASK = "a constant zero placeholder: no load writes it (`has_separate_mask_embedding` stays False)"
+#: Per family, what else vLLM's sources show it keeps besides what its builders set (`plugin.drift` finds each):
+#: findings that are no derived state the lifecycle owns, modules its loader fills from every layer, hand writes.
+_FOUND: dict[str, dict[str, Any]] = {
+    "gemma4_dspark": {"accounted": (Accounted("Gemma4DSparkModel", "normalizer", NON_PERSISTENT,
+                                              "a constant from the config (sqrt of the hidden size), no weight"),)},
+    "laguna_dflash": {"accounted": (Accounted("DFlashLagunaModel", "mask_embedding", NON_PERSISTENT, _ZERO_MASK),)},
+    "muse_spark_dspark": {"accounted": (Accounted("MuseSparkDSparkModel", "mask_embedding", NON_PERSISTENT,
+                                                  _ZERO_MASK + "; its loader drops `model.mask_embedding`"),)},
+    "kimi_k3_dspark": {"duplicated": (LoaderCopy("context_kv_proj", "_duplicate_context_kv_weights",
+                                                 "layers.{i}.self_attn.kv_a_proj_with_mqa",
+                                                 "layers.{i}.self_attn.fused_qkv_a_proj"),)},
+    "qwen3_xpress": {"accounted": (
+        Accounted("XPressRefinerHead", "_fused_buf", DERIVED, "the refiner head's transposed copies, rebuilt by "
+                  "`build_fused_buffers` at the end of every load_weights call (whole calls only), stay vLLM's",
+                  derived=True),),
+        # folded from the call's raw `xpress_head.mix.L` by `fold_from_raw_`, a bare copy_ into the parameter
+        "written_by_hand": (HandWrite("mix.L", "xpress_head.mix_L"),)},
+    "deepseek_v4_dspark": {"duplicated": (LoaderCopy("context_wkv_proj", "_duplicate_context_wkv_weights",
+                                                     "mtp.{i}.attn.wkv", "layers.{i}.attn.fused_wqa_wkv"),),
+                           "written_by_hand": (_ATTN_SINK,)},
+    "deepseek_v41_dspark": {"written_by_hand": (_ATTN_SINK,)},
+}
+#: How the CPU build exercises each family (docs/vllm.md's table; tests/project/test_docs.py checks the in-process
+#: ones against the suite's lists): "live engine" (tests/vllm_plugin/reload/test_vllm_engine.py), "in-process"
+#: (vLLM's classes without an engine), or nothing: by sources only.
+_IN_PROCESS = "in-process: every path x both layouts"
+_TESTED_HERE = {
+    "dflash": "live engine: every path x both layouts, (a)-(d); TP=2: every path",
+    "laguna_dflash": "live engine: every path, CPU layout, (a)-(c); (d) not comparable: stock vLLM's Laguna draft "
+                     "proposes differently between two generate calls with the same weights on CPU",
+    "qwen3_dspark": _IN_PROCESS, "gemma4_dspark": _IN_PROCESS, "dflash2": _IN_PROCESS,
+    "kimi_k3_dspark": f"{_IN_PROCESS}; `_context_kv_norm_weights` refreshed in place (stock vLLM leaves draft A's "
+                      "norms after a reload)",
+    "lilicorr": "in-process: every whole-checkpoint path x both layouts (its load_weights refuses a bucket)",
+    "deepseek_v4_dspark": "by sources: vLLM's CPU class is a stub that raises, and its CUDA class does not construct "
+                          "on CPU (`torch.cuda.Event()` in `DeepseekV4Attention.__init__`)",
+    "deepseek_v41_dspark": "by sources: vLLM picks its CUDA class on CPU too, which does not construct here "
+                           "(`torch.cuda.Event()` in its attention, as V4's)",
+}
+FAMILIES = tuple(replace(f, **_STRUCTURE.get(f.name, {}), **_FOUND.get(f.name, {}),
+                         tested_here=_TESTED_HERE.get(f.name, "")) for f in FAMILIES)
 
 
 def family(name: str) -> VLLMDraftFamily:

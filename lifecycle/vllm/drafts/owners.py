@@ -46,7 +46,7 @@ class VLLMDraftBackbone(DraftBackbone):
         return lc.in_reload and lc.can("finalize_loading")
 
     # ---- the hooks vLLM's load paths drive (the draft class's load_weights and the patched entry points) -------
-    def before_write(self, cause: str = "") -> None:
+    def before_write(self, cause: str = "", *, inner_only: bool = False) -> None:
         """A `load_weights` call is about to write (`cause`: why it may begin an epoch, for the audit)."""
         raise NotImplementedError
 

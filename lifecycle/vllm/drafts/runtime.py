@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
-    from ...errors import FrozenStructureError
+    from ...errors import LoadRefusedError
     from ..settings import PartialPolicy
     from .structure import DraftStructure
 
@@ -54,7 +54,7 @@ class DraftRuntime:
     #: linear module -> the name of the K/V shadow its processing fills (`drafts.shadows`)
     shadow_of: dict[nn.Module, str] = field(default_factory=dict)
     #: a call the frozen structure refused, raised by the next write (`reload.classes`)
-    structure_refusal: FrozenStructureError | None = None
+    structure_refusal: LoadRefusedError | None = None
     #: a load_weights call wrote during the cold load (a dummy start never does)
     cold_load_written: bool = False
     #: the cold load's values came from vLLM's loader, not a checkpoint: the first reload writes every layer
@@ -65,12 +65,18 @@ class DraftRuntime:
     metadata_epoch: int = -1
     #: entry points into the draft's weights being run now (`reload.epoch.entered`): only the outermost acts
     entries: int = 0
+    #: the innermost entry point a failure in progress left (what its reason names)
+    failed_in: str | None = None
     #: how the last epoch that failed ended: "rolled back" (exactly, serving again) or "quarantined"
     last_outcome: str | None = None
     #: the reader's staging buffer, kept across pushes (`reload.staging.Staging`, made on the first push)
     staging: Any = None
     #: payloads that passed the header check (`reload.expected`): (headers, names, ranks) -> None, oldest first
     payloads_checked: dict[Any, None] = field(default_factory=dict)
+    #: the push whose weights the draft serves: the epoch that last finished (0: the cold load; a rolled-back epoch
+    #: is not one) and the trainer's `weight_version` of it, if it gave one (`reload.epoch`, `online.sessions`)
+    serving_epoch: int = 0
+    serving_version: str | None = None
     # ---- serving and observability ----------------------------------------------------------------------------
     #: steps the engine served without this draft since it stopped being usable (None: drafting)
     drafting_paused_steps: int | None = None
@@ -85,6 +91,10 @@ class DraftRuntime:
     captured_digests: dict[nn.Module, dict[str, Any]] = field(default_factory=dict)
     #: bytes the push path hashed for the weight checker, since the draft was built (tests count them per push)
     bytes_hashed: int = 0
+    #: the front process's current serving period of this draft's engine, as the `acceptance` event it becomes:
+    #: written when the worker stops before the next push ends the period (`observability.serving_state`); kept
+    #: per draft, so that a period reaches only the drafts of the engine it was measured on
+    at_stop: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
 
 
 class WorkerRuntime:
@@ -112,8 +122,11 @@ class WorkerRuntime:
         #: draft model -> its lifecycle drafts (`owners.drafts_of`: the drafting gate asks every engine step)
         self.backbones: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = (
             weakref.WeakKeyDictionary())
-        #: vLLM worker -> the plugin's record of its open weight-update session (`online.sessions`)
+        #: vLLM worker -> the plugin's record of its open weight-update session: one push (`online.pushes`)
         self.sessions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        #: vLLM worker -> the push an explicit take-over ended, until the next start (that push's trainer may still
+        #: be calling: the next push is told it took over, `online.sessions`)
+        self.taken_over: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         #: (worker, the finish's `lifecycle=` options) -> what a finish answers the front process besides vLLM's
         #: result: the draft's serving state (set by the outside view at activation; None: nothing)
         self.finish_report: Callable[[Any, Mapping[str, Any]], Any] | None = None

@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import FrozenStructureError, IncompleteCheckpointError
+from ...errors import CheckpointError, FrozenStructureError, IncompleteCheckpointError, LoadRefusedError
 from ...torch_private import own_parameters
-from .families import OptionalModule, VLLMDraftFamily
+from ..compat.version import installed_version
+from .families import HandWrite, OptionalModule, VLLMDraftFamily
 from .families import family as family_named
 from .own_heads import declare_own_heads
 
@@ -78,6 +79,13 @@ class DraftStructure:
             self.slots[m.name] = entries
         self.seen: set[str] = set()  # modules a call of the first load carried tensors for
         self.frozen: dict[str, bool] | None = None
+        #: checkpoint name -> the shape the first load's calls carried under it (whole checkpoint tensors, as vLLM
+        #: hands every rank; `reload.expected` holds a reload's payload to them exactly)
+        self.cold_shapes: dict[str, tuple[int, ...]] = {}
+        #: `reload.expected`'s lookup of `cold_shapes` by each form of their names, made once they are final
+        self.cold_lookup: dict[str, tuple[int, ...]] | None = None
+        #: checkpoint tensors this vLLM's load_weights writes outside a weight loader (vLLM #57800)
+        self.hand_writes: tuple[HandWrite, ...] = _hand_writes(family)
 
     # ---- what the lifecycle tracks -----------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -106,14 +114,17 @@ class DraftStructure:
             return None
         return next((m.name for m in self.modules.values() if m.marker in name), None)
 
-    def admit(self, weights: Weights, lifecycle: Any) -> tuple[Weights, FrozenStructureError | None]:
+    def admit(self, weights: Weights, lifecycle: Any) -> tuple[Weights, LoadRefusedError | None]:
         """The call's tensors as vLLM should see them, and the refusal to raise before anything is written (or
         None). During the first load: passed through, noting the modules they belong to. Afterwards: collected
         (vLLM's drafts collect them too) and refused if one belongs to a module the frozen structure lacks or
-        the draft shares with the target."""
+        the draft shares with the target, or is one this vLLM writes by hand (`hand_written`)."""
         if self.frozen is None:
             return self._noting(weights), None
         items = list(weights)
+        refused = self.hand_written(items, lifecycle)
+        if refused is not None:
+            return items, refused
         bad: dict[str, list[str]] = {}
         shared = self.shared_now()
         for name, _ in items:
@@ -130,6 +141,20 @@ class DraftStructure:
         return items, FrozenStructureError(bad, backbone=getattr(lifecycle, "name", "?"),
                                            state=lifecycle.state.value if lifecycle is not None else "?")
 
+    def hand_written(self, items: list[tuple[str, torch.Tensor]], lifecycle: Any) -> CheckpointError | None:
+        """After the first load, a tensor vLLM's load_weights writes with a bare copy_ instead of its weight loader
+        (vLLM #57800): vLLM's layerwise reload drops that write (it lands in a placeholder) and no readiness count
+        sees it, so the draft would serve the old value as current. Refused before anything of the call is
+        written; a push without it keeps its value (`partial='keep'`) or is refused naming it (`refuse`)."""
+        names = [n for n, _ in items if any(w.name in n for w in self.hand_writes)]
+        if not names:
+            return None
+        return CheckpointError(
+            f"bucket refused: vLLM's {self.family.name} load_weights writes {', '.join(names[:8])} with a bare "
+            "copy_ outside its weight loader (vLLM #57800), which a reload drops, leaving the old value; nothing of "
+            "it was written. Push without it, or restart the engine to load it",
+            backbone=getattr(lifecycle, "name", "?"), state=lifecycle.state.value if lifecycle is not None else "?")
+
     def carried(self, weights: Weights) -> set[str]:
         """The optional modules a collected call carried tensors for."""
         if not isinstance(weights, list):
@@ -141,6 +166,9 @@ class DraftStructure:
             module = self.module_of(name)
             if module is not None:
                 self.seen.add(module)
+            shape = getattr(t, "shape", None)
+            if shape is not None:
+                self.cold_shapes[name] = tuple(shape)
             yield name, t
 
     @contextmanager
@@ -225,3 +253,15 @@ def observe(outer: nn.Module) -> dict[str, Any]:
         out[name] = {"present": holds, "tensors": {n: getattr(owner, attr).data_ptr() if holds else None
                                                    for n, owner, attr in structure.slots[name]}}
     return out
+
+
+def _hand_writes(family: VLLMDraftFamily) -> tuple[HandWrite, ...]:
+    """The family's hand writes this vLLM makes (a release that fixed one loads it through its weight loader)."""
+    if not family.written_by_hand:
+        return ()
+    try:
+        parts = installed_version().split("+")[0].split(".")
+        series: tuple[int, int] | None = (int(parts[0]), int(parts[1]))
+    except Exception:  # no vLLM distribution or an unparsable version: assume every declared hand write
+        series = None
+    return tuple(w for w in family.written_by_hand if w.applies(series))

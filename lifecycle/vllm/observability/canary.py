@@ -4,10 +4,11 @@ collapse (the symptom users report after a broken draft push: vLLM #52487, miles
 Plain bookkeeping, fed by the engine's front process (`frontend.py`) with vLLM's per-step speculative-decoding
 counters (`SpecDecodingStats`: drafts, draft tokens, accepted tokens, per position). A period begins at engine
 start and at every push (draft or policy: either changes how the target and the draft agree) and carries the
-trainer's `weight_version` once vLLM sets it. Steps verified while the draft was kept out are counted apart
-(`placeholder_draft_tokens`): vLLM still schedules the zero draft tokens the runner puts in place of a skipped
-draft and counts them (with a target that emits token 0, every one is "accepted"), so they say nothing about the
-draft.
+trainer's `weight_version` once vLLM sets it, and the push whose weights the draft serves in it, by the plugin's own
+name (`push`: `epoch N`, from the workers' answers: trainers that send no `weight_version` are told apart too).
+Steps verified while the draft was kept out are counted apart (`placeholder_draft_tokens`): vLLM still schedules
+the zero draft tokens the runner puts in place of a skipped draft and counts them (with a target that emits token 0,
+every one is "accepted"), so they say nothing about the draft.
 
 Judged once per period, when it has verified `min_tokens` draft tokens (`settings.AcceptanceThresholds`):
 
@@ -55,6 +56,7 @@ class Period:
     index: int
     since: str  # "engine start", "draft push", "policy push", "weight version"
     weight_version: str | None = None
+    push: str | None = None  # the draft push it served (`epoch N`), as the workers answer it
     push_outcome: str | None = None  # of the push that began it: ok, refused, abandoned
     drafts: int = 0
     draft_tokens: int = 0
@@ -83,6 +85,8 @@ class Period:
         }
         if self.weight_version is not None:
             out["weight_version"] = self.weight_version
+        if self.push is not None:
+            out["push"] = self.push
         if self.push_outcome is not None:
             out["push_outcome"] = self.push_outcome
         return out
@@ -135,11 +139,12 @@ class AcceptanceCanary:
             self.collapsed_in = p
             self._events.append(("acceptance_collapse", CANARY_EVENTS["acceptance_collapse"], {
                 **{k: v for k, v in p.fields(final=False, collapsed=True).items()
-                   if k in ("period", "since", "weight_version", "draft_tokens", "accepted_tokens", "accepted_share",
-                            "push_outcome")},
+                   if k in ("period", "since", "weight_version", "push", "draft_tokens", "accepted_tokens",
+                            "accepted_share", "push_outcome")},
                 "previous_period": ref.index, "previous_share": round(ref_share, 4),
                 "previous_draft_tokens": ref.draft_tokens,
                 **({"previous_weight_version": ref.weight_version} if ref.weight_version is not None else {}),
+                **({"previous_push": ref.push} if ref.push is not None else {}),
                 "floor": t.floor, "healthy": t.healthy, "min_tokens": t.min_tokens}))
         elif share > t.floor and self.collapsed_in is not None:
             gone = self.collapsed_in
@@ -147,7 +152,8 @@ class AcceptanceCanary:
             self._events.append(("acceptance_recovered", CANARY_EVENTS["acceptance_recovered"], {
                 "period": p.index, "since": p.since, "accepted_share": round(share, 4),
                 "draft_tokens": p.draft_tokens, "collapsed_period": gone.index,
-                **({"weight_version": p.weight_version} if p.weight_version is not None else {})}))
+                **({"weight_version": p.weight_version} if p.weight_version is not None else {}),
+                **({"push": p.push} if p.push is not None else {})}))
 
     def _report(self, p: Period, *, final: bool) -> None:
         self._events.append(("acceptance", CANARY_EVENTS["acceptance"],
@@ -179,6 +185,25 @@ class AcceptanceCanary:
         if p.draft_tokens or p.placeholder_draft_tokens:
             self._next_period("weight version")
         self.period.weight_version = version
+
+    def provisional(self) -> dict[str, Any] | None:
+        """The current period as its final `acceptance` event would report it now (`at_stop`: for the workers to
+        write if the engine stops before the next push ends it), or None while it verified nothing."""
+        p = self.period
+        if not (p.draft_tokens or p.placeholder_draft_tokens):
+            return None
+        return {**p.fields(final=True, collapsed=self.collapsed_in is p), "at_stop": True}
+
+    def set_push(self, push: str) -> None:
+        """The workers answered which push the draft serves (`epoch N`): it labels the current period if nothing
+        was verified in it yet (the period a push began), else a new period begins (weights changed by a path no
+        push call showed)."""
+        p = self.period
+        if p.push == push:
+            return
+        if p.push is not None and (p.draft_tokens or p.placeholder_draft_tokens):
+            self._next_period("draft push")
+        self.period.push = push
 
     def take_events(self) -> list[tuple[str, str, dict[str, Any]]]:
         """(event, level, fields) to audit, oldest first; handed over once."""

@@ -14,28 +14,38 @@ only process 0 builds an engine client.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..online.answers import checked_version
 from ..online.sessions import LIFECYCLE_KW
 from .front_view import (
     FRONT,
     FrontendView,
-    _Call,
     _safe,
     attach,
     metrics_plugin_allowed,
     pull_async,
+    pull_soon,
     pull_sync,
 )
+from .push_book import Call
 
-__all__ = ["wrap_async_init", "wrap_async_rpc", "wrap_async_version", "wrap_sync_init", "wrap_sync_rpc",
-           "wrap_sync_version"]
+__all__ = ["FINAL_PULL_S", "wrap_async_init", "wrap_async_rpc", "wrap_async_shutdown", "wrap_async_version",
+           "wrap_sync_init", "wrap_sync_rpc", "wrap_sync_version"]
+
+#: How long the engine client's shutdown waits for the last pull (the serving period's `acceptance` event).
+FINAL_PULL_S = 5.0
+#: engine client -> the event loop its calls run on
+_LOOPS: weakref.WeakKeyDictionary[Any, asyncio.AbstractEventLoop] = weakref.WeakKeyDictionary()
 
 # ---- the wrappers --------------------------------------------------------------------------------------------------
-def _begin(engine: Any, method: Any) -> tuple[FrontendView, _Call] | None:
+def _begin(engine: Any, method: Any) -> tuple[FrontendView, Call] | None:
     view = FRONT.views.get(engine)
     # the lifecycle's own RPCs change no draft (reload_draft_weights, a push, has no such prefix)
     if view is None or not isinstance(method, str) or method.startswith("lifecycle_"):
@@ -53,7 +63,8 @@ def _carrying(view: FrontendView, args: tuple[Any, ...], kwargs: dict[str, Any]
     positional = len(args) > 2  # collective_rpc(method, timeout, args, kwargs): the RPC's kwargs by position
     rpc = dict((args[2] if positional else kwargs.get("kwargs")) or {})
     events = _safe("taking the canary's events", view.take_events) or []
-    rpc[LIFECYCLE_KW] = {**(rpc.get(LIFECYCLE_KW) or {}), "events": events}
+    rpc[LIFECYCLE_KW] = {**(rpc.get(LIFECYCLE_KW) or {}), "events": events,
+                         "at_stop": _safe("taking the serving period", view.at_stop) or []}
     if positional:
         args = (*args[:2], rpc, *args[3:])
     else:
@@ -152,15 +163,29 @@ def _init(*, is_async: bool) -> Callable[[Callable[..., Any]], Callable[..., Any
             view = _safe("building the front view", attach, engine, is_async)
             if view is not None and not is_async:
                 pull_sync(engine, view)
+            if is_async:
+                with contextlib.suppress(RuntimeError):  # the loop its calls run on (a final pull at shutdown)
+                    _LOOPS[engine] = asyncio.get_running_loop()
+            if view is not None and is_async and _loop_running():  # the backbones' series from the start
+                _safe("pulling the workers' state", pull_soon, view)
 
         return __init__
 
     return make
 
 
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _set_version(original: Callable[..., Any], *, is_async: bool) -> Callable[..., Any]:
     if is_async:
         async def update_weight_version(engine: Any, version: str, *args: Any, **kwargs: Any) -> Any:
+            checked_version(version)  # bounded (422 naming the limit), before vLLM keeps it
             result = await original(engine, version, *args, **kwargs)
             if (view := FRONT.views.get(engine)) is not None:
                 _safe("booking the weight version", view.weight_version, str(version))
@@ -169,6 +194,7 @@ def _set_version(original: Callable[..., Any], *, is_async: bool) -> Callable[..
         return update_weight_version
 
     def set_weight_version(engine: Any, version: str, *args: Any, **kwargs: Any) -> Any:
+        checked_version(version, http=False)
         result = original(engine, version, *args, **kwargs)
         if (view := FRONT.views.get(engine)) is not None:
             _safe("booking the weight version", view.weight_version, str(version))
@@ -177,8 +203,34 @@ def _set_version(original: Callable[..., Any], *, is_async: bool) -> Callable[..
     return set_weight_version
 
 
+def _async_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+    # vLLM's API server stops the engine client from a thread of its loop's executor (`launcher.serve_http`), then
+    # kills the engine at once (`shutdown_timeout` 0): the serving period's final `acceptance` event goes to the
+    # workers first, in one last pull on the loop, waited for up to `FINAL_PULL_S`
+    def shutdown(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        view, loop = FRONT.views.get(engine), _LOOPS.get(engine)
+        if view is not None and loop is not None and loop.is_running() and _off_loop(loop):
+            view.requeue(_safe("taking the serving period", view.at_stop) or [])
+            _safe("the final pull at shutdown", _final_pull, engine, view, loop)
+        return original(engine, *args, **kwargs)
+
+    return shutdown
+
+
+def _off_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is not loop
+    except RuntimeError:
+        return True
+
+
+def _final_pull(engine: Any, view: FrontendView, loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.run_coroutine_threadsafe(pull_async(engine, view), loop).result(timeout=FINAL_PULL_S)
+
+
 #: the makers the registry names (`compat/registry.py`)
 wrap_async_init, wrap_sync_init = _init(is_async=True), _init(is_async=False)
+wrap_async_shutdown = _async_shutdown
 wrap_async_rpc, wrap_sync_rpc = _async_rpc, _sync_rpc
 wrap_async_version = functools.partial(_set_version, is_async=True)
 wrap_sync_version = functools.partial(_set_version, is_async=False)

@@ -128,6 +128,15 @@ class ReloadRPCs:
         note_weight_version(self, weight_version)
         return {**self._lifecycle_worker(), "weight_version": weight_version}
 
+    def lifecycle_take_over_push(self, push: str) -> dict[str, Any]:
+        """End the open draft push named `push` at once (its name as a refused start gives it, `epoch N`, or its
+        push id), whatever its idle time: it ends as an abandoned push does (audited `weight_update_session_ended`,
+        outcome `taken_over`) and the next start proceeds. Refused, nothing changed, when no draft push is open or
+        another one is. {"rank", "node", "taken_over", "push_id"}."""
+        from .sessions import take_over
+
+        return {**self._lifecycle_worker(), **take_over(self, push)}
+
     def reload_draft_weights(self, weights_path: str, bucket_size: int | None = None, shuffle: bool = False,
                              seed: int = 0, exclude_prefixes: Iterable[str] = (),
                              partial: PartialPolicy | None = None) -> dict[str, Any]:

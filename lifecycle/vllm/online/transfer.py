@@ -37,7 +37,8 @@ def engine_class() -> type:
     from ..drafts.owners import backbones_in
     from ..reload.epoch import entered
     from ..reload.payload import feed, plan_payload
-    from ..settings import check_partial
+    from ..settings import allowed_root, check_partial
+    from .chunks import admit, current, record
 
     class SafetensorsFileWeightTransferEngine(
             WeightTransferEngine[FileInitInfo, FileUpdateInfo]):  # type: ignore[misc]  # vLLM's class: read as Any
@@ -67,9 +68,14 @@ def engine_class() -> type:
             payload = plan_payload(update_info.path, bucket_size=update_info.bucket_size,
                                    exclude_prefixes=update_info.exclude_prefixes, what="update_info['path']",
                                    model=self.model)
+            push = current()  # a chunk of a push the worker's session wrapper runs: tensors it sent again are
+            if push is not None:  # skipped when their bytes are the same, else the push is refused (`chunks.py`)
+                payload = admit(push, payload, allowed_root())
             for backbone in backbones_in(self.model):
                 backbone.lifecycle_runtime.reload_partial = policy
             feed(self.model, payload)
+            if push is not None:
+                record(push, payload)
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -82,8 +82,8 @@ def _configure_audit_from_env() -> None:
     folder = settings.audit_dir()
     console = settings.audit_console()
     path = folder / audit_file_name() if folder is not None else None
-    try:
-        configure_audit(json_path=path, console=console)  # neither: events stay in each lifecycle's memory ring
+    try:  # neither: events stay in each lifecycle's memory ring
+        configure_audit(json_path=path, console=console, max_bytes=settings.audit_max_bytes())
     except AuditSinkError as e:
         why = os.strerror(e.errno) if e.errno else str(e)
         raise env.EnvSettingError(AUDIT_DIR_ENV, str(folder), f"cannot hold the audit log: {why}") from e

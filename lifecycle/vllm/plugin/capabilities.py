@@ -9,6 +9,7 @@ anything if a name is missing; `make compat` runs it on the vLLM 0.33.0 wheel.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -28,9 +29,9 @@ DISABLE_HINT = ("disable the plugin with VLLM_PLUGINS set to the comma-separated
                 "`reload_lifecycle` (an empty value loads none), or uninstall reload-lifecycle")
 
 # kinds of requirement
-MODULE, NAME, METHOD, ATTRIBUTE, SETS, READS, SETS_ONLY, RAISES, MENTIONS = (
+MODULE, NAME, METHOD, ATTRIBUTE, SETS, READS, SETS_ONLY, RAISES, MENTIONS, CALLS = (
     "module", "name", "method", "attribute", "builder sets", "builder reads", "builder sets only", "raises",
-    "mentions")
+    "mentions", "calls")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ def requirements(version: str | None = None) -> list[Requirement]:
         reqs += [Requirement(READS, fam.module, f"{fam.inner}.{a}", who, fam.builders) for a in sorted(fam.reads)]
         reqs.append(Requirement(SETS_ONLY, fam.module, fam.inner, who, fam.builders))
         reqs += _structure_requirements(fam, who)
+        reqs += _found_requirements(fam, who)
     return reqs
 
 
@@ -99,6 +101,8 @@ def _patch_requirement(patch: Patch) -> Requirement:
     owner = patch.target.partition(".")[0]
     if patch.kind == WRITES and not owner[:1].isupper():
         return Requirement(MENTIONS, patch.module, patch.target, who)
+    if patch.calls:
+        return Requirement(CALLS, patch.module, patch.target, who, text=patch.calls)
     return Requirement(ATTRIBUTE if "." in patch.target else NAME, patch.module, patch.target, who)
 
 
@@ -112,6 +116,24 @@ def _structure_requirements(fam: VLLMDraftFamily, who: str) -> list[Requirement]
     load = f"{fam.causal_lm}.load_weights"
     reqs += [Requirement(RAISES, fam.module, load, who, text=c.message) for c in fam.checks]
     reqs += [Requirement(READS, fam.module, f"{fam.causal_lm}.{a}", who, ("load_weights",)) for a in fam.check_reads]
+    return reqs
+
+
+def _found_requirements(fam: VLLMDraftFamily, who: str) -> list[Requirement]:
+    """What the family's other declarations name: the package vLLM's registry dispatches through, each loader
+    copy's generator and module, each submodule's class, builder (setting only what the family binds) and the
+    methods its buffers call."""
+    reqs: list[Requirement] = []
+    if fam.dispatched_by:
+        reqs.append(Requirement(NAME, fam.dispatched_by, fam.causal_lm, who))
+    for c in fam.duplicated:
+        reqs += [Requirement(NAME, fam.module, c.function, who),
+                 Requirement(ATTRIBUTE, fam.module, f"{fam.inner}.{c.module}", who)]
+    for b in fam.submodule_buffers:
+        reqs += [Requirement(METHOD, fam.module, f"{b.cls}.{m}", who) for m in (b.builder, *b.uses)]
+        reqs += [Requirement(SETS, fam.module, f"{b.cls}.{a}", who, (b.builder,)) for a in sorted(b.binds)]
+        reqs += [Requirement(ATTRIBUTE, fam.module, f"{b.cls}.{linear}", who) for linear in b.keep_layout]
+        reqs.append(Requirement(SETS_ONLY, fam.module, b.cls, who, (b.builder,)))
     return reqs
 
 
@@ -144,7 +166,15 @@ def _problem(index: SourceIndex, r: Requirement, fam: VLLMDraftFamily | None) ->
         return None
     if r.kind == MENTIONS:
         attr = r.name.rpartition(".")[2]
-        return None if attr in index.attribute_names(r.module) else f"{attr} no longer set or read there"
+        tree = index.tree(r.module)
+        named = index.attribute_names(r.module) | (index.strings(tree) if tree is not None else set())
+        return None if attr in named else f"{attr} no longer set or read there"  # `x.attr` or getattr(x, "attr")
+    if r.kind == CALLS:
+        fn = index.binding(r.module, r.name)
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return "name not found"
+        called = {n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+        return None if r.text in called else f"no longer calls {r.text}"
     cls_name, _, attr = r.name.partition(".")
     if r.kind == NAME and not attr and index.binding(r.module, cls_name) is None:
         return f"class {cls_name} not found" if cls_name[:1].isupper() else "name not found"
@@ -169,7 +199,11 @@ def _problem(index: SourceIndex, r: Requirement, fam: VLLMDraftFamily | None) ->
         return None if attr in assigned else "no longer set by vLLM's builder"
     if r.kind == READS:
         return None if attr in accessed else "no longer read by vLLM's builder"
-    extra = sorted(assigned - fam.sets) if fam is not None else []
+    if fam is None:
+        return None
+    declared = fam.sets if cls_name == fam.inner else frozenset(
+        a for b in fam.submodule_buffers if b.cls == cls_name for a in b.binds)
+    extra = sorted(assigned - declared)
     return f"vLLM's builder also sets {', '.join(extra)}, which the declaration lacks" if extra else None
 
 

@@ -15,7 +15,9 @@ layers record what happened (readiness, the modules a copy back touched) and let
   writing through the inner model) begins one on the draft's own modules;
 - `finish(model, model_config, original, ...)`: vLLM's finalize after the partial payload is settled, then each
   draft finishes (every layer ready, reload hooks, refresh in place), or is quarantined and the error raised;
-- `fail(model, reason)`: vLLM's reload unwound, then abort with an exact rollback and recover, or quarantine.
+- `fail(model, reason)`: vLLM's reload unwound, then abort with an exact rollback and recover, or quarantine;
+- `discard(backbone, cause)`: vLLM freed the draft's weights without a copy (a level-2 sleep): quarantined, and
+  only a refill that writes every layer serves again.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ if TYPE_CHECKING:
     from ..settings import PartialPolicy
 
 __all__ = [
-    "QUARANTINED",
-    "ROLLED_BACK",
+    "OUTCOME_QUARANTINED",
+    "OUTCOME_ROLLED_BACK",
     "Entry",
     "begin",
     "begin_implicit",
     "describe",
+    "discard",
     "entered",
     "fail",
     "finish",
@@ -56,7 +59,7 @@ __all__ = [
 ]
 
 #: How a failed epoch ended (`DraftRuntime.last_outcome`).
-ROLLED_BACK, QUARANTINED = "rolled back", "quarantined"
+OUTCOME_ROLLED_BACK, OUTCOME_QUARANTINED = "rolled back", "quarantined"
 
 
 @dataclass
@@ -78,12 +81,16 @@ def entered(model: Any, entry: str) -> Iterator[Entry]:
     try:
         yield here
     except BaseException as e:  # an interrupt too: no module may stay on META, no epoch stays open
+        for r in runtimes:  # the innermost entry the failure left first: the reason names where it happened
+            r.failed_in = r.failed_in or entry
         if here.outermost and (reload_in_progress(model) or any(d.reload_open for d in drafts)):
-            here.outcome = fail(model, f"{entry} failed: {describe(e)}")
+            here.outcome = fail(model, f"{runtimes[0].failed_in or entry} failed: {describe(e)}")
         raise
     finally:
         for r in runtimes:
             r.entries -= 1
+            if not r.entries:
+                r.failed_in = None
 
 
 def fail(model: nn.Module, reason: str) -> str | None:
@@ -92,9 +99,12 @@ def fail(model: nn.Module, reason: str) -> str | None:
     mid-reload. Idempotent."""
     # what an interrupted `initialize_layerwise_reload` left half-way is put back with its buffers' persistence
     non_persistent, WORKER.initializing = WORKER.initializing, None
-    written = unwind(model, non_persistent=non_persistent)
-    outcome = None
     drafts = drafts_of(model)
+    # an entry through the inner model (a trainer's own write) unwinds the whole draft: an implicit reload also put
+    # the modules the ForCausalLM holds (lm_head, d2t) in vLLM's reload
+    outer = drafts[0].lifecycle_runtime.outer() if len(drafts) == 1 and drafts[0] is model else None
+    written = unwind(outer if outer is not None else model, non_persistent=non_persistent)
+    outcome = None
     for walked in (model, *(d.lifecycle_runtime.outer() for d in drafts)):
         if walked is not None:
             forget_walk(walked)
@@ -107,9 +117,27 @@ def fail(model: nn.Module, reason: str) -> str | None:
         lc.abort_reload(reason, rollback=(lambda: ()) if exact else None)
         if exact and lc.recovery_blocker is None:
             lc.recover()
-        outcome = ROLLED_BACK if lc.usable else QUARANTINED
+        outcome = OUTCOME_ROLLED_BACK if lc.usable else OUTCOME_QUARANTINED
         backbone.lifecycle_runtime.last_outcome = outcome
     return outcome
+
+
+def discard(backbone: VLLMDraftBackbone, cause: str) -> None:
+    """vLLM freed the draft's weights without keeping a copy (`cause`: a level-2 sleep); what its memory holds after
+    a wake is no checkpoint's. Audited (`weights_discarded`), the epoch this makes is aborted without a rollback:
+    the draft is quarantined (not recoverable) and does not draft, and every layer is owed a full write, so the
+    refill is its own epoch that must write all of it (a `partial='keep'` that keeps a layer is refused naming the
+    cause); its refresh writes the derived buffers in place. Nothing to do for a draft never loaded."""
+    lc = backbone.lifecycle
+    if lc.unloaded:
+        return
+    lc.audit_event("weights_discarded", cause=cause, from_state=lc.state.value)
+    if not backbone.reload_open and lc.can("begin_reload"):
+        backbone.begin_reload()
+    lc.readiness.require_full_write(list(lc.readiness.tensors_of_layer), cause)
+    if lc.can("abort_reload"):
+        lc.abort_reload(f"weights discarded: {cause}; a reload that writes every layer serves again")
+        backbone.lifecycle_runtime.last_outcome = OUTCOME_QUARANTINED
 
 
 def begin(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -135,20 +163,29 @@ def begin(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: 
     return result
 
 
-def begin_implicit(backbone: VLLMDraftBackbone, cause: str, *, layerwise: bool = True) -> None:
+def begin_implicit(backbone: VLLMDraftBackbone, cause: str, *, layerwise: bool = True,
+                   inner_only: bool = False) -> None:
     """A write is about to reach a usable or quarantined draft outside any epoch: audited (`implicit_reload`),
     an epoch begins, and (with `layerwise`) vLLM's layerwise reload starts on the draft's own modules (never on
     those it shares with the target, which keeps serving meanwhile). Until the epoch finishes the draft does not
-    draft."""
-    lc = backbone.lifecycle
+    draft. `inner_only`: the write goes through the inner model, which cannot reach the tensors its ForCausalLM holds
+    (an own lm_head, d2t): they stay out of the reload and count as unchanged."""
+    lc, runtime = backbone.lifecycle, backbone.lifecycle_runtime
     lc.audit_event("implicit_reload", cause=cause, from_state=lc.state.value)
     backbone.begin_reload()
-    outer = backbone.lifecycle_runtime.outer()
+    outer = runtime.outer()
     if outer is not None:
         walk_once(outer)
+    roots = runtime.roots
+    if inner_only:
+        inside = {id(m) for m in backbone.modules()}
+        held_outside = [n for n in runtime.structure.outer_slots() if n in lc.specs]
+        if held_outside:
+            backbone.weights_unchanged(held_outside)
+        roots = [r for r in roots if id(r) in inside]
     if layerwise:
         initialize = layerwise_function("initialize_layerwise_reload")
-        for module in backbone.lifecycle_runtime.roots:
+        for module in roots:
             initialize(module)
 
 
@@ -212,11 +249,12 @@ def finish_epoch(backbone: VLLMDraftBackbone, outcome: PartialOutcome | None = N
                            completed_with_last_values=sorted(outcome.filled) if outcome is not None else [])
         backbone.finalize_loading()
         backbone.refresh_derived_buffers()
+        backbone.lifecycle_runtime.serving_epoch, backbone.lifecycle_runtime.serving_version = lc.epoch, None
     except BaseException as e:  # an interrupt too: never left FINALIZED or mid-finish, where no reload begins
         # fail closed: the draft keeps its last good derived buffers and refuses to run until a good reload
         if lc.can("abort_reload"):
             lc.abort_reload(f"{type(e).__name__}: {getattr(e, 'reason', e)}")
-            backbone.lifecycle_runtime.last_outcome = QUARANTINED
+            backbone.lifecycle_runtime.last_outcome = OUTCOME_QUARANTINED
         raise
 
 

@@ -12,11 +12,17 @@ skips. The ways tried, any of which admits a name: the `model.` prefix added or 
 as `midlayer.` -> `layers.0.`, stacked shards, names it drops), the usual shard -> fused parameter names (q/k/v
 -> `qkv_proj`, gate/up -> `gate_up_proj`, K3's q_a/kv_a -> `fused_qkv_a_proj`, and the class's
 `packed_modules_mapping`), and a family's `renamed_in_code` prefixes (names its `load_weights` renames in its own
-code: left to vLLM). And the sizes: a tensor may not hold more elements than the tracked tensor it loads into
-holds on all tensor-parallel ranks together. (Per tensor, not summed over a fused tensor's shards: a quantized
-checkpoint's per-shard metadata, such as compressed-tensors' `weight_shape`, loads each shard into the one small
-fused parameter.) This is a bound, not an exact shape check, so that a TP shard or a replicated KV head is never
-refused; a smaller wrong shape reaches vLLM, which refuses it.
+code: left to vLLM). And the shapes, exactly where the draft's first load saw the name: vLLM hands every rank the
+whole checkpoint tensor and each rank's weight loader takes its part (a TP shard, a replicated KV head), so the
+shape the first load's `load_weights` calls carried under a name (`DraftStructure.cold_shapes`, in any of the
+name's forms above) is the one shape a reload may send under it, on every rank and any tensor-parallel size; one
+row short or one row long is refused naming the tensor and both shapes (vLLM's own check of a short one ran
+mid-load, quarantining the draft with an `AssertionError` that named nothing). Where the first load never saw the
+name (a dummy-format start, which calls no `load_weights`; a name in a form the first load did not use), a bound:
+a tensor may not hold more elements than the tracked tensor it loads into holds on all tensor-parallel ranks
+together (per tensor, not summed over a fused tensor's shards: a quantized checkpoint's per-shard metadata, such
+as compressed-tensors' `weight_shape`, loads each shard into the one small fused parameter); a smaller wrong shape
+then reaches vLLM, which refuses it mid-load.
 
 Anything else is refused with a `CheckpointError` naming each tensor and its file, audited as a refused
 `weights_loaded`, and the draft is not touched: a folder of another model (the target's) or a sparse 1 TiB
@@ -74,10 +80,9 @@ def _mappers(*owners: Any) -> list[Callable[[str], str | None]]:
     return out
 
 
-def _candidates(name: str, packed: dict[str, str], mappers: list[Callable[[str], str | None]]
-                ) -> Iterator[str]:
-    """The parameter names (relative to the draft's inner model, and as the outer model has them) `name` may load
-    into, or `_DROPPED` when a mapper drops it."""
+def _stems(name: str, mappers: list[Callable[[str], str | None]]) -> set[str] | None:
+    """The forms of `name` vLLM's loaders may give it (prefix added or removed, `d2t`, each mapper's rename), or
+    None when a mapper drops it."""
     stems = {name, name.removeprefix("model."), f"model.{name}"}
     if name.rpartition(".")[2] == "d2t":
         stems |= {s.replace("d2t", "draft_id_to_target_id") for s in stems}
@@ -88,15 +93,46 @@ def _candidates(name: str, packed: dict[str, str], mappers: list[Callable[[str],
             except Exception:  # a mapper that cannot take this form of the name: the other forms still count
                 continue
             if mapped is None:
-                yield _DROPPED
-                return
+                return None
             stems |= {mapped, mapped.removeprefix("model.")}
+    return stems
+
+
+def _candidates(stems: set[str] | None, packed: dict[str, str]) -> Iterator[str]:
+    """The parameter names (relative to the draft's inner model, and as the outer model has them) a name of these
+    `stems` may load into, or `_DROPPED` when a mapper drops it."""
+    if stems is None:
+        yield _DROPPED
+        return
     for stem in stems:
         yield stem
         parts = stem.split(".")
         for i, part in enumerate(parts):
             if part in packed:
                 yield ".".join([*parts[:i], packed[part], *parts[i + 1:]])
+
+
+def _cold_lookup(structure: Any, mappers: list[Callable[[str], str | None]]) -> dict[str, tuple[int, ...]]:
+    """Every form of each name the first load carried -> the shape it carried (kept once the structure is frozen:
+    the first load is over, nothing adds to it). A form two names share (a mapper that renames shards onto their
+    fused parameter) says nothing about either: left out, each name's own form still counts."""
+    if structure is None:
+        return {}
+    if structure.cold_lookup is not None:
+        return cast("dict[str, tuple[int, ...]]", structure.cold_lookup)
+    owner: dict[str, str] = {}
+    lookup: dict[str, tuple[int, ...]] = {}
+    shared: set[str] = set()
+    for name, shape in structure.cold_shapes.items():
+        for stem in _stems(name, mappers) or ():
+            if owner.setdefault(stem, name) != name:
+                shared.add(stem)
+            lookup.setdefault(stem, shape)
+    for stem in shared - set(structure.cold_shapes):
+        del lookup[stem]
+    if structure.frozen is not None:
+        structure.cold_lookup = lookup
+    return lookup
 
 
 def _left_to_vllm(backbone: VLLMDraftBackbone) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -153,12 +189,20 @@ def check_payload(index: dict[str, Any], names: Iterable[str], model: Any, *, tp
     prefixes = tuple(p for ps, _ in left for p in ps)
     markers = tuple(m for _, ms in left for m in ms)
     problems: list[str] = []
+    cold = _cold_lookup(structure, mappers)
     for name in names:
         entry = index[name]
         if any(s in name for s in SKIPPED) or name.endswith(KV_SCALES):
             continue
-        candidates = list(_candidates(name, packed, mappers))
+        stems = _stems(name, mappers)
+        candidates = list(_candidates(stems, packed))
         if _DROPPED in candidates:
+            continue
+        took = cold[name] if name in cold else next((cold[s] for s in sorted(stems or ()) if s in cold), None)
+        if took is not None:  # exact: what the first load carried under this name, as every rank was handed it
+            if tuple(entry.shape) != took:
+                problems.append(f"{name} ({entry.path}): {list(entry.shape)}, but the draft's first load took "
+                                f"{list(took)} for it (a tensor of another shape)")
             continue
         target = next((c for c in candidates if c in specs), None)
         if target is None:

@@ -33,12 +33,14 @@ from torch import nn
 
 from ...errors import raise_unheld
 from ...torch_private import own_parameters
+from ...types import RefreshReport
 from ..drafts.families import SHADOW
 from ..drafts.owners import VLLMDraftBackbone
 from ..drafts.processing import guard_processing
 from ..drafts.quantized import attention_prefixes
 from ..drafts.runtime import WORKER
 from ..drafts.shadows import plan_shadows
+from ..drafts.submodules import bind, prepare
 from .epoch import begin_implicit
 from .writes import builder_called, guard_weight_loaders
 
@@ -62,6 +64,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         """Declare the draft's derived buffers and checkpoint tensors, claim the modules holding them
         (`DraftRuntime.owned`), guard each one's processing and its parameters' weight loaders."""
         family = self._family
+        prepare(self)  # a submodule's derived state (LiLiCorr's head): the backbone's buffers, before any load
         plan = plan_shadows(self)  # the fused K/V buffer: live weight rows, backed shadows, or vLLM's non-fused path
         self.derived_buffers = plan.derived  # type: ignore[misc]  # the class's declarations, as planned for this draft
         # attention layers' own parameters (quantized KV-cache scales) are vLLM's to process, and it deletes
@@ -96,6 +99,12 @@ class LifecycleDraftModel(VLLMDraftBackbone):
                 out.add(name)
         return out
 
+    def refresh_derived_buffers(self, *, full: bool = False, rebuild: bool = False) -> RefreshReport:
+        """The core's refresh; then each declared submodule points at the buffers (a no-op once it does)."""
+        report = super().refresh_derived_buffers(full=full, rebuild=rebuild)
+        bind(self)
+        return report
+
     def _record_metadata(self) -> None:
         """What each declared builder sets besides its tensors: the non-tensor precompute metadata. vLLM calls the
         builder at the end of every `load_weights` call; after the cold load (which decides the structure) the
@@ -121,7 +130,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         return super().precompute_and_store_context_kv(*args, **kwargs)  # type: ignore[misc]  # not in a base mypy sees
 
     # ---- driven by the draft's load_weights and the patched vLLM entry points -------------------------------
-    def before_write(self, cause: str = IMPLICIT_CAUSE) -> None:
+    def before_write(self, cause: str = IMPLICIT_CAUSE, *, inner_only: bool = False) -> None:
         """A `load_weights` call is about to write. After a completed load (and outside a reload vLLM began),
         that write begins a reload epoch, audited, and starts vLLM's layerwise reload on the modules holding the
         draft's own checkpoint tensors (not on those it shares with the target, which keeps serving meanwhile).
@@ -131,7 +140,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
             refusal, runtime.structure_refusal = runtime.structure_refusal, None
             raise_unheld(lc.record_refusal("weights_loaded", refusal))
         if lc.usable or lc.quarantined:
-            begin_implicit(self, cause)
+            begin_implicit(self, cause, inner_only=inner_only)
 
     def after_write(self) -> None:
         """A `load_weights` call wrote. During the cold load (epoch 0): the tensors it wrote count as loaded."""

@@ -36,6 +36,7 @@ from typing import Any, TypeVar, cast
 
 from ...checkpoint import IndexEntry, checkpoint_index, iter_buckets
 from ...errors import CheckpointError
+from ...types import clipped
 from .. import settings
 from .expected import check_payload, needs_whole_calls
 from .staging import staging_for
@@ -68,8 +69,9 @@ def check_path(path: object, what: str = "weights_path", root: Path | None = Non
     if root is not None:
         resolved = p.resolve()
         if not resolved.is_relative_to(root):
-            raise PermissionError(f"{what}={str(path)!r} resolves to {resolved}, outside the allowed root "
-                                  f"{root} ({settings.PATH_ROOT_ENV}); nothing was read")
+            # never where it resolves to: a link's target, or through /proc/self/fd/N the engine's open files
+            raise PermissionError(f"{what}={clipped(str(path), 1024)!r} resolves outside the allowed root {root} "
+                                  f"({settings.PATH_ROOT_ENV}); nothing was read")
         return resolved
     return p
 

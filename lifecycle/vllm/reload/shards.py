@@ -80,7 +80,8 @@ def missing_parts(layer: nn.Module, info: Any, names: dict[str, str] | None = No
 
 #: fused parameter -> its shard ids -> the checkpoint tensor trainers send for each
 _CHECKPOINT_OF: dict[str, dict[Any, str]] = {"qkv_proj": {"q": "q_proj", "k": "k_proj", "v": "v_proj"},
-                                             "gate_up_proj": {0: "gate_proj", 1: "up_proj"}}
+                                             "gate_up_proj": {0: "gate_proj", 1: "up_proj"},
+                                             "fused_wqa_wkv": {0: "wq_a", 1: "wkv"}}  # DeepSeek-V4 attention
 
 
 def _shard(fused_name: str, shard: Any) -> str:

@@ -4,7 +4,8 @@ epoch boundary (`epoch.entered`), so none leaves a draft usable with derived buf
 - The inner model's own `load_weights` (`inner_load_weights`): verl-speco's worker writes through
   `draft_model.model.load_weights(...)`. A trainer's call (no other entry around it) takes the path of the outer
   model's: the frozen structure first, then, after a completed load, an implicit epoch with vLLM's layerwise reload
-  on the draft's own modules. vLLM's own call from inside the outer model's `load_weights` passes through.
+  on the draft's own modules inside the inner model (what the ForCausalLM holds, an own lm_head or d2t, the inner
+  model cannot write: it keeps its values). vLLM's own call from inside the outer model's `load_weights` passes through.
 - A derived-buffer builder called by hand (`builder_called`, what each family's builder, such as
   `_build_fused_kv_buffers`, does in the lifecycle class): verl-speco calls it right after its write. Inside an
   entry point (vLLM's call at the end of `load_weights`, the model's own processing) it records the precompute
@@ -54,7 +55,7 @@ def inner_load_weights(vllm_load: Callable[[Any, Weights], Any]) -> Callable[[An
         with entered(self, "load_weights of the draft's inner model"):
             weights, refusal = runtime.structure.admit(weights, self.lifecycle)
             runtime.structure_refusal = refusal
-            self.before_write(cause=INNER_WRITE)
+            self.before_write(cause=INNER_WRITE, inner_only=True)
             result = vllm_load(self, weights)
             self.after_write()
             self.note_carried(runtime.structure.carried(weights))

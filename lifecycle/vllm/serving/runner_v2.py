@@ -6,13 +6,15 @@ model_runner.py) calls `self.speculator.propose(..., num_speculative_tokens=...)
 a speculator exists, masks the positions past the scheduler's count with -1 and stores the result in
 `req_states.draft_tokens`, which the next step verifies. Every lifecycle family drafts through
 `DFlashSpeculator.propose` (DSpark, DFlash2, LiLiCorr and 0.33's XPress speculators inherit it; read in 0.32 and
-0.33). While a lifecycle draft of the speculator is not usable, a real step returns the speculator's own
-`draft_tokens[:num_reqs]` zeroed without running the draft model: what V1 does when its gate says no (the target
-verifies the zeros, so the output is exactly the target's). Where the speculator keeps the draft's logits for
-probabilistic rejection sampling (`draft_sample_method="probabilistic"`), each request's rows become one-hot at
-token 0 (the distribution the zeros were drawn from: speculative sampling stays exact, as V1's gated step with no
-draft probabilities is); adaptive verification sees zero confidence. `dummy_run=True` calls (profiling, warm-up,
-CUDA-graph capture, an idle data-parallel rank's lock-step) always run the original.
+0.33); V2's draft-model speculator (`StandaloneARSpeculator`, `method="draft_model"`, vLLM #43091: a separate small
+LM drafting autoregressively) is gated by the same wrapper, so whichever of them holds a lifecycle draft, it drafts
+only while the draft is usable. While a lifecycle draft of the speculator is not usable, a real step returns the
+speculator's own `draft_tokens[:num_reqs]` zeroed without running the draft model: what V1 does when its gate says
+no (the target verifies the zeros, so the output is exactly the target's). Where the speculator keeps the draft's
+logits for probabilistic rejection sampling (`draft_sample_method="probabilistic"`), each request's rows become
+one-hot at token 0 (the distribution the zeros were drawn from: speculative sampling stays exact, as V1's gated step
+with no draft probabilities is); adaptive verification sees zero confidence. `dummy_run=True` calls (profiling,
+warm-up, CUDA-graph capture, an idle data-parallel rank's lock-step) always run the original.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ VALID: dict[str, tuple[str, Any]] = {
     settings.PATH_ROOT_ENV: ("{tmp}", "the test's folder"),
     settings.AUDIT_DIR_ENV: ("{tmp}/audit", "its audit folder"),
     settings.AUDIT_CONSOLE_ENV: ("on", True),
+    settings.AUDIT_MAX_BYTES_ENV: (" 8M ", 8 * 2**20),
     settings.ACCEPTANCE_FLOOR_ENV: ("0.1", 0.1),
     settings.ACCEPTANCE_HEALTHY_ENV: ("0.4", 0.4),
     settings.ACCEPTANCE_MIN_TOKENS_ENV: ("40", 40),
@@ -44,6 +45,7 @@ INVALID: dict[str, tuple[str, str]] = {
     settings.PATH_ROOT_ENV: ("relative/root", "must be an absolute path"),
     settings.AUDIT_DIR_ENV: ("audit", "must be an absolute path"),
     settings.AUDIT_CONSOLE_ENV: ("loud", "is not a switch value"),
+    settings.AUDIT_MAX_BYTES_ENV: ("1000", "must be 0 (no rotation) or at least 65536 bytes"),
     settings.ACCEPTANCE_FLOOR_ENV: ("-0.1", "must be from 0.0 to 1.0"),
     settings.ACCEPTANCE_HEALTHY_ENV: ("high", "is not a number"),
     settings.ACCEPTANCE_MIN_TOKENS_ENV: ("0", "must be >= 1"),
@@ -64,7 +66,7 @@ def inactive(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_registry_is_known_env_and_every_record_is_complete() -> None:
     assert tuple(s.name for s in settings.SETTINGS) == settings.KNOWN_ENV
-    assert len(settings.KNOWN_ENV) == len(set(settings.KNOWN_ENV)) == 9
+    assert len(settings.KNOWN_ENV) == len(set(settings.KNOWN_ENV)) == 10
     assert set(VALID) == set(INVALID) == set(settings.KNOWN_ENV), "a new setting needs its values here"
     for s in settings.SETTINGS:
         assert re.fullmatch(r"RELOAD_LIFECYCLE_[A-Z0-9_]+", s.name), s.name

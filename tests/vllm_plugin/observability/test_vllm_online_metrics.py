@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from lifecycle.vllm.settings import TAKEOVER_IDLE_ENV
 from support.entry_points import dist_info
+from support.prom import DOCUMENTED, missing_at_start, scrape, settled, total, value
 from support.rl_client import RLClient
 from support.vllm_canary_scenarios import controlled_pair
 from support.vllm_server import ROOT, VllmServer
@@ -56,33 +56,6 @@ def served(vllm_workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     assert stopped.left == [], stopped
 
 
-def scrape(c: RLClient) -> dict[str, Any]:
-    """{family name: family} and {(sample name, sorted labels): value} of /metrics, prometheus_client's parser."""
-    families = {f.name: f for f in text_string_to_metric_families(c.metrics_text())}
-    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
-    return {"families": families, "values": values}
-
-
-def value(scraped: dict[str, Any], name: str, **labels: str) -> float | None:
-    return scraped["values"].get((name, tuple(sorted(labels.items()))))
-
-
-def total(scraped: dict[str, Any], name: str) -> float:
-    """The sum of every sample of `name` (vLLM's own carry labels of their own: model_name, engine)."""
-    return sum(v for (n, _), v in scraped["values"].items() if n == name)
-
-
-def settled(c: RLClient, name: str, expected: float, **labels: str) -> dict[str, Any]:
-    """/metrics once `name{labels}` reads `expected` (the front process pulls the workers' state in a task after
-    the step that changed it; before any push, vLLM's periodic stats tick, every 10 s, pulls): at most 15 s."""
-    deadline = time.monotonic() + 15
-    while True:
-        got = scrape(c)
-        if value(got, name, **labels) == expected or time.monotonic() > deadline:
-            return got
-        time.sleep(0.2)
-
-
 def canary_events(c: RLClient) -> list[dict[str, Any]]:
     (events,) = c.rpc("lifecycle_events", last=1000)
     return [e for e in events if e["event"].startswith("acceptance")]
@@ -93,23 +66,31 @@ def push(served: dict[str, Any], draft: str, version: str, **extra: Any) -> list
     return [s.status for s in served["client"].push({"path": str(folder), **extra}, weight_version=version)]
 
 
+def test_every_documented_series_is_there_before_the_first_push(served: dict[str, Any]) -> None:
+    """Issue 32, item 9: an alert on `draft_usable == 0` or `absent(...)` sees the series from the start. Before: no
+    `reload_lifecycle_*` series existed until the first push. Each scrape also holds no NaN, no undocumented label
+    value (support/prom.py)."""
+    c: RLClient = served["client"]
+    got = settled(c, "reload_lifecycle_draft_usable", 1, timeout_s=30, **DRAFT)  # the pull at the engine's start
+    assert missing_at_start(got, one_server=True) == []
+    for kind in ("draft", "policy"):
+        for outcome in ("ok", "refused", "abandoned"):
+            assert value(got, "reload_lifecycle_pushes_total", kind=kind, outcome=outcome) == 0
+    assert value(got, "reload_lifecycle_acceptance_ratio", **ENGINE) == 0  # no period has verified a token: 0, not NaN
+    assert value(got, "reload_lifecycle_draft_epoch", **DRAFT) == 0
+    assert value(got, "reload_lifecycle_spec_accepted_tokens_per_pos_total", position="2", **ENGINE) == 0
+    created = sorted(n for n in got["families"] if n.startswith("reload_lifecycle_") and n.endswith("_created"))
+    documented = (Path(__file__).resolve().parents[3] / "docs" / "operating.md").read_text(encoding="utf-8")
+    assert created and all(f"`{n}`" in documented for n in created), created  # the _created samples too
+
+
 def test_metrics_is_vllms_registry_with_every_reload_lifecycle_family_in_vllms_conventions(
         served: dict[str, Any]) -> None:
     c: RLClient = served["client"]
     assert all(t == 0 for row in c.complete() for t in row)  # target Z
     got = settled(c, "reload_lifecycle_spec_draft_tokens_total", GOOD, **ENGINE)
     kinds = {name: f.type for name, f in got["families"].items() if name.startswith("reload_lifecycle_")}
-    assert {k: v for k, v in kinds.items() if not k.endswith("_created")} == {
-        "reload_lifecycle_pushes": "counter", "reload_lifecycle_push_duration_seconds": "histogram",
-        "reload_lifecycle_refusals": "counter", "reload_lifecycle_written_bytes": "counter",
-        "reload_lifecycle_draft_usable": "gauge", "reload_lifecycle_draft_quarantined": "gauge",
-        "reload_lifecycle_drafting_paused": "gauge", "reload_lifecycle_draft_epoch": "gauge",
-        "reload_lifecycle_steps_without_draft": "counter", "reload_lifecycle_spec_drafts": "counter",
-        "reload_lifecycle_spec_draft_tokens": "counter", "reload_lifecycle_spec_accepted_tokens": "counter",
-        "reload_lifecycle_spec_accepted_tokens_per_pos": "counter",
-        "reload_lifecycle_spec_placeholder_draft_tokens": "counter", "reload_lifecycle_acceptance_ratio": "gauge",
-        "reload_lifecycle_acceptance_period_draft_tokens": "gauge", "reload_lifecycle_acceptance_collapsed": "gauge",
-        "reload_lifecycle_acceptance_collapses": "counter", "reload_lifecycle_weight_version_info": "gauge"}
+    assert {k: v for k, v in kinds.items() if not k.endswith("_created")} == DOCUMENTED
     assert "vllm:spec_decode_num_draft_tokens" in got["families"]  # vLLM's own, on the same /metrics
     assert value(got, "reload_lifecycle_spec_accepted_tokens_total", **ENGINE) == GOOD
     assert value(got, "reload_lifecycle_acceptance_ratio", **ENGINE) == 1.0
@@ -134,17 +115,21 @@ def test_online_a_good_push_does_not_fire_a_bad_one_does_and_the_good_draft_agai
     assert value(got, "reload_lifecycle_acceptance_collapses_total", **ENGINE) == 1
     assert value(got, "reload_lifecycle_pushes_total", kind="draft", outcome="ok") == 3
     assert value(got, "reload_lifecycle_push_duration_seconds_count", kind="draft", outcome="ok") == 3
-    assert value(got, "reload_lifecycle_weight_version_info", weight_version="v3") == 1
-    assert value(got, "reload_lifecycle_weight_version_info", weight_version="v2") is None  # current only
+    # one series: the trainer's version and the push the draft serves, by the plugin's own name (issue 32 item 10)
+    assert value(got, "reload_lifecycle_weight_version_info", weight_version="v3", push="epoch 3") == 1
+    assert [k for k in got["values"] if k[0] == "reload_lifecycle_weight_version_info"] == [
+        ("reload_lifecycle_weight_version_info", (("push", "epoch 3"), ("weight_version", "v3")))]
     events = canary_events(c)
     (collapse,) = [e for e in events if e["event"] == "acceptance_collapse"]
     assert (collapse["weight_version"], collapse["previous_weight_version"]) == ("v2", "v1")
+    assert (collapse["push"], collapse["previous_push"], collapse["origin"]) == ("epoch 2", "epoch 1", "rpc")
     assert collapse["accepted_share"] == 0.0 and collapse["previous_share"] == 1.0
     (recovered,) = [e for e in events if e["event"] == "acceptance_recovered"]
     assert recovered["weight_version"] == "v3"
-    finals = [(e["period"], e.get("weight_version"), e["accepted_tokens"], e["draft_tokens"]) for e in events
-              if e["event"] == "acceptance" and e["final"]]
-    assert finals == [(0, None, GOOD, GOOD), (1, "v1", GOOD, GOOD), (2, "v2", 0, BAD)]
+    finals = [(e["period"], e.get("push"), e.get("weight_version"), e["accepted_tokens"], e["draft_tokens"])
+              for e in events if e["event"] == "acceptance" and e["final"]]
+    assert finals == [(0, "epoch 0", None, GOOD, GOOD), (1, "epoch 1", "v1", GOOD, GOOD),
+                      (2, "epoch 2", "v2", 0, BAD)]
     assert "reload-lifecycle: acceptance collapse on engine 0" in server.log_text()  # the server's log: a warning
 
 
@@ -173,6 +158,32 @@ def test_online_a_refused_push_is_counted_by_class_and_the_steps_without_the_dra
     assert value(got, "reload_lifecycle_draft_quarantined", **DRAFT) == 0
     assert value(got, "reload_lifecycle_draft_epoch", **DRAFT) == 5
     assert (value(got, "reload_lifecycle_written_bytes_total", **DRAFT) or 0) > 0
+
+
+def test_online_a_chunk_or_finish_without_a_session_is_no_push_and_a_refusal_names_its_class(
+        served: dict[str, Any]) -> None:
+    """Issue 32, item 9. Before: a chunk or finish vLLM refused because no session was open counted as a refused
+    push of kind "unknown" (46 of them in a day's trial), and most refusals were `error="Exception"`. Now such a
+    call is `stray_calls_total{call}`, and a refused chunk is one refused push of its kind, by the error's class."""
+    c: RLClient = served["client"]
+    before = scrape(c)
+    assert c.update({"path": str(served["draftZ"])}).status >= 400  # no session open: vLLM refuses it
+    assert c.finish("stray").status >= 400
+    assert c.start_draft().status == 200
+    assert c.update({"path": str(served["work"] / "no-such-checkpoint")}).status == 422
+    c.finish("after-a-refused-chunk")  # the trainer's finish: the push already ended with the refused chunk
+    got = scrape(c)
+
+    def delta(name: str, **labels: str) -> float:
+        return (value(got, name, **labels) or 0) - (value(before, name, **labels) or 0)
+
+    assert delta("reload_lifecycle_stray_calls_total", call="update_weights") == 1
+    assert delta("reload_lifecycle_stray_calls_total", call="finish_weight_update") >= 1
+    assert delta("reload_lifecycle_pushes_total", kind="draft", outcome="refused") == 1
+    assert delta("reload_lifecycle_refusals_total", kind="draft", error="CheckpointError") == 1
+    errors = {dict(labels).get("error") for (n, labels) in got["values"] if n == "reload_lifecycle_refusals_total"}
+    assert errors == {"LayersNotReadyError", "CheckpointError"}, errors  # never a transport's Exception
+    assert push(served, "draftZ", "v5b") == [200] * 5
 
 
 def test_online_the_takeover_idle_setting_given_before_serve_keeps_an_open_session_that_long(

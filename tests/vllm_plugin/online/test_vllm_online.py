@@ -81,6 +81,9 @@ def _restore(served: dict[str, Any]) -> None:
     """Back to draft B, unpaused, whatever a failed test left: requests in flight aborted, a session ended."""
     c: RLClient = served["client"]
     c.resume()
+    state = _draft_state(c)
+    if state["state"] == "PARTIALLY_LOADED":  # a push left open: a start would be refused (409) for 60 s
+        c.take_over(f"epoch {state['epoch']}")
     steps = c.push(_info(served, "draftB"), weight_version="restored")
     assert _statuses(steps) == [200] * 5 and not c.is_paused(), [str(e) for e in steps]
 
@@ -295,7 +298,7 @@ def test_a_refused_finish_answers_422_naming_it_then_a_corrected_push_and_a_poli
     assert _draft_state(client)["epoch"] == epoch  # the target's sync leaves the draft as it was
 
 
-def test_a_start_after_an_abandoned_push_ends_it_audited_and_the_next_push_proceeds(
+def test_an_abandoned_push_refuses_a_start_until_taken_over_by_name_then_the_next_push_proceeds(
         served: dict[str, Any], client: RLClient) -> None:
     # the trainer dies between /update_weights and /finish_weight_update
     assert _statuses([client.pause(), client.start_draft(), client.update(_info(served, "draftA")),
@@ -303,19 +306,28 @@ def test_a_start_after_an_abandoned_push_ends_it_audited_and_the_next_push_proce
     abandoned = _draft_state(client)
     assert abandoned["state"] == "PARTIALLY_LOADED"
     assert client.complete() == served["ref"]["outputs"]
+    # a start within RELOAD_LIFECYCLE_SESSION_TAKEOVER_IDLE_S (default 60 s) of its last call is refused, naming it
+    refused = client.push(_info(served, "draftB"), weight_version="B-3")
+    assert _statuses(refused) == [200, 409, 200] and f"epoch {abandoned['epoch']}" in refused[1].message
+    assert client.take_over(f"epoch {abandoned['epoch']}").ok  # the operator (or the trainer, restarted) ends it
     assert _statuses(client.push(_info(served, "draftB"), weight_version="B-3")) == [200] * 5
     (ended,) = [e for e in served["server"].audit_events() if e["event"] == "weight_update_session_ended"
                 and e["epoch"] == abandoned["epoch"]]
-    assert ended["outcome"] == "abandoned" and ended["level"] == "warning" and ended["chunks"] == 1
-    assert ended["reason"].startswith("abandoned: start_draft_weight_update began before finish_weight_update")
+    assert ended["outcome"] == "taken_over" and ended["level"] == "warning" and ended["chunks"] == 1
+    assert ended["reason"].startswith("taken over: lifecycle_take_over_push ended the open draft session")
+    assert ended["push"] == f"epoch {abandoned['epoch']}"
 
 
 def test_an_abandoned_draft_push_then_a_policy_sync(served: dict[str, Any], client: RLClient) -> None:
     assert _statuses([client.start_draft(), client.update(_info(served, "draftA"))]) == [200] * 2
+    epoch = _draft_state(client)["epoch"]
+    policy = client.push({"path": str(served["work"] / "target")}, weight_version="policy-2", draft=False)
+    assert _statuses(policy) == [200, 409, 200]  # the draft push is still active
+    assert client.take_over(f"epoch {epoch}").ok
     policy = client.push({"path": str(served["work"] / "target")}, weight_version="policy-2", draft=False)
     assert _statuses(policy) == [200] * 5
     state = _draft_state(client)
-    assert state["state"] == "QUARANTINED" and state["quarantine_reason"].startswith("abandoned: start_weight_update")
+    assert state["state"] == "QUARANTINED" and state["quarantine_reason"].startswith("taken over:")
     assert _statuses(client.push(_info(served, "draftB"))) == [200] * 5  # the next draft push recovers it
 
 

@@ -49,17 +49,21 @@ def test_a_refused_finish_closes_the_session_names_what_was_refused_and_a_correc
     assert cpu["policy"] == OK3
 
 
-def test_a_start_after_an_abandoned_push_ends_it_audited_and_the_next_push_proceeds(
+def test_an_abandoned_push_refuses_a_start_until_taken_over_by_name_audited_and_the_next_push_proceeds(
         offline: dict[str, Any], cold_b: dict[str, Any]) -> None:
     cpu = offline["cpu"]
+    epoch = cpu["abandoned_state"]["epoch"]
     assert cpu["abandoned"] == [{"ok": True}] * 2 and cpu["abandoned_state"]["state"] == "PARTIALLY_LOADED"
     assert set(_derived(cpu["abandoned_checksums"]).values()) == {"not-serving:PARTIALLY_LOADED"}
+    refused = cpu["abandoned_refused_start"]  # before: the start took the active push over at once
+    assert refused["error"] == "WeightUpdateRefused" and f"epoch {epoch}, opened" in refused["message"]
+    assert "lifecycle_take_over_push" in refused["message"]
+    assert cpu["abandoned_taken_over"][0]["taken_over"] == f"epoch {epoch}"
     assert cpu["next"] == OK3 and cpu["next_state"]["state"] == "DERIVED_REFRESHED"
     assert cpu["next_digests"] == cold_b["digests"]
-    (ended,) = [e for e in cpu["events"][0] if e["event"] == "weight_update_session_ended"
-                and e["epoch"] == cpu["abandoned_state"]["epoch"]]
-    assert ended["outcome"] == "abandoned" and ended["chunks"] == 1
-    assert ended["reason"].startswith("abandoned: start_draft_weight_update began before finish_weight_update")
+    (ended,) = [e for e in cpu["events"][0] if e["event"] == "weight_update_session_ended" and e["epoch"] == epoch]
+    assert ended["outcome"] == "taken_over" and ended["chunks"] == 1 and ended["push"] == f"epoch {epoch}"
+    assert ended["reason"].startswith("taken over: lifecycle_take_over_push ended the open draft session")
     assert ended["open_s"] >= ended["idle_s"] >= 0
 
 
@@ -68,7 +72,7 @@ def test_an_abandoned_draft_push_then_a_policy_sync_ends_the_draft_push_and_the_
     cpu = offline["cpu"]
     assert cpu["abandoned_policy"] == [{"ok": True}] * 5
     state = cpu["abandoned_policy_state"]
-    assert state["state"] == "QUARANTINED" and state["quarantine_reason"].startswith("abandoned: start_weight_update")
+    assert state["state"] == "QUARANTINED" and state["quarantine_reason"].startswith("taken over:")
     assert cpu["after_policy"] == OK3 and cpu["after_policy_state"]["state"] == "DERIVED_REFRESHED"
 
 
@@ -150,7 +154,7 @@ def test_every_push_audits_the_trainers_weight_version_in_its_epoch(offline: dic
 
 def test_the_takeover_setting_reads_seconds_and_refuses_anything_else(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TAKEOVER_IDLE_ENV, raising=False)
-    assert takeover_idle_s() == 0.0
+    assert takeover_idle_s() == 60.0  # issue 32: a live push is not taken over by default
     monkeypatch.setenv(TAKEOVER_IDLE_ENV, " 2.5 ")
     assert takeover_idle_s() == 2.5
     for bad in ("-1", "soon", "nan", "inf"):

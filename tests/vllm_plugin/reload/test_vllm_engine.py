@@ -69,7 +69,7 @@ def ok_layers(res: dict[str, Any], cold: str) -> list[str]:
 
 def replayed_clean(log: Path) -> list[dict[str, Any]]:
     """The events of an engine's audit log, once the auditor replayed it without a violation."""
-    from lifecycle.audit.logstream import iter_events
+    from lifecycle.audit.inputs import iter_events
     from lifecycle.audit.replay import audit_logs
 
     result = audit_logs([log])

@@ -103,7 +103,15 @@ UNTOUCHED = {
     "sparse_tib": ("CheckpointError", "tensor layers.1.mlp.down_proj.weight claims 1,099,511,627,776 bytes"),
     "target_folder": ("FrozenStructureError", "embed_tokens (absent since the first load)"),
     "bogus_name": ("CheckpointError", "a_bogus.weight ("),
+    # exactly from the header, naming the tensor and both shapes (issue 32, item 5): before, a tensor a row short
+    # (or one of fewer columns) reached vLLM, whose check raised mid-load and quarantined the draft naming nothing
+    "bad_shape": ("CheckpointError", "layers.1.mlp.down_proj.weight ("),
+    "short_row": ("CheckpointError", "layers.1.self_attn.k_proj.weight ("),
+    "long_row": ("CheckpointError", "layers.1.self_attn.k_proj.weight ("),
 }
+SHAPES = {"bad_shape": "[64, 96], but the draft's first load took [64, 128]",
+          "short_row": "[31, 64], but the draft's first load took [32, 64]",
+          "long_row": "[33, 64], but the draft's first load took [32, 64]"}
 
 
 @pytest.mark.parametrize("case", sorted(UNTOUCHED))
@@ -113,6 +121,7 @@ def test_bad_arguments_and_paths_are_refused_before_the_draft_is_touched(failure
     error, message = UNTOUCHED[case]
     assert not got["call"]["ok"] and got["call"]["error"] == error, got["call"]
     assert message in got["call"]["message"]
+    assert SHAPES.get(case, "") in got["call"]["message"]
     assert got["after"] == got["before"]  # same state, epoch, readiness and buffer identities: nothing began
 
 
@@ -131,6 +140,16 @@ def test_a_transfer_session_chunk_that_cannot_be_read_rolls_back_exactly(failure
     """start_draft_weight_update moved the draft to META; the chunk's file does not exist. vLLM ends the session
     without calling finish, so the plugin ends the epoch itself."""
     assert_rolled_back(failures["session_missing_file"], "CheckpointError", "vanished: No such file")
+
+
+def test_a_session_chunk_a_row_short_is_refused_from_its_header_and_rolls_back_exactly(failures: dict[str, Any]
+                                                                                        ) -> None:
+    """The issue's online case: the chunk's k_proj one row short. Before: vLLM's weight loader raised mid-load
+    (422 "AssertionError: ..." naming no tensor, the draft QUARANTINED); now the header refuses it naming the
+    tensor and both shapes, before a byte is read, and the draft serves its last weights."""
+    case = failures["session_short_row"]
+    assert_rolled_back(case, "CheckpointError", SHAPES["short_row"])
+    assert "layers.1.self_attn.k_proj.weight (" in case["call"]["message"]
 
 
 def test_a_malformed_update_info_rolls_back_exactly(failures: dict[str, Any]) -> None:
@@ -161,9 +180,10 @@ def test_an_abandoned_reload_is_ended_by_the_next_one(failures: dict[str, Any]) 
 
 
 def test_a_bucket_failing_midway_quarantines(failures: dict[str, Any]) -> None:
-    """Layer 0 was processed before layer 1's tensor of the wrong shape raised inside load_weights."""
+    """The first bucket was written (and processed) before the second raised inside load_weights (a tensor of
+    the wrong shape did this before the header check refused it first)."""
     case = failures["mid_bucket"]
-    assert_quarantined(case, "RuntimeError", "load_weights failed: RuntimeError: start (0) + length (128)")
+    assert_quarantined(case, "RuntimeError", "injected: load_weights failed on the second bucket")
 
 
 @pytest.mark.parametrize("how", ["rewrite", "truncate"])

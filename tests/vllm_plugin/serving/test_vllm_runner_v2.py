@@ -56,6 +56,15 @@ def test_a_draft_mid_reload_is_not_run_and_the_step_drafts_zeros_in_the_speculat
     assert mid["paused_steps"] == 1 and mid["steps_without_draft"] == 1
 
 
+def test_v2s_draft_model_speculator_is_gated_as_the_dflash_one(v2: dict[str, Any]) -> None:
+    """`StandaloneARSpeculator` (V2's `method="draft_model"`, vLLM #43091) holding a draft mid-reload: zeros in its
+    own buffer, the draft not run; once the reload completed, vLLM's own propose (which needs CUDA from there)."""
+    draft_model = ok(v2["gate"])["draft_model"]
+    assert draft_model["installed"]
+    assert draft_model["mid_reload"] == {"tokens": [[0, 0, 0], [0, 0, 0]], "same_storage": True}
+    assert draft_model["reloaded"]["entered_vllms_propose"], draft_model["reloaded"]
+
+
 def test_dummy_runs_always_run_vllms_propose(v2: dict[str, Any]) -> None:
     # profiling, warm-up, graph capture, an idle data-parallel rank's lock-step: by keyword and by position
     assert ok(v2["gate"])["mid_reload_dummy_runs"] == [True, True]
@@ -90,6 +99,7 @@ def test_the_capability_check_declares_the_v2_gate_and_what_it_reads() -> None:
     names = {(r.module, r.name) for r in requirements()}
     spec = "vllm.v1.worker.gpu.spec_decode"
     assert (f"{spec}.dflash.speculator", "DFlashSpeculator.propose") in names
+    assert (f"{spec}.standalone_ar.speculator", "StandaloneARSpeculator.propose") in names
     assert {(f"{spec}.speculator", "DraftModelSpeculator.draft_tokens"),
             (f"{spec}.eagle.utils", "maybe_share_target_embed"),
             ("vllm.model_executor.models.gemma4_dspark", "Gemma4DSparkForCausalLM.dspark_shares_target_embeddings")
