@@ -120,9 +120,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (about 30 minutes on 2 cores,
-# half of it the 1,000-push soak).
-# BENCH_ARGS="--quick" for a smoke run of seconds; the GPU check skips (exit 0) without CUDA.
+# Every benchmark: prints its tables, writes benchmarks/results/NAME.json and NAME.txt (about 35 minutes on 2 cores,
+# most of it engine_push's live engines and the 1,000-push soak; each result records the commit it measured: commit
+# first). BENCH_ARGS="--quick" for a smoke run of seconds; the GPU check skips (exit 0) without CUDA; on a CUDA
+# machine it also runs the push with pinned staging (gpu_push).
 BENCH_ARGS ?=
 bench: $(VLLM_STAMP)
 	$(BIN)/python -m benchmarks.tracking_overhead $(BENCH_ARGS)

@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as a file: python benchmarks/audit_overhead
 
 from benchmarks import common
 from benchmarks.common import Arm
+from benchmarks.stored import Summary, iqr, num
 from lifecycle import events as audit_events
 from lifecycle.events import configure_audit
 from lifecycle.loading import load_safetensors, write_checkpoint
@@ -34,6 +35,8 @@ from lifecycle.testing import random_checkpoint
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft
 
 NAME = "audit_overhead"
+MEASURED = ("lifecycle", ":(exclude)lifecycle/vllm", ":(exclude)lifecycle/audit", "models",
+            "benchmarks/audit_overhead.py")
 
 
 def reload_config(quick: bool) -> DFlashConfig:
@@ -103,7 +106,8 @@ def per_reload(settings: Settings, tmp: Path, quick: bool, repeats: int) -> dict
         model.refresh_derived_buffers()
 
     arms = [Arm(name, reload, lambda name=name: settings.use(name)) for name in Settings.names]
-    samples = common.interleaved(arms, repeats)
+    cpu: dict[str, list[float]] = {}
+    samples = common.interleaved(arms, repeats, cpu=cpu)
     settings.use("JSON file")
     reload()
     configure_audit(console=False)
@@ -111,13 +115,14 @@ def per_reload(settings: Settings, tmp: Path, quick: bool, repeats: int) -> dict
     settings.use("off")
     return {"tensors": len(weights), "mb": round(common.checkpoint_bytes(weights) / 1e6, 1),
             "layers": cfg.num_hidden_layers, "events_per_reload": len(events),
-            "event_kinds": sorted({e["event"] for e in events}), "samples": samples}
+            "event_kinds": sorted({e["event"] for e in events}), "samples": samples, "cpu": cpu}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = common.parser(NAME, __doc__.splitlines()[0], repeats=15).parse_args(argv)
     repeats = common.setup_run(args, default_repeats=15)
     info = common.machine_info()
+    repeats = common.enough_rounds(repeats, info, explicit=args.repeats is not None)
     common.say(f"audit overhead ({'quick' if args.quick else 'full'} run, {repeats} interleaved repeats per arm)")
     common.say(common.machine_line(info))
     with tempfile.TemporaryDirectory(prefix="bench-audit-", dir=common.scratch_dir()) as d:
@@ -136,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         [[r["setting"], r["median_us"], r["min_us"], r["events_per_s"], f"{r['median_us'] - off_us:+.1f} us"]
          for r in events]))
 
-    samples = reload.pop("samples")
+    samples, cpu = reload.pop("samples"), reload.pop("cpu")
     base = common.summarize(samples["off"])
     rows = []
     for name in Settings.names:
@@ -144,22 +149,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         paired = common.paired_ratio(samples[name], samples["off"])
         ev_us = next(r["median_us"] for r in events if r["setting"] == name)
         rows.append({"setting": name, **s, "ratio_to_off": paired,
+                     "ratio_to_off_cpu": common.paired_ratio(cpu[name], cpu["off"]),
                      "delta_ms": round(s["median_ms"] - base["median_ms"], 3),
                      "predicted_delta_ms": round(reload["events_per_reload"] * (ev_us - off_us) / 1e3, 3)})
     common.say(f"\nper reload: DFlash {reload['layers']} layers, {reload['tensors']} tensors, {reload['mb']} MB; "
                f"{reload['events_per_reload']} audit events per reload ({', '.join(reload['event_kinds'])})")
     common.say(common.table(
-        ["audit", "median ms", "min-max", "x off (IQR)", "delta ms", "events x per-event delta"],
+        ["audit", "median ms", "min-max", "x off (IQR)", "CPU time: x off", "delta ms", "events x per-event delta"],
         [[r["setting"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.3g}-{r['max_ms']:.3g}",
-          f"{r['ratio_to_off']['median']:.3f} ({r['ratio_to_off']['p25']:.3f}-{r['ratio_to_off']['p75']:.3f})",
-          f"{r['delta_ms']:+.2f}", f"{r['predicted_delta_ms']:+.2f}"] for r in rows]))
+          iqr(r["ratio_to_off"], three), iqr(r["ratio_to_off_cpu"], three), f"{r['delta_ms']:+.2f}",
+          f"{r['predicted_delta_ms']:+.2f}"] for r in rows]))
     common.say("\n" + common.end_line(info))
-    out = common.write_json(common.json_path(args, NAME), {
-        "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
-        "per_event": events, "per_reload": {**reload, "rows": rows}})
-    common.say(f"JSON: {out}")
-    common.write_transcript(out.with_suffix(".txt"))
+    common.say(common.noise_note(info))
+    reloads = {**reload, "rows": rows}
+    common.store(args, NAME, {"repeats": repeats, "per_event": events, "per_reload": reloads}, info,
+                 summary(events, reloads), MEASURED)
     return 0
+
+
+def three(v: float) -> str:
+    return f"{v:.3f}"
+
+
+def summary(events: list[dict[str, Any]], reload: dict[str, Any]) -> Summary:
+    out = Summary()
+    out.table(["per event", "median µs", "min µs", "events/s"],
+              [(e["setting"], e["median_us"], e["min_us"], e["events_per_s"]) for e in events])
+    out.table(["audit", "median ms (min-max)", "x off (IQR)", "CPU time: x off (IQR)", "+ms"],
+              [(r["setting"], common.ms(r), iqr(r["ratio_to_off"], three), iqr(r["ratio_to_off_cpu"], three),
+                r["delta_ms"]) for r in reload["rows"]],
+              title=f"Per reload ({reload['layers']} layers, {reload['tensors']} tensors, {num(reload['mb'])} MB, "
+                    f"{reload['events_per_reload']} events):")
+    return out
 
 
 if __name__ == "__main__":

@@ -28,11 +28,14 @@ if __package__ in (None, ""):  # run as a file: python benchmarks/cli_start.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
+from benchmarks.stored import Summary, num, verdict
 
 NAME = "cli_start"
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_S = 0.3
 TARGET_MIB = 60.0
+MEASURED = ("lifecycle/cli.py", "lifecycle/audit", "lifecycle/__init__.py", "lifecycle/event_bounds.py",
+            "lifecycle/states.py", "benchmarks/cli_start.py")
 
 PROBE = ("import json, sys; from lifecycle.cli import main; status = main(json.loads(sys.argv[1])); "
          "print(json.dumps({'status': status, 'torch': 'torch' in sys.modules}))")
@@ -143,12 +146,23 @@ def main(argv: Sequence[str] | None = None) -> int:
           {True: "YES", False: "no"}.get(r.get("torch_imported"), "-"), ",".join(map(str, r["exit_statuses"])),
           ("met" if r["met"] else "MISSED") if "met" in r else "-"] for r in rows]))
     common.say("\n" + common.end_line(info))
-    path = common.write_json(common.json_path(args, NAME), {
-        "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info,
-        "target_s": TARGET_S, "target_mib": TARGET_MIB, "rows": rows})
-    common.say(f"JSON: {path}")
-    common.write_transcript(path.with_suffix(".txt"))
+    common.say(common.noise_note(info))
+    common.store(args, NAME, {"repeats": repeats, "target_s": TARGET_S, "target_mib": TARGET_MIB, "rows": rows}, info,
+                 summary(rows), MEASURED)
     return 0
+
+
+def summary(rows: list[dict[str, Any]]) -> Summary:
+    out = Summary()
+    out.table(["command", "wall s (min-max)", "peak RSS MiB", "torch imported", "target"],
+              [(r["what"], f"{num(r['median_s'])} ({num(r['min_s'])}-{num(r['max_s'])})", r["peak_rss_mib"],
+                num(r.get("torch_imported")), verdict(r.get("met"))) for r in rows])
+    timed = [r for r in rows if "met" in r]
+    out.target(f"`audit`, `report`, `diagram` start < {num(TARGET_S)} s and < {num(TARGET_MIB)} MiB, no torch",
+               f"{num(min(t['median_s'] for t in timed))}-{num(max(t['median_s'] for t in timed))} s, "
+               f"{num(min(t['peak_rss_mib'] for t in timed))}-{num(max(t['peak_rss_mib'] for t in timed))} MiB",
+               all(t["met"] for t in timed))
+    return out
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.stored import Summary, measured_on, num, warning
 from lifecycle import DraftBackbone, concat, stack
 from lifecycle.audit.views import table as text_table
 from lifecycle.loading import apply_bucket
@@ -68,6 +69,24 @@ def write_json(path: Path, data: Mapping[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
     return path
+
+
+def store(args: argparse.Namespace, name: str, data: Mapping[str, Any], info: dict[str, Any], summary: Summary,
+          measured: Sequence[str], *, path: Path | None = None) -> Path:
+    """Write the run's result (`--json`, else benchmarks/results/NAME.json; `path` overrides both) and its
+    printout beside it: the benchmark's figures, the machine and its load (`busy`), the commit it measured and
+    its measured path (`stored.measured_on`), and its own summary rows (`stored.Summary`), which
+    docs/generate.py renders as they are."""
+    provenance = measured_on(measured)
+    if (why := warning(provenance)) is not None:
+        say(f"NOTE: {why}")
+    info["busy"] = busy(info)
+    out = write_json(path or json_path(args, name), {
+        "benchmark": name, "quick": bool(getattr(args, "quick", False)), **data, "machine": info,
+        "measured_on": provenance, "summary": summary.as_dict()})
+    say(f"JSON: {out}")
+    write_transcript(out.with_suffix(".txt"))
+    return out
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -164,15 +183,34 @@ def machine_line(info: Mapping[str, Any]) -> str:
 QUIET_PROBE_MS = 8.0
 
 
+def busy(info: Mapping[str, Any]) -> bool:
+    """Whether other tenants loaded the machine during the run: the copy probe above `QUIET_PROBE_MS` or the load
+    average above the CPU count, at start or end."""
+    probe = max(info["probe_copy_64mib_ms_start"], info.get("probe_copy_64mib_ms_end", 0.0))
+    load = max(info["loadavg_start"][0], info.get("loadavg_end", [0.0])[0])
+    return probe > QUIET_PROBE_MS or load > (info.get("nproc") or 2)
+
+
 def noise_note(info: Mapping[str, Any]) -> str:
     """What the machine's state says about this run's wall-clock figures (the probe and the load average at start
     and end)."""
     probe = max(info["probe_copy_64mib_ms_start"], info.get("probe_copy_64mib_ms_end", 0.0))
     load = max(info["loadavg_start"][0], info.get("loadavg_end", [0.0])[0])
-    if probe <= QUIET_PROBE_MS and load <= (info.get("nproc") or 2):
+    if not busy(info):
         return f"machine quiet (64 MiB copy probe <= {probe} ms, load average <= {load}): wall-clock figures hold"
     return (f"MACHINE BUSY (64 MiB copy probe up to {probe} ms, quiet: 4-7; load average up to {load}): wall-clock "
-            "ratios are unreliable in this run; CPU-time figures are less affected. Re-run on a quiet machine.")
+            "ratios are unreliable in this run; the CPU-time ratios beside them are less affected. Re-run on a quiet "
+            "machine.")
+
+
+def enough_rounds(repeats: int, info: Mapping[str, Any], explicit: bool) -> int:
+    """`repeats`, doubled when the machine is busy at the start and the count was not given (`--repeats`): the
+    median of many paired ratios, not of a few, on a shared machine."""
+    if explicit or not busy(info):
+        return repeats
+    say(f"MACHINE BUSY at the start (load average {info['loadavg_start'][0]}, 64 MiB copy probe "
+        f"{info['probe_copy_64mib_ms_start']} ms): {2 * repeats} rounds instead of {repeats}")
+    return 2 * repeats
 
 
 def end_line(info: Mapping[str, Any]) -> str:
@@ -215,13 +253,15 @@ class Eviction:
 
 def interleaved(arms: Sequence[Arm], repeats: int, *, warmup: int = 1,
                 clock: Callable[[], float] = time.perf_counter,
-                faults: dict[str, list[int]] | None = None) -> dict[str, list[float]]:
+                faults: dict[str, list[int]] | None = None,
+                cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Time every arm `repeats` times (seconds), interleaved round by round with the order rotated each round, so
     drift and other tenants' load hit every arm alike. `warmup` untimed rounds first (page cache, allocator).
     `clock`: wall time by default; `time.thread_time` measures CPU work of this thread only (for pure-Python
     bookkeeping: it does not count time the scheduler gave to other tenants). `faults`, if given, gets each
     timed run's minor page faults (the process's): an arm whose buffers the allocator gives back to the system
-    between rounds faults every page in again, which shows here and not in the arm's own code."""
+    between rounds faults every page in again, which shows here and not in the arm's own code. `cpu`, if given,
+    gets each timed run's CPU time of the process (every thread: what other tenants' load inflates least)."""
     samples: dict[str, list[float]] = {a.name: [] for a in arms}
     gc.collect()  # once: the collector is then off while an arm is timed, and runs (if due) in between
     for r in range(warmup + repeats):
@@ -232,9 +272,11 @@ def interleaved(arms: Sequence[Arm], repeats: int, *, warmup: int = 1,
             gc.disable()
             try:
                 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                c0 = time.process_time()
                 t0 = clock()
                 arm.run()
                 dt = clock() - t0
+                used = time.process_time() - c0
                 faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
             finally:
                 gc.enable()
@@ -242,6 +284,8 @@ def interleaved(arms: Sequence[Arm], repeats: int, *, warmup: int = 1,
                 samples[arm.name].append(dt)
                 if faults is not None:
                     faults.setdefault(arm.name, []).append(faulted)
+                if cpu is not None:
+                    cpu.setdefault(arm.name, []).append(used)
     return samples
 
 
@@ -288,6 +332,11 @@ def per_call_us(fn: Callable[[], object], *, number: int, repeats: int = 5) -> d
             fn()
         per.append((time.perf_counter() - t0) / number * 1e6)
     return {"median_us": round(statistics.median(per), 3), "min_us": round(min(per), 3)}
+
+
+def ms(t: Mapping[str, float]) -> str:
+    """A summarized arm as shown: `12.3 (11.9-14)` (median, min-max, ms)."""
+    return f"{num(t['median_ms'])} ({num(t['min_ms'])}-{num(t['max_ms'])})"
 
 
 def spread(s: Mapping[str, float]) -> str:

@@ -4,8 +4,10 @@ when told, timed inside the process that holds the engine (vLLM's engine core in
 
 The host of stock vLLM runs with `VLLM_PLUGINS=""` (an allowlist that matches no plugin: vLLM's own draft class,
 nothing of this package wrapped). vLLM's output goes to a log file of the host, not to the benchmark's tables.
-Ops (`serve`): start (an engine on a shape and weight layout), run (one arm once), check (what the last push
-left: generation, the fused K/V buffer against the checkpoint, the lifecycle's state and pins), stop, exit.
+Ops (`serve`): start (an engine on a shape and weight layout), run (one arm once: its wall and CPU time, the memory
+around it), counts (one push counted: bytes hashed, fresh storages, passes over the payload: `support.push_counts`),
+check (what the last push left: generation, the fused K/V buffer against the checkpoint, the lifecycle's state and
+pins), stop, exit.
 """
 
 from __future__ import annotations
@@ -119,20 +121,34 @@ class Host:
             rss = _status_kib("VmRSS")
             reset = _reset_peak()
             try:
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 calls = fn(folder, bucket)
                 seconds = time.perf_counter() - t0
+                cpu = time.process_time() - c0
             finally:
                 gc.enable()
             peak = _status_kib("VmHWM")
         if arm != "floor":
             self.last = draft
-        out: dict[str, Any] = {"s": seconds, "calls": calls, "rss_mib": round(rss / 1024, 1),
+        out: dict[str, Any] = {"s": seconds, "cpu_s": cpu, "calls": calls, "rss_mib": round(rss / 1024, 1),
                                "peak_over_mib": round((peak - rss) / 1024, 1) if reset else None}
         if steps:
             out["steps"] = dict(timers.seconds)
             out["step_calls"] = dict(timers.calls)
         return out
+
+    def counts(self, bucket: str, draft: str) -> dict[str, Any]:
+        """One session push of `draft` with `bucket` buckets, counted (`support.push_counts`: deterministic)."""
+        from lifecycle.checkpoint import checkpoint_index
+        from support.push_counts import push_counts
+
+        folder = self.paths[draft]
+        payload = sum(e.nbytes for e in checkpoint_index(folder).values())
+        with push_counts(self.draft, payload) as counted:
+            self._session(folder, bucket)
+        self.last = draft
+        return counted.as_dict()
 
     def _chunks(self, folder: Path, bucket: str) -> list[dict[str, Any]]:
         from benchmarks.engine_shapes import shard_files

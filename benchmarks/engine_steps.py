@@ -3,14 +3,16 @@ it is looked up, each timer counting its own time only (a nested step's time is 
 
 Plugin steps (`PLUGIN`): header validation (`checkpoint_index` as the payload calls it), the checks that a file did
 not change under the reader, the structure checks and write hooks around each `load_weights` call (what the
-plugin's `load_weights` does besides vLLM's), the lifecycle bookkeeping (epoch begin, layer reports), the epoch's
-open and close (`initialize` / `finalize` wrappers: partial payloads, shared modules), the finish (finalize_loading,
-hooks), the in-place refresh (its plan, checks and events; its copies are the fused write) and its pin
-verification, the K/V shadow capture before vLLM repacks a layer (CPU
-layout). vLLM steps (`VLLM`): its weight loaders (buffering per layer), the layerwise machinery (materialize a
-layer, load it, copy it back into the original storage), its processing (the CPU repack), its finalize, stock's
-fused rebuild (`torch.cat` after every call). Shared with the floor: the reads, and the refresh's copies (the fused
-buffer written once). The rest of a push is the session's plumbing.
+plugin's `load_weights` does besides vLLM's), the lifecycle bookkeeping (epoch begin, layer reports), a completed
+layer's checks (every shard arrived, which path writes it), the epoch's open and close (`initialize` / `finalize`
+wrappers: partial payloads, shared modules), the finish (finalize_loading, hooks), the in-place refresh (its plan,
+checks and events; its copies are the fused write) and its pin verification, the processing guard (the K/V shadow
+capture and the weight checker's digests before vLLM repacks a layer: CPU layout). vLLM steps (`VLLM`): its weight
+loaders (buffering per layer), its own layerwise processing of a layer (materialise, load, process, copy back into
+the kept storage: quantized layers and the CPU repack), its processing (the CPU repack), its finalize, stock's fused
+rebuild (`torch.cat` after every call). Shared with the floor (`SHARED`): the reads, a completed layer written
+straight into its kept tensors (`reload.direct`: the loads replayed, the one write of the bytes), and the refresh's
+copies (the fused buffer written once). The rest of a push is the session's plumbing.
 """
 
 from __future__ import annotations
@@ -23,16 +25,19 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-__all__ = ["FUSED_WRITE", "PLUGIN", "READS", "VLLM", "Steps", "timed_steps"]
+__all__ = ["FUSED_WRITE", "IN_PLACE", "PLUGIN", "READS", "SHARED", "VLLM", "Steps", "timed_steps"]
 
 PLUGIN = ("validation: headers", "file checks", "structure checks, write hooks", "lifecycle bookkeeping",
-          "epoch open/close", "finish: finalize_loading, hooks", "refresh: plan, checks, events", "pin verification",
-          "shadow capture")
-VLLM = ("vLLM: weight loaders", "vLLM: layerwise materialize, copy back", "vLLM: processing", "vLLM: finalize",
+          "layer completion checks", "epoch open/close", "finish: finalize_loading, hooks",
+          "refresh: plan, checks, events", "pin verification", "processing guard (shadow capture, digests)")
+VLLM = ("vLLM: weight loaders", "vLLM: layerwise materialize, load, copy back", "vLLM: processing", "vLLM: finalize",
         "vLLM: fused rebuild (torch.cat)")
 READS = "reads"
+#: A completed layer written straight into its kept tensors: the loads replayed, the one write the floor does too.
+IN_PLACE = "in-place write (the copies)"
 #: The refresh's copies: the fused buffer written once, which the floor does too (stock: its `torch.cat`).
 FUSED_WRITE = "refresh: fused write (copies)"
+SHARED = (READS, IN_PLACE, FUSED_WRITE)
 
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -101,15 +106,17 @@ def timed_steps(steps: Steps, draft: Any, *, plugin: bool) -> Iterator[Steps]:
 
         patch(checkpoint, "_read_tensor", READS)
         patch(UnquantizedLinearMethod, "process_weights_after_loading", "vLLM: processing")
-        patch(layerwise, "_layerwise_process", "vLLM: layerwise materialize, copy back")
         patch(layerwise, "finalize_layerwise_processing", "vLLM: finalize")
         patch(importlib.import_module("vllm.model_executor.model_loader.utils"), "process_weights_after_loading",
               "vLLM: finalize")
         if plugin:
+            from lifecycle.vllm.reload import direct, hooks, payload
             from lifecycle.vllm.reload import epoch as patches
             from lifecycle.vllm.reload import mixin as drafts
-            from lifecycle.vllm.reload import payload
 
+            patch(layerwise, "_layerwise_process", "layer completion checks")  # the plugin's wrapper
+            patch(hooks, "vllm_process", "vLLM: layerwise materialize, load, copy back")
+            patch(direct, "write_layer", IN_PLACE)
             base = type(draft).__mro__[1]  # vLLM's class, which the plugin's calls for the loading itself
             patch(type(draft), "load_weights", "structure checks, write hooks")
             patch(base, "load_weights", "vLLM: weight loaders")
@@ -129,8 +136,10 @@ def timed_steps(steps: Steps, draft: Any, *, plugin: bool) -> Iterator[Steps]:
             for module in inner.modules():
                 quant_method = getattr(module, "quant_method", None)
                 if quant_method is not None and "process_weights_after_loading" in vars(quant_method):
-                    patch(quant_method, "process_weights_after_loading", "shadow capture")
+                    patch(quant_method, "process_weights_after_loading",
+                          "processing guard (shadow capture, digests)")
         else:
+            patch(layerwise, "_layerwise_process", "vLLM: layerwise materialize, load, copy back")
             patch(type(draft), "load_weights", "vLLM: weight loaders")
             patch(type(inner), "_build_fused_kv_buffers", "vLLM: fused rebuild (torch.cat)")
         yield steps

@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # run as a file: python benchmarks/gpu_check.py
 import torch
 
 from benchmarks import common
+from benchmarks.stored import Summary, num
 from lifecycle import DraftBackbone
 from lifecycle.events import configure_audit
 from lifecycle.loading import checkpoint_index, iter_buckets, load_safetensors, write_checkpoint, write_tensor
@@ -56,6 +57,8 @@ from lifecycle.storage import StorageIdentity
 from models import FAMILIES, DraftFamily
 
 NAME = "gpu_check"
+MEASURED = ("lifecycle", ":(exclude)lifecycle/vllm", ":(exclude)lifecycle/audit", "models", "benchmarks/gpu_check.py",
+            "benchmarks/gpu_push.py")
 SLEEP = "level-2 sleep, refill"
 ATOL = 1e-5  # replay vs eager of the same weights: same kernels, expected bit-exact; this allows reassociation
 STALE_MIN_DIFF = 1e-3  # A and B are independent random weights: stale outputs differ by far more than this
@@ -327,9 +330,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = ("gpu_check: SKIPPED: no CUDA device (torch.cuda.is_available() is False). Run it on a CUDA "
                "machine, or with --device cpu for the CPU stand-in.")
         common.say(msg)
-        common.write_json(out_path, {"benchmark": NAME, "skipped": True, "reason": msg, "machine": info,
-                                     "rows": []})
-        common.write_transcript(out_path.with_suffix(".txt"))
+        common.finish(info)
+        skipped = Summary()
+        skipped.note(f"Skipped: {msg}")
+        skipped.target("GPU check: CUDA-graph replay after an in-place reload, and the push on CUDA", "not run "
+                       "(no GPU)", None)
+        common.store(args, NAME, {"skipped": True, "reason": msg, "rows": []}, info, skipped, MEASURED, path=out_path)
         return 0
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
@@ -338,16 +344,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - t0
     ok = all(r.ok for r in rows)
     common.finish(info)
-    common.write_json(out_path, {"benchmark": NAME, "skipped": False, "device": device, "machine": info,
-                                 "elapsed_s": round(elapsed, 2), "ok": ok, "rows": [asdict(r) for r in rows]})
     common.say(f"gpu_check on {device}{' (' + info['gpu'] + ')' if 'gpu' in info else ' (CPU stand-in for a graph)'}"
-               f": {len(FAMILIES if not args.family else args.family)} families, {elapsed:.1f} s; JSON: {out_path}\n")
+               f": {len(FAMILIES if not args.family else args.family)} families, {elapsed:.1f} s\n")
     print_table(rows)
     common.say("\nRESULT: " + ("all checks passed" if ok else "SOME CHECKS FAILED"))
-    common.write_transcript(out_path.with_suffix(".txt"))
+    common.store(args, NAME, {"skipped": False, "device": device, "elapsed_s": round(elapsed, 2), "ok": ok,
+                              "rows": [asdict(r) for r in rows]}, info, summary(rows, device, ok), MEASURED,
+                 path=out_path)
     if args.benchmarks if args.benchmarks is not None else device.startswith("cuda"):
         run_benchmarks(device, out_path.parent, args.bench_repeats, args.quick)
     return 0 if ok else 1
+
+
+def summary(rows: Sequence[Row], device: str, ok: bool) -> Summary:
+    out = Summary()
+    out.table(["family", "path", "buffers kept their address", "replay reads the new weights", "max abs diff",
+               "check"],
+              [(r.family, r.path, num(r.buffers_kept_address), num(r.replay_equals_expected), r.max_abs_diff,
+                "ok" if r.ok else "FAIL") for r in rows])
+    what = "CUDA graphs" if device.startswith("cuda") else f"the {device} stand-in for a graph"
+    out.target(f"GPU check logic on {what}", f"{sum(r.ok for r in rows)} of {len(rows)} checks pass", ok)
+    return out
 
 
 def run_benchmarks(device: str, folder: Path, repeats: int, quick: bool) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "hostile_logs"
+MEASURED = ("lifecycle/audit", "lifecycle/cli.py", "lifecycle/event_bounds.py", "benchmarks/hostile_logs.py")
 RESULTS = ROOT / "benchmarks" / "results"
 TS = "2026-01-01T00:{:02d}:{:02d}.{:06d}Z"
 OPEN_FILES = 1024
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of seconds")
     parser.add_argument("--json", type=Path, default=RESULTS / f"{NAME}.json")
     args = parser.parse_args(argv)
+    load_start = [round(x, 2) for x in os.getloadavg()]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hostile-logs-") as tmp:
         work = Path(tmp)
@@ -188,12 +190,29 @@ def main(argv: list[str] | None = None) -> int:
                  f"and the audit tools, no torch); open-file limit {OPEN_FILES} in every run.")
     text = "\n".join(lines)
     print(text)
+    from benchmarks.stored import Summary, measured_on, num, warning
+
+    summary = Summary()
+    summary.table(["input", "size", "log", "audit exit", "streams audited", "input problems", "audit peak RSS",
+                   "report peak RSS", "report size"],
+                  [(r["input"], r["size"], f"{num(r['log_bytes'] / 2**20)} MiB", str(r["audit_status"]), r["streams"],
+                    r["problems"], f"{num(r['audit_peak_kib'] / 1024)} MiB", f"{num(r['report_peak_kib'] / 1024)} MiB",
+                    f"{num(r['report_bytes'] / 2**20)} MiB") for r in rows])
+    summary.note(f"Each size in a fresh process without torch, under an open-file limit of {num(OPEN_FILES)}; an "
+                 f"empty log peaks at {num(base['peak_kib'] / 1024)} MiB.")
+    provenance = measured_on(MEASURED)
+    if (why := warning(provenance)) is not None:
+        print(f"NOTE: {why}")
+    nproc = os.cpu_count() or 1
+    load_end = [round(x, 2) for x in os.getloadavg()]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"benchmark": NAME, "quick": args.quick, "rows": rows,
                                      "baseline_peak_kib": base["peak_kib"], "open_files": OPEN_FILES,
-                                     "machine": {"nproc": os.cpu_count(), "python": platform.python_version(),
-                                                 "loadavg": os.getloadavg(), "when": time.ctime()}},
-                                    indent=2) + "\n")
+                                     "machine": {"nproc": nproc, "python": platform.python_version(),
+                                                 "loadavg_start": load_start, "loadavg_end": load_end,
+                                                 "busy": max(load_start[0], load_end[0]) > nproc,
+                                                 "when": time.ctime()},
+                                     "measured_on": provenance, "summary": summary.as_dict()}, indent=2) + "\n")
     args.json.with_suffix(".txt").write_text(text + "\n")
     print(f"JSON: {args.json}")
     return 0

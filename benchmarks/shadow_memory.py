@@ -30,8 +30,11 @@ sys.path.insert(0, str(ROOT / "tests"))  # the in-process vLLM harness
 import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from benchmarks.stored import Summary, verdict  # noqa: E402
 
 NAME = "shadow_memory"
+MEASURED = ("lifecycle/vllm/drafts", "lifecycle/vllm/reload", "benchmarks/shadow_memory.py",
+            "tests/support/vllm_inprocess.py")
 FAMILIES = ("dflash", "dflash2", "qwen3_dspark", "gemma4_dspark", "laguna_dflash")
 QUICK = ("dflash", "gemma4_dspark")
 LAYOUTS = ("cpu", "gpu")
@@ -92,11 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     met = sum(r["met"] for r in rows)
     common.say(f"\nTARGETS: {met}/{len(rows)} met (over stock = 0 bytes)")
     common.say("\n" + common.end_line(info))
-    out = common.write_json(common.json_path(args, NAME), {
-        "benchmark": NAME, "quick": args.quick, "machine": info, "rows": rows, "targets": len(rows),
-        "targets_met": met})
-    common.say(f"JSON: {out}")
-    common.write_transcript(out.with_suffix(".txt"))
+    summary = Summary()
+    summary.table(["family", "layout", "stock bytes", "plugin bytes", "over stock", "shadows", "shadows that are views",
+                   "target"],
+                  [(r["family"], r["layout"], r["stock_bytes"], r["plugin_bytes"], r["over_stock_bytes"], r["shadows"],
+                    r["shadow_views"], verdict(r["met"])) for r in rows])
+    summary.target("K/V shadows: 0 bytes over stock vLLM, every shadowed family and layout",
+                   f"{met} of {len(rows)} cases at 0", met == len(rows))
+    common.store(args, NAME, {"rows": rows, "targets": len(rows), "targets_met": met}, info, summary, MEASURED)
     return 0
 
 

@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a file: python benchmarks/soak.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common
+from benchmarks.stored import Summary, num
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "soak"
@@ -45,6 +46,10 @@ TRACED_WARMUP = 80  # > the 256 events each lifecycle keeps, at about 12 events 
 CHECKPOINTS = 10  # intervals: 11 measurements
 REQUEST_EVERY = 10
 KIB = 1024
+#: The plugin's own allocations alive per push below this many bytes count as no growth (tracemalloc's own noise).
+ZERO_BYTES = 16
+#: What a change of which can change the figures: the plugin, the core under it, this script and its test helpers.
+MEASURED = ("lifecycle", "benchmarks/soak.py", "tests/support/vllm_server.py", "tests/support/rl_client.py")
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -218,6 +223,27 @@ def report_traced(res: dict[str, Any]) -> dict[str, Any]:
             "lines": res["lines"], "seconds": res["seconds"]}
 
 
+def summary(pushes: int, on: dict[str, Any], tr: dict[str, Any]) -> Summary:
+    """The rows docs/performance.md shows of a run."""
+    out = Summary()
+    out.table(["process", "RSS at start (MiB)", "at end", "KiB per push (slope)", "KiB per push (end - start)",
+               "open files"],
+              [(name, p["rss_start_mib"], p["rss_end_mib"], p["kib_per_push_slope"],
+                p["kib_per_push_end_minus_start"], f"{p['fds_start']} -> {p['fds_end']}")
+               for name, p in on["processes"].items() if p["rss_start_mib"] > 50])
+    out.note(f"Online, {num(pushes)} pushes in {num(on['seconds'])} s ({on['failed']} failed): `/dev/shm` entries "
+             f"{on['shm'][0]} -> {on['shm'][1]}; the audit grew {num(on['audit_bytes_per_push'])} bytes per push, "
+             f"{on['audit_files_end']} files at the end (rotated at 1 MiB). In one process with tracemalloc: the "
+             f"plugin's own allocations still alive grew {num(tr['plugin_bytes_per_push'])} bytes per push, the "
+             f"process's RSS {num(tr['rss_kib_per_push_slope'])} KiB per push.")
+    if tr["lines"]:
+        out.table(["where the plugin's residue was allocated", "bytes", "blocks"], [list(x) for x in tr["lines"]],
+                  title="The plugin's own allocations alive after the traced run, less the warm-up's:")
+    out.target(f"the plugin's own allocations alive per push, over a long run: 0 (under {ZERO_BYTES} bytes)",
+               f"{num(tr['plugin_bytes_per_push'])} bytes", abs(tr["plugin_bytes_per_push"]) < ZERO_BYTES)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = common.parser(NAME, "a long run: pushes on a live server, and what grows", repeats=1)
     p.add_argument("--pushes", type=int, default=None, help="online pushes after the warm-up (default 1000)")
@@ -234,9 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     info = common.finish(info)
     common.say(common.end_line(info))
     common.say(common.noise_note(info))
-    out = common.write_json(common.json_path(args, NAME), {"machine": info, "quick": args.quick, "pushes": pushes,
-                                                           "online": online_res, "traced": traced_res})
-    common.write_transcript(out.with_suffix(".txt"))
+    common.store(args, NAME, {"pushes": pushes, "online": online_res, "traced": traced_res}, info,
+                 summary(pushes, online_res, traced_res), MEASURED)
     return 0
 
 

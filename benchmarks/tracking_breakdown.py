@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a file: python benchmarks/tracking_break
 
 from benchmarks import common
 from benchmarks import tracking_shapes as tracking
+from benchmarks.stored import Summary, num
 from lifecycle import Phase, checkpoint, loading
 from lifecycle.backbone import DraftBackbone
 from lifecycle.events import configure_audit
@@ -38,6 +39,8 @@ from lifecycle.readiness import layer_of
 from lifecycle.testing import random_checkpoint
 
 NAME = "tracking_breakdown"
+MEASURED = ("lifecycle", ":(exclude)lifecycle/vllm", ":(exclude)lifecycle/audit", "models",
+            "benchmarks/tracking_breakdown.py", "benchmarks/tracking_shapes.py")
 SHARED = ("index", "plan", "reads", "file checks", "writes")
 OWN = ("begin_reload", "validate_index", "weights_loaded", "finalize_loading")
 
@@ -145,11 +148,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         r["own_ms"] = round(own, 3)
     common.say("\n" + common.end_line(info))
     common.say(common.noise_note(info))
-    out = common.write_json(common.json_path(args, NAME), {
-        "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info, "shapes": results})
-    common.say(f"JSON: {out}")
-    common.write_transcript(out.with_suffix(".txt"))
+    common.store(args, NAME, {"repeats": repeats, "shapes": results}, info, summary(results), MEASURED)
     return 0
+
+
+def summary(results: list[dict[str, Any]]) -> Summary:
+    out = Summary()
+    steps: list[str] = []
+    for shape in results:
+        for arm in ("baseline", "lifecycle"):
+            steps += [s for s in shape["ms"][arm] if s not in steps]
+    steps = [s for s in steps if s not in ("rest", "total")] + ["rest", "total"]
+    out.table(["step"] + [f"{s['shape']}: {arm}" for s in results for arm in ("baseline", "lifecycle")],
+              [[step] + [num(s["ms"][arm].get(step)) for s in results for arm in ("baseline", "lifecycle")]
+               for step in steps])
+    own = ", ".join(f"{s['shape']} {num(s['own_ms'])} ms" for s in results)
+    out.note(f"The lifecycle's own steps per reload: {own}.")
+    return out
 
 
 if __name__ == "__main__":

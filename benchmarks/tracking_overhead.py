@@ -21,7 +21,7 @@ same difference).
 
 Targets (issue 15), each printed against a figure measured in this run:
   end to end     lifecycle / baseline - 1 <= 2%, audit on, every shape, reload and cold load (the median of the
-                 per-round ratios)
+                 per-round ratios; of the CPU-time ratios when the machine was busy, both shown)
   per tensor     the readiness update of a bucket (`LayerReadiness.mark_loaded`), per tensor, within 2x of a dict
                  update per tensor (a function told each bucket, `loaded[name] = epoch` for each name in it), both
                  timed here on the same buckets
@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # run as a file: python benchmarks/tracking_overh
 
 from benchmarks import common
 from benchmarks.common import Arm
+from benchmarks.stored import Summary, iqr, num, pct, verdict
 from benchmarks.tracking_hot_path import (
     TARGET_LAYER_US,
     TARGET_PER_TENSOR_X,
@@ -75,6 +76,8 @@ NAME = "tracking_overhead"
 TARGET_OVERHEAD = 0.02  # end to end, audit on
 TARGET_AUDIT_OFF = 0.002  # events kept with audit off, share of the load
 REPEATS = 41
+MEASURED = ("lifecycle", ":(exclude)lifecycle/vllm", ":(exclude)lifecycle/audit", "models",
+            "benchmarks/tracking_overhead.py", "benchmarks/tracking_shapes.py", "benchmarks/tracking_hot_path.py")
 
 
 # ---- main ------------------------------------------------------------------------------------------------------
@@ -111,17 +114,21 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int, device: str = "cpu"
             audit_off),
     ]
     faults: dict[str, list[int]] = {}
-    samples = common.interleaved(reload_arms, repeats, faults=faults)
+    cpu: dict[str, list[float]] = {}
+    samples = common.interleaved(reload_arms, repeats, faults=faults, cpu=cpu)
     audit_on()
     whole = live["m"].lifecycle._audit_whole_layers
     with mock.patch.object(live["m"].lifecycle, "_audit_whole_layers", wraps=whole) as in_one_pass:
         lifecycle_reload(live["m"], path, device)
     audit_off()
+    # the layer_ready events this load made in one pass (its whole layers, reported after the writes); then the
+    # mock and the bound method let go of the lifecycle: one kept alive until the cold loads claimed its name in
+    # their audit file, and each of them collected garbage in full to find it alive (issue 33)
+    in_one_pass_per_load = sum(len(c.args[0]) for c in in_one_pass.call_args_list)
+    del whole, in_one_pass
     logged = audit_events.read_events(log)
     events_per_load = len(logged)
     kinds = dict(Counter(e["event"] for e in logged))
-    # the layer_ready events this load made in one pass (its whole layers, reported after the writes)
-    in_one_pass_per_load = sum(len(c.args[0]) for c in in_one_pass.call_args_list)
     # bookkeeping only: the same arms with reads from memory and no-op writes, in CPU time of this thread; the
     # minimum over repeats estimates the cost without interference from other tenants
     with stubbed_io(weights):
@@ -135,7 +142,7 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int, device: str = "cpu"
     for arm in ("lifecycle, audit on", "lifecycle, audit off"):
         book_ms = (min(stub[arm]) - min(stub["baseline"])) * 1e3
         rows.append(_row(shape, "reload", arm, tensors, nbytes, layers, base, samples[arm], samples["baseline"],
-                         book_ms, events_per_load, (faults["baseline"], faults[arm])))
+                         book_ms, events_per_load, (faults["baseline"], faults[arm]), (cpu[arm], cpu["baseline"])))
         rows[-1]["layer_ready_in_one_pass"] = in_one_pass_per_load
 
     # cold load: a fresh model on META for every repeat (built untimed)
@@ -149,29 +156,40 @@ def measure_shape(shape: Shape, tmp: Path, repeats: int, device: str = "cpu"
             audit_setup()
         return setup
 
+    named: set[str] = set()
+
+    def cold_load(model: DraftBackbone) -> None:
+        lifecycle_cold(model, path, device)
+        named.add(model.lifecycle.name)  # a user's cold load: its own name, no other live backbone holds it
+
     live.clear()
     cold_arms = [
         Arm("baseline", common.synced(lambda: baseline_load(holder["m"], path, layer_map, Phase.COLD_LOAD, device),
                                       device), fresh(audit_off)),
-        Arm("lifecycle, audit on", common.synced(lambda: lifecycle_cold(holder["m"], path, device), device),
-            fresh(audit_on)),
+        Arm("lifecycle, audit on", common.synced(lambda: cold_load(holder["m"]), device), fresh(audit_on)),
     ]
     cold_faults: dict[str, list[int]] = {}
-    cold = common.interleaved(cold_arms, max(5, repeats), faults=cold_faults)
+    cold_cpu: dict[str, list[float]] = {}
+    cold = common.interleaved(cold_arms, max(5, repeats), faults=cold_faults, cpu=cold_cpu)
+    if named != {shape.name}:  # a live backbone of that name in the audit file: each load then paid a name clash
+        raise RuntimeError(f"the cold arm measured a name clash, not a user's cold load: its lifecycles were named "
+                           f"{sorted(named)} in the audit file, not {shape.name!r}")
     audit_off()
     holder.clear()
     path.unlink()
     rows.append(_row(shape, "cold", "lifecycle, audit on", tensors, nbytes, layers,
                      common.summarize(cold["baseline"]), cold["lifecycle, audit on"], cold["baseline"], None, None,
-                     (cold_faults["baseline"], cold_faults["lifecycle, audit on"])))
+                     (cold_faults["baseline"], cold_faults["lifecycle, audit on"]),
+                     (cold_cpu["lifecycle, audit on"], cold_cpu["baseline"])))
     return rows, {"shape": shape.name, **update}, kinds
 
 
 def _row(shape: Shape, mode: str, arm: str, tensors: int, nbytes: int, layers: int, base: dict[str, float],
          samples: list[float], baseline_samples: list[float], bookkeeping_ms: float | None, events: int | None,
-         faults: tuple[list[int], list[int]]) -> dict[str, Any]:
+         faults: tuple[list[int], list[int]], cpu: tuple[list[float], list[float]]) -> dict[str, Any]:
     s = common.summarize(samples)
     paired = common.paired_ratio(samples, baseline_samples)
+    paired_cpu = common.paired_ratio(*cpu)
     # against the fastest baseline round: the loader's time with the least interference from other tenants
     book = None if bookkeeping_ms is None else bookkeeping_ms / base["min_ms"]
     audit_on = arm.endswith("audit on")
@@ -180,6 +198,7 @@ def _row(shape: Shape, mode: str, arm: str, tensors: int, nbytes: int, layers: i
         "mb": round(nbytes / 1e6, 1), "layers": layers, "baseline": base, "lifecycle": s,
         "overhead_of_medians": round(s["median_ms"] / base["median_ms"] - 1, 4),
         "overhead_paired": {k: round(v - 1, 4) for k, v in paired.items()},
+        "overhead_cpu": {k: round(v - 1, 4) for k, v in paired_cpu.items()},
         "bookkeeping_ms": None if bookkeeping_ms is None else round(bookkeeping_ms, 3),
         "bookkeeping_overhead": None if book is None else round(book, 4),
         "audit_events_per_load": events,
@@ -241,23 +260,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         costs = event_costs(tmp, args.quick)
     configure_audit(console=False)
     common.finish(info)
+    judged_on = "CPU time (MACHINE BUSY)" if common.busy(info) else "wall time"
+    for r in rows:  # other tenants inflate wall time far more than the loaders' CPU time
+        r["met_end_to_end"] = r["overhead_cpu" if common.busy(info) else "overhead_paired"]["median"] <= TARGET_OVERHEAD
+        r["judged_on"] = judged_on
     off = audit_off_share(rows, kinds, costs)
 
-    pct = lambda x: f"{100 * x:+.1f}%"  # noqa: E731
-    verdict = lambda ok: "-" if ok is None else ("met" if ok else "MISSED")  # noqa: E731
     common.say("\n1. end to end: loader time, median ms (min-max); overhead = lifecycle / baseline - 1, the median of "
-               "the per-round ratios (IQR). Target: <= +2.0% with audit on.\n   bookkeeping = the lifecycle's own "
+               f"the per-round ratios (IQR), in wall and in CPU time. Target: <= +2.0% with audit on, judged on the "
+               f"{judged_on} ratio.\n   bookkeeping = the lifecycle's own "
                "CPU work (I/O and copies stubbed out, min over rounds) / baseline min.\n   page faults/load = minor "
                "page faults of a load, median, baseline / lifecycle: where they differ, the allocator gave a buffer "
                "back between rounds in one arm (its pages are faulted in again), not the lifecycle's own work.")
     common.say(common.table(
         ["draft", "load", "arm", "tensors", "MB", "layers", "baseline ms", "lifecycle ms", "overhead (IQR)",
-         "target", "bookkeeping", "events/load", "page faults/load"],
+         "CPU time: overhead (IQR)", "target", "bookkeeping", "events/load", "page faults/load"],
         [[r["shape"], r["mode"], r["arm"], r["tensors"], r["mb"], r["layers"],
           f"{r['baseline']['median_ms']:.1f} ({common.spread(r['baseline'])})",
           f"{r['lifecycle']['median_ms']:.1f} ({common.spread(r['lifecycle'])})",
-          f"{pct(r['overhead_paired']['median'])} ({pct(r['overhead_paired']['p25'])}.."
-          f"{pct(r['overhead_paired']['p75'])})",
+          iqr(r["overhead_paired"], pct), iqr(r["overhead_cpu"], pct),
           verdict(r["met_end_to_end"]) if r["end_to_end_is_target"] else "(shown)",
           "-" if r["bookkeeping_ms"] is None else f"{r['bookkeeping_ms']:.2f} ms = {pct(r['bookkeeping_overhead'])}",
           r["audit_events_per_load"] if r["audit_events_per_load"] is not None else "-",
@@ -288,14 +309,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.say(f"\nTARGETS: {sum(targets)} of {len(targets)} met" + ("" if all(targets) else " (see MISSED above)"))
     common.say("\n" + common.end_line(info))
     common.say(common.noise_note(info))
-    out = common.write_json(common.json_path(args, NAME), {
-        "benchmark": NAME, "quick": args.quick, "repeats": repeats, "machine": info, "device": args.device,
-        "target_overhead": TARGET_OVERHEAD, "rows": rows, "per_tensor": updates, "layer_completion": completion,
-        "audit_off": off, "event_kinds_per_load": kinds, "event_costs": costs, "targets_met": sum(targets),
-        "targets": len(targets)})
-    common.say(f"JSON: {out}")
-    common.write_transcript(out.with_suffix(".txt"))
+    common.store(args, NAME, {
+        "repeats": repeats, "device": args.device, "target_overhead": TARGET_OVERHEAD, "rows": rows,
+        "per_tensor": updates, "layer_completion": completion, "audit_off": off, "event_kinds_per_load": kinds,
+        "event_costs": costs, "targets_met": sum(targets), "targets": len(targets)},
+        info, summary(rows, updates, completion, off, costs), MEASURED)
     return 0
+
+
+def summary(rows: list[dict[str, Any]], updates: list[dict[str, Any]], completion: list[dict[str, Any]],
+            off: list[dict[str, Any]], costs: list[dict[str, Any]]) -> Summary:
+    out = Summary()
+    out.table(["draft", "load", "arm", "tensors", "MB", "layers", "baseline ms (min-max)", "lifecycle ms (min-max)",
+               "overhead (IQR)", "CPU time: overhead (IQR)", "target", "bookkeeping", "page faults / load"],
+              [(r["shape"], r["mode"], r["arm"], r["tensors"], r["mb"], r["layers"], common.ms(r["baseline"]),
+                common.ms(r["lifecycle"]), iqr(r["overhead_paired"], pct), iqr(r["overhead_cpu"], pct),
+                verdict(r["met_end_to_end"]) if r["end_to_end_is_target"] else "(shown)",
+                "-" if r["bookkeeping_ms"] is None else f"{num(r['bookkeeping_ms'])} ms",
+                " / ".join(num(v) for v in r["page_faults_per_load"])) for r in rows])
+    out.table(["what", "median µs", "min µs", "note"], [(c["what"], c["median_us"], c["min_us"], c["note"])
+                                                       for c in costs], title="Per event:")
+    if rows:
+        out.note(f"End to end judged on the {rows[0]['judged_on']} ratios (the median of the per-round ratios).")
+    for r in rows:
+        if r["end_to_end_is_target"]:
+            out.target(f"tracking <= {pct(TARGET_OVERHEAD)} end to end, {r['shape']} {r['mode']} ({r['arm']})",
+                       f"{pct(r['overhead_paired']['median'])} (CPU time {pct(r['overhead_cpu']['median'])})",
+                       r["met_end_to_end"])
+    for u in updates:
+        out.target(f"bookkeeping per tensor within {TARGET_PER_TENSOR_X:g}x a dict update, {u['shape']}",
+                   f"{num(u['ratio'])}x", u["met"])
+    for c in completion:
+        out.target(f"per layer completion <= {TARGET_LAYER_US:g} µs, audit {c['audit']}", f"{num(c['us'])} µs",
+                   c["met"])
+    for o in off:
+        out.target(f"audit off: <= {100 * TARGET_AUDIT_OFF:.1f}% of a load, {o['shape']}", f"{o['share'] * 100:.3f}%",
+                   o["met"])
+    return out
 
 
 if __name__ == "__main__":

@@ -90,8 +90,8 @@ def stubbed_io(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
     """Disk reads come from memory and writes do nothing, in the loader and the baseline alike: what is left of
     the loader's time is the lifecycle's bookkeeping (validation, readiness, triggers, events)."""
 
-    def from_memory(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]], reuse: bool = False
-                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def from_memory(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]], reuse: bool = False,
+                    into: object = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         for bucket in buckets:
             yield [(n, tensors[n]) for n in bucket]
 

@@ -24,6 +24,7 @@ import inspect
 import itertools
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -63,14 +64,6 @@ def num(value: object, digits: int = 3) -> str:
         text = f"{value:,.{digits}g}" if abs(value) < 10 ** digits else f"{value:,.0f}"
         return text.replace("e-0", "e-")
     return str(value)
-
-
-def pct(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:+.1f}%"
-
-
-def iqr(spread: Mapping[str, float], fmt: Callable[[float], str] = lambda v: f"{v:.2f}") -> str:
-    return f"{fmt(spread['median'])} ({fmt(spread['p25'])}..{fmt(spread['p75'])})"
 
 
 def verdict(met: object) -> str:
@@ -599,6 +592,8 @@ def module_exports() -> list[tuple[str, str]]:
 
 
 # ---- docs/performance.md: from benchmarks/results/*.json -------------------------------------------------------
+#: Each result renders from what its benchmark stored: its summary rows (`benchmarks/stored.py`), the machine and
+#: its load, and the commit it measured, with how many commits changed its measured path since.
 
 
 def _machine(result: Mapping[str, Any]) -> str:
@@ -614,279 +609,79 @@ def _machine(result: Mapping[str, Any]) -> str:
         parts.append("CUDA" if m["cuda"] else "no GPU")
     load = m.get("loadavg_start") or m.get("loadavg")
     if load:
-        parts.append(f"load average {num(float(load[0]), 2)} at start")
+        parts.append(f"load average {num(float(load[0]), 2)} at start" + (
+            f", {num(float(m['loadavg_end'][0]), 2)} at end" if m.get("loadavg_end") else ""))
     if m.get("probe_copy_64mib_ms_start") is not None:
         parts.append(f"64 MiB copy probe {num(m['probe_copy_64mib_ms_start'])} ms")
+    if m.get("busy"):
+        parts.append("**MACHINE BUSY** (wall-clock ratios unreliable; see the CPU-time ratios)")
     runs = "quick run" if result.get("quick") else "full run"
     if result.get("repeats"):
         runs += f", {result['repeats']} repeats per arm"
     return f"_{runs}; {', '.join(parts)}._" if parts else f"_{runs}._"
 
 
-def _ms(t: Mapping[str, float]) -> str:
-    return f"{num(t['median_ms'])} ({num(t['min_ms'])}-{num(t['max_ms'])})"
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60,
+                             check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
-def _tracking_overhead(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    target = r["target_overhead"]
-    rows, targets = [], []
-    for row in r["rows"]:
-        is_target = row.get("end_to_end_is_target")
-        rows.append((row["shape"], row["mode"], row["arm"], num(row["tensors"]), num(row["mb"]), num(row["layers"]),
-                     _ms(row["baseline"]), _ms(row["lifecycle"]), iqr(row["overhead_paired"], pct),
-                     verdict(row["met_end_to_end"]) if is_target else "(shown)",
-                     "-" if row["bookkeeping_ms"] is None else f"{num(row['bookkeeping_ms'])} ms",
-                     " / ".join(num(v) for v in row["page_faults_per_load"])))
-        if is_target:
-            targets.append((f"tracking <= {pct(target)} end to end, {row['shape']} {row['mode']} ({row['arm']})",
-                            pct(row["overhead_paired"]["median"]), verdict(row["met_end_to_end"])))
-    for row in r["per_tensor"]:
-        targets.append((f"bookkeeping per tensor within 2x a dict update, {row['shape']}", f"{num(row['ratio'])}x",
-                        verdict(row["met"])))
-    for row in r["layer_completion"]:
-        targets.append((f"per layer completion <= 5 µs, audit {row['audit']}", f"{num(row['us'])} µs",
-                        verdict(row["met"])))
-    for row in r["audit_off"]:
-        targets.append((f"audit off: <= 0.2% of a load, {row['shape']}", f"{row['share'] * 100:.3f}%",
-                        verdict(row["met"])))
-    body = [md_table(["draft", "load", "arm", "tensors", "MB", "layers", "baseline ms (min-max)",
-                      "lifecycle ms (min-max)", "overhead (IQR)", "target", "bookkeeping", "page faults / load"],
-                     rows), "",
-            "Per event:", "",
-            md_table(["what", "median µs", "min µs", "note"],
-                     [(e["what"], num(e["median_us"]), num(e["min_us"]), e["note"]) for e in r["event_costs"]])]
+def staleness(result: Mapping[str, Any]) -> tuple[str, int | None]:
+    """(the commit a result measured, short; how many commits changed its measured path since, plus one when it
+    measured uncommitted changes), or None for the count where the history does not hold that commit (a shallow
+    clone) or none was recorded."""
+    m = result.get("measured_on") or {}
+    commit = m.get("commit")
+    if not commit:
+        return "no commit recorded", None
+    count = _git("rev-list", "--count", f"{commit}..HEAD", "--", *(m.get("path") or ["."]))
+    if count is None:
+        return commit[:10], None
+    return commit[:10], int(count) + (1 if m.get("uncommitted") else 0)
+
+
+def stale_text(count: int | None) -> str:
+    if count is None:
+        return "stale by ? changes"
+    return f"stale by {count} change{'' if count == 1 else 's'}"
+
+
+def _section(name: str, result: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    summary = result.get("summary")
+    if summary is None:
+        return [f"_Stored before results carried their own summary rows: run `python -m benchmarks."
+                f"{result.get('benchmark', name)}` again._", ""], []
+    body: list[str] = []
+    for table in summary.get("tables", []):
+        if table.get("title"):
+            body += [table["title"], ""]
+        body += [md_table(table["columns"], table["rows"]), ""]
+    for note in summary.get("notes", []):
+        body += [note, ""]
+    targets = [(t["what"], t["figure"], verdict(t["met"])) for t in summary.get("targets", [])]
     return body, targets
-
-
-def _tracking_breakdown(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    steps: list[str] = []
-    for shape in r["shapes"]:
-        for arm in ("baseline", "lifecycle"):
-            steps += [s for s in shape["ms"][arm] if s not in steps]
-    steps = [s for s in steps if s not in ("rest", "total")] + ["rest", "total"]
-    headers = ["step"] + [f"{s['shape']}: {arm}" for s in r["shapes"] for arm in ("baseline", "lifecycle")]
-    rows = [[step] + [num(s["ms"][arm].get(step)) for s in r["shapes"] for arm in ("baseline", "lifecycle")]
-            for step in steps]
-    own = ", ".join(f"{s['shape']} {num(s['own_ms'])} ms" for s in r["shapes"])
-    return [md_table(headers, rows), "", f"The lifecycle's own steps per reload: {own}."], []
-
-
-def _refresh(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    rows, targets = [], []
-    for row in r["rows"]:
-        met = None
-        if "met_time" in row:
-            met = row["met_time"] and row["met_allocations"]
-            targets.append((f"refresh in place {row['target']}, {row['threads']} thread(s)",
-                            f"{num(row['paired_ratio_to_floor']['median'])}x, "
-                            f"{num(row['buffer_size_storages'])} storages", verdict(met)))
-        rows.append((row["arm"], row["threads"], _ms(row), iqr(row["paired_ratio_to_floor"]),
-                     f"{num(row['storages_created'])} / {num(row['bytes_allocated'] / 2**20)} MiB", verdict(met)))
-    vs_hand = r["lifecycle_vs_by_hand"]["1"]
-    targets.append((f"refresh at 1 thread within {pct(r['target_vs_hand'] - 1)} of the slice copy by hand",
-                    f"{num(vs_hand['median'], 4)}x", verdict(r["met_vs_hand"])))
-    fixed = r["fixed_overhead"]
-    body = [md_table(["arm", "threads", "median ms (min-max)", "x floor, paired (IQR)", "new storages / size",
-                      "target"], rows), "",
-            f"Fixed cost per refresh (a tiny draft, CPU time): {num(fixed['graphs_captured']['median_us'])} µs with "
-            f"graphs captured ({fixed['pin_verification_passes_per_refresh']} pin verifications of "
-            f"{num(fixed['pin_verification_pass_us'])} µs over {fixed['pinned_tensors']} pinned tensors), "
-            f"{num(fixed['no_graphs']['median_us'])} µs without."]
-    return body, targets
-
-
-def _selective(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    rows, targets = [], []
-    for row in r["rows"]:
-        rows.append((f"{row['k']} of {row['layers']}", row["threads"], _ms(row), iqr(row["ratio_to_full"], num),
-                     f"{num(row['target_ratio'])} (<= {num(r['tolerance'])}x)", num(row["elements_written"]),
-                     verdict(row["met"])))
-        if row["k"] < row["layers"]:
-            targets.append((f"selective refresh of {row['k']} of {row['layers']} layers in about k/L of a full one "
-                            f"(<= {num(r['tolerance'])} k/L), {row['threads']} thread(s)",
-                            num(row["ratio_to_full"]["median"]), verdict(row["met"])))
-    return [md_table(["k of L", "threads", "median ms (min-max)", "x full (IQR)", "k/L", "elements written",
-                      "target"], rows)], targets
-
-
-def _backed(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    rows = [(row["arm"], row["mode"], _ms(row), iqr(row["x_no_write"]), num(row.get("elements_written")))
-            for row in r["rows"]]
-    mem = r["memory"]
-    backed = next(row for row in r["rows"] if row["mode"] == "backed")
-    targets = [(f"backed buffers: a refresh within {num(r['target_vs_no_write'])}x one that copies nothing",
-                f"{num(backed['x_no_write']['median'])}x", verdict(r["met_time"])),
-               ("backed buffers: one copy of the weights instead of two",
-                f"{num(mem['backed'] / 2**20)} MiB instead of {num(mem['plain'] / 2**20)} MiB",
-                verdict(r["met_memory"]))]
-    body = [md_table(["arm", "mode", "median ms (min-max)", "x no-write (IQR)", "elements written"], rows), "",
-            f"Memory (distinct storages of parameters and buffers): plain {num(mem['plain'] / 2**20)} MiB, backed "
-            f"{num(mem['backed'] / 2**20)} MiB; the derived buffers alone {num(mem['buffers'] / 2**20)} MiB."]
-    return body, targets
-
-
-def _shadow_memory(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    rows = [(row["family"], row["layout"], num(row["stock_bytes"]), num(row["plugin_bytes"]),
-             num(row["over_stock_bytes"]), num(row["shadows"]), num(row["shadow_views"]), verdict(row["met"]))
-            for row in r["rows"]]
-    targets = [("K/V shadows: 0 bytes over stock vLLM, every shadowed family and layout",
-                f"{r['targets_met']} of {r['targets']} cases at 0", verdict(r["targets_met"] == r["targets"]))]
-    return [md_table(["family", "layout", "stock bytes", "plugin bytes", "over stock", "shadows",
-                      "shadows that are views", "target"], rows)], targets
-
-
-def _audit_overhead(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    reload = r["per_reload"]
-    body = [md_table(["per event", "median µs", "min µs", "events/s"],
-                     [(e["setting"], num(e["median_us"]), num(e["min_us"]), num(e["events_per_s"]))
-                      for e in r["per_event"]]), "",
-            f"Per reload ({reload['layers']} layers, {reload['tensors']} tensors, {num(reload['mb'])} MB, "
-            f"{reload['events_per_reload']} events):", "",
-            md_table(["audit", "median ms (min-max)", "x off (IQR)", "+ms"],
-                     [(row["setting"], _ms(row), iqr(row["ratio_to_off"], lambda v: f"{v:.3f}"),
-                       num(row["delta_ms"])) for row in reload["rows"]])]
-    return body, []
-
-
-def _gpu_check(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    if r.get("skipped"):
-        return [f"Skipped: {r['reason']}"], [("GPU check: CUDA-graph replay after an in-place reload", "skipped",
-                                               "not run (no GPU)")]
-    rows = [(row["family"], row["path"], num(row["buffers_kept_address"]), num(row["replay_equals_expected"]),
-             num(row["max_abs_diff"]), "ok" if row["ok"] else "**FAIL**") for row in r["rows"]]
-    passed = sum(1 for row in r["rows"] if row["ok"])
-    what = "CUDA graphs" if r.get("device") == "cuda" else f"the {r.get('device')} stand-in for a graph"
-    return [md_table(["family", "path", "buffers kept their address", "replay reads the new weights",
-                      "max abs diff", "check"], rows)], [
-        (f"GPU check logic on {what}", f"{passed} of {len(r['rows'])} checks pass", verdict(r["ok"]))]
-
-
-def _hostile_logs(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    rows = [(row["input"], num(row["size"]), f"{num(row['log_bytes'] / 2**20)} MiB", row["audit_status"],
-             num(row["streams"]), num(row["problems"]), f"{num(row['audit_peak_kib'] / 1024)} MiB",
-             f"{num(row['report_peak_kib'] / 1024)} MiB", f"{num(row['report_bytes'] / 2**20)} MiB")
-            for row in r["rows"]]
-    return [md_table(["input", "size", "log", "audit exit", "streams audited", "input problems", "audit peak RSS",
-                      "report peak RSS", "report size"], rows), "",
-            f"Each size in a fresh process without torch, under an open-file limit of {num(r['open_files'])}; an "
-            f"empty log peaks at {num(r['baseline_peak_kib'] / 1024)} MiB."], []
-
-
-def _cli_start(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    rows = [(row["what"], f"{num(row['median_s'])} ({num(row['min_s'])}-{num(row['max_s'])})",
-             num(row["peak_rss_mib"]), num(row.get("torch_imported")), verdict(row.get("met")))
-            for row in r["rows"]]
-    timed = [row for row in r["rows"] if "met" in row]
-    figure = (f"{num(min(t['median_s'] for t in timed))}-{num(max(t['median_s'] for t in timed))} s, "
-              f"{num(min(t['peak_rss_mib'] for t in timed))}-{num(max(t['peak_rss_mib'] for t in timed))} MiB")
-    targets = [(f"`audit`, `report`, `diagram` start < {num(r['target_s'])} s and < {num(r['target_mib'])} MiB, no "
-                "torch", figure, verdict(all(t["met"] for t in timed)))]
-    return [md_table(["command", "wall s (min-max)", "peak RSS MiB", "torch imported", "target"], rows)], targets
-
-
-def _engine_push(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    def arm(a: Mapping[str, Any] | None) -> str:
-        if a is None:
-            return "-"
-        if "fails" in a:
-            return "fails"
-        x = a["x_floor"]
-        return f"{num(a['median_ms'])} ms ({num(x['median'], 2)}x, {num(x['p25'], 2)}..{num(x['p75'], 2)})"
-
-    def peak(a: Mapping[str, Any] | None) -> str:
-        # VmHWM reset to the RSS of a moment after the one measured before: -0.1 MiB is none
-        return "-" if a is None or "fails" in a else f"{num(max(0.0, float(a['peak_over_mib'])))} MiB"
-
-    def own(a: Mapping[str, Any] | None) -> str:
-        share = a.get("own_share") if a else None
-        return "-" if share is None else f"{num(a['own_ms'])} ms ({share * 100:.1f}%)"
-
-    rows = [(row["shape"], row["layout"], row["bucket"], num(row["calls"]), num(row["mb"]),
-             num(row["floor"]["median_ms"]), arm(row["plugin_session"]), arm(row["plugin_plain"]),
-             arm(row["stock_plain"]), arm(row["stock_layerwise"]),
-             iqr(row["plugin_vs_stock_plain"]) if "plugin_vs_stock_plain" in row else "-",
-             peak(row["plugin_session"]), peak(row["stock_plain"]), own(row["plugin_session"]))
-            for row in r["rows"]]
-    fails = [f"- {f['shape']}, {f['layout']} layout, {f['bucket']} buckets: {f['what']}"
-             for f in r["stock_layerwise"]]
-    floor_targets = {"whole": "engine push, whole file, <= 1.3x the floor",
-                     "tensor": "engine push, one-tensor buckets, <= 2x the floor"}
-
-    def label(t: Mapping[str, Any]) -> str:  # from the fields: a stored label of an older run may read oddly
-        return floor_targets[t["bucket"]] if t["kind"] == "floor" else f"engine push, {t['what']}"
-
-    targets = [(label(t), "-" if t["figure"] is None else (f"{t['figure'] * 100:.1f}%" if t["kind"] == "own"
-                                                            else f"{num(t['figure'], 2)}x"), verdict(t["met"]))
-               for t in r["targets"]]
-    return [md_table(["draft", "layout", "buckets", "calls", "MB", "floor ms", "plugin session (x floor, IQR)",
-                      "plugin plain", "stock plain", "stock layerwise", "plain: plugin/stock (IQR)",
-                      "peak over steady: plugin", "peak: stock", "plugin's own steps"], rows), "",
-            "Stock vLLM's layerwise reload (what vLLM's own transfer engines run), each bucket size on a fresh engine:",
-            "", *fails], targets
-
-
-#: bytes per push of the plugin's own allocations the soak may leave alive and still count as zero: what happens to be
-#: in flight at either snapshot (a few blocks over hundreds of pushes)
-SOAK_ZERO_BYTES = 16
-
-
-def _soak(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    on, tr = r["online"], r["traced"]
-    rows = [(name, num(p["rss_start_mib"]), num(p["rss_end_mib"]), num(p["kib_per_push_slope"]),
-             num(p["kib_per_push_end_minus_start"]), f"{p['fds_start']} -> {p['fds_end']}")
-            for name, p in on["processes"].items() if p["rss_start_mib"] > 50]
-    pushes = num(r.get("pushes") or 1000)
-    body = [md_table(["process", "RSS at start (MiB)", "at end", "KiB per push (slope)", "KiB per push (end - start)",
-                      "open files"], rows), "",
-            f"Online, {pushes} pushes in {num(on['seconds'])} s ({on['failed']} failed): `/dev/shm` entries "
-            f"{on['shm'][0]} -> {on['shm'][1]}; the audit grew {num(on['audit_bytes_per_push'])} bytes per push, "
-            f"{on['audit_files_end']} files at the end (rotated at 1 MiB). In one process with tracemalloc: the "
-            f"plugin's own allocations still alive grew {num(tr['plugin_bytes_per_push'])} bytes per push over "
-            f"{num(round(tr['plugin_bytes'] / tr['plugin_bytes_per_push']) if tr['plugin_bytes_per_push'] else 0)} "
-            f"pushes, the process's RSS {num(tr['rss_kib_per_push_slope'])} KiB per push."]
-    met = abs(tr["plugin_bytes_per_push"]) < SOAK_ZERO_BYTES
-    return body, [("the plugin's own allocations alive per push, over a long run: 0 (under "
-                   f"{SOAK_ZERO_BYTES} bytes)", f"{num(tr['plugin_bytes_per_push'])} bytes", verdict(met))]
-
-
-RENDERERS: dict[str, Callable[[Mapping[str, Any]], tuple[list[str], list[tuple[str, str, str]]]]] = {
-    "tracking_overhead": _tracking_overhead,
-    "tracking_breakdown": _tracking_breakdown,
-    "refresh": _refresh,
-    "selective": _selective,
-    "backed": _backed,
-    "shadow_memory": _shadow_memory,
-    "audit_overhead": _audit_overhead,
-    "gpu_check": _gpu_check,
-    "gpu_check_cpu": _gpu_check,
-    "hostile_logs": _hostile_logs,
-    "cli_start": _cli_start,
-    "engine_push": _engine_push,
-    "soak": _soak,
-}
-
-
-def _generic(r: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    """A result without a renderer of its own: its rows' plain fields, as stored."""
-    rows = [row for row in r.get("rows", []) if isinstance(row, dict)]
-    if not rows:
-        return ["(no rows stored)"], []
-    headers = [k for k, v in rows[0].items() if not isinstance(v, (dict, list))]
-    return [md_table(headers, [[num(row.get(h)) for h in headers] for row in rows])], []
 
 
 def performance_page() -> str:
     results = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(RESULTS.glob("*.json"))}
-    order = [name for name in RENDERERS if name in results] + sorted(set(results) - set(RENDERERS))
     sections, targets = [], []
-    for name in order:
-        result = results[name]
+    for name, result in results.items():
         script = result.get("benchmark", name)
-        body, found = RENDERERS.get(name, _generic)(result)
-        targets += [(f"[{t[0]}](#{name})", t[1], t[2]) for t in found]
+        body, found = _section(name, result)
+        commit, count = staleness(result)
+        measured = result.get("measured_on") or {}
+        targets += [(f"[{t[0]}](#{name})", t[1], t[2], f"`{commit}`", stale_text(count)) for t in found]
         doc = first_line(source_docstring(ROOT / "benchmarks" / f"{script}.py"))
         command = f"python -m benchmarks.{script}" + (" --device cpu" if name == "gpu_check_cpu" else "")
-        sections += [f"### {name}", "", f"`{command}`: {doc}", "", _machine(result), "", *body, "",
+        path = ", ".join(f"`{p}`" for p in measured.get("path", []))
+        provenance = ((f"Measured on commit `{commit}`" + (" with uncommitted changes on its path" if measured.get(
+            "uncommitted") else "") + f"; {stale_text(count)} to its measured path since ({path}).") if path else
+            f"The result records no commit and no measured path: {stale_text(count)}.")
+        sections += [f"### {name}", "", f"`{command}`: {doc}", "", _machine(result), "", provenance, "", *body,
                      f"The full printout of that run: [`benchmarks/results/{name}.txt`]"
                      f"(../benchmarks/results/{name}.txt).", ""]
     stored = {r.get("benchmark", n) for n, r in results.items()}
@@ -894,16 +689,25 @@ def performance_page() -> str:
     unstored = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
                       if p.stem not in stored and '__name__ == "__main__"' in p.read_text(encoding="utf-8"))
     met = sum(1 for t in targets if t[2] == "met")
+    judged = sum(1 for t in targets if t[2] != "-")
     parts = [NOTICE, "", "# Performance", "",
              f"Generated by `{COMMAND}` from the results `make bench` stored in `benchmarks/results/*.json`; no "
-             "figure here is typed by hand. To update: `make bench` (about 30 minutes on 2 cores, most of it "
+             "figure here is typed by hand, and no benchmark has a formatter here: each stores its own summary rows "
+             "(`benchmarks/stored.py`). To update: `make bench` (about 35 minutes on 2 cores, most of it "
              "`engine_push`'s live engines and the 1,000-push `soak`), then "
              f"`{COMMAND}`. Each script times every arm next to a baseline measured in the same process, arms "
              "interleaved round by round after a warm-up, and reports medians with min-max and the median of the "
-             "per-round ratios with its interquartile range (IQR). `make bench BENCH_ARGS=--quick` is a smoke run "
-             "of seconds whose results go to a git-ignored `quick/` folder beside them, never here.", "",
-             f"## Targets: {met} of {len(targets)} met in the stored results", "",
-             md_table(["target", "figure", ""], targets), "",
+             "per-round ratios with its interquartile range (IQR), beside the "
+             "same ratio in CPU time where other tenants share the machine (MACHINE BUSY: the load average above "
+             "the CPU count or a slow copy probe; the rounds are doubled then). `make bench BENCH_ARGS=--quick` is "
+             "a smoke run of seconds whose results go to a git-ignored `quick/` folder beside them, never here.", "",
+             "Every result records the commit it measured and its measured path (the modules and scripts a change "
+             "of which can change its figures); \"stale by N changes\" counts the commits that changed that path "
+             "since (one more if it measured uncommitted changes). A stored result whose commit is not an ancestor "
+             "of the checkout fails tests/project/test_results.py. A figure stale by 1 or more was measured on "
+             "other code than this: measure again before relying on it.", "",
+             f"## Targets: {met} of {judged} met in the stored results", "",
+             md_table(["target", "figure", "", "measured on", "since"], targets), "",
              "## Results, benchmark by benchmark", "", *sections]
     if unstored:
         parts += ["## Benchmarks that print only", "",

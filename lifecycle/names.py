@@ -11,7 +11,10 @@ Why at the first event and per file: a name only clashes where two lifecycles' e
 replaces a draft (`m = Draft("d")` again, in a loop or an engine rebuild) has dropped the old one by then. Why a
 unique name and not a refusal: refusing would break such programs for a clash only the audit trail suffers from.
 A lifecycle is freed by the cyclic collector, not when it is dropped: on a clash the collector runs first (the
-young generations, then all), so "live" means reachable, not "not collected yet".
+young generations, then all), so "live" means reachable, not "not collected yet". Once per holder: one that
+survived a full collection is reachable, and a later clash with it names the newcomer apart without collecting
+again (a full collection of a large process costs hundreds of milliseconds, and it ran on every cold load that
+clashed: issue 33 found the tracking benchmark's cold loads paying it each round).
 
 >>> class Owner: pass
 >>> a, b = Owner(), Owner()
@@ -36,6 +39,8 @@ NAME_CAP = 4096
 REASON = ("a live backbone of this process writes that name and rank to this audit file; this one is named apart "
           "so that each has its own audit stream")
 _live: dict[str, weakref.WeakValueDictionary[tuple[str, Any], Any]] = {}
+#: holders a full collection found reachable (dropped from here when they are freed)
+_survived: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
 
 
@@ -45,11 +50,14 @@ def claim(name: str, rank: Any, owner: Any, scope: str) -> str:
     with _lock:
         held = _live.setdefault(scope, weakref.WeakValueDictionary())
         holder = held.get((name, rank))
-    if holder is not None and holder is not owner:
+    if holder is not None and holder is not owner and holder not in _survived:
         del holder
         gc.collect(1)
         if held.get((name, rank)) is not None:
             gc.collect()
+            if (holder := held.get((name, rank))) is not None:
+                _survived.add(holder)
+    del holder
     with _lock:
         unique, n = name, 1
         while (other := held.get((unique, rank))) is not None and other is not owner:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import events
-from ..checkpoint import IndexEntry, check_paths, checkpoint_index, iter_buckets
+from ..checkpoint import IndexEntry, ReadBuffer, check_paths, checkpoint_index, iter_buckets
 from ..errors import MESSAGE_ITEMS_CAP, CheckpointError, raise_unheld
 from ..types import capped
 from .plan import BucketBy, check_plan, plan_buckets, whole_layer_plan
@@ -157,6 +157,7 @@ def load_safetensors(
     finite_check: bool = False,
     writer: Writer | None = None,
     before_write: BeforeWrite | None = None,
+    read_buffer: ReadBuffer | None = None,
 ) -> LoadReport:
     """Stream a checkpoint into `backbone` in buckets, driving its lifecycle (`weights_loaded` per bucket).
 
@@ -166,6 +167,8 @@ def load_safetensors(
     value once). The header is checked whole before any write; values are read per bucket, so a NaN (or a
     failed write) in a later bucket stops the load after the earlier buckets were written: use a reload session
     (`backbone.reload_session(rollback=True)`) to undo them. `writer`, `before_write`: see `apply_bucket`.
+    `read_buffer`: where the values are read, kept by the caller from load to load (a `ReadBuffer`, pinned for a
+    CUDA device); without it one buffer is made for this load (a `writer` that may keep a value: fresh tensors).
     """
     check_paths(paths)
     check_plan(bucket_by, duplicates)
@@ -190,14 +193,16 @@ def load_safetensors(
         every_layer_whole = (bucket_by == "layer" and subset is None and not shuffle and not duplicates
                              and len(names) == len(lc.specs))
         whole_layers = whole_layer_plan(lc.readiness, buckets) if every_layer_whole else None
-        with closing(iter_buckets(index, buckets, reuse=True)) as read:  # write_tensor copies each value
+        # write_tensor copies each value: one buffer for every bucket
+        with closing(iter_buckets(index, buckets, reuse=True, into=read_buffer)) as read:
             _load_reported_later(backbone, buckets, read, device, finite_check, report, whole_layers)
         report.duration_ms = (time.perf_counter() - t0) * 1e3
         return report
     done = 0
     total = sum(map(len, buckets))
     # a `writer` may keep a value: a buffer of its own for each; `write_tensor` copies (one reused buffer)
-    with closing(iter_buckets(index, buckets, reuse=writer is None)) as read:
+    with closing(iter_buckets(index, buckets, reuse=writer is None,
+                              into=read_buffer if writer is None else None)) as read:
         for i, bucket_names in enumerate(buckets):
             try:
                 bucket = next(read)

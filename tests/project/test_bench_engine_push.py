@@ -1,7 +1,8 @@
 """`benchmarks.engine_push --quick`: a live plugin engine and a live stock engine push the tiny draft in every
 bucket size; the table and the results hold every arm, each push checked, and the counts that do not depend on
-timing (calls, the plugin's steps, stock's fused rebuild per call, stock's layerwise reload failing). No wall-clock
-assertion."""
+timing (calls, the plugin's steps, stock's fused rebuild per call, stock's layerwise reload failing, and a push's
+bytes hashed, fresh storages and passes over the payload inside a live engine: none hashed, none fresh, each byte
+read once and written once, every layer written in place). No wall-clock assertion."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_engine_push_quick_has_every_arm_checked_and_its_deterministic_counts(tm
     assert data["benchmark"] == "engine_push" and data["quick"] is True
     assert all(line in out.splitlines() for line in (tmp_path / "engine_push.txt").read_text().splitlines())
     for heading in ("1. push time", "2. stock vLLM's layerwise reload", "3. memory", "4. where the time goes",
-                    "TARGETS"):
+                    "5. fixed cost", "TARGETS"):
         assert heading in out
     rows = {(r["shape"], r["layout"], r["bucket"]): r for r in data["rows"]}
     assert set(rows) == {("tiny", "gpu", b) for b in BUCKETS}
@@ -53,13 +54,23 @@ def test_engine_push_quick_has_every_arm_checked_and_its_deterministic_counts(tm
         assert steps["structure checks, write hooks"] == steps["vLLM: weight loaders"] == r["calls"]
         assert steps["validation: headers"] == update_weights_calls[bucket]
         assert steps["refresh: plan, checks, events"] == steps["finish: finalize_loading, hooks"] == 1
+        # the GPU layout: every completed layer written in place, none by vLLM's materialise-and-copy-back
+        assert steps["in-place write (the copies)"] == steps["layer completion checks"] > 0
+        assert "vLLM: layerwise materialize, load, copy back" not in steps
+        counts = r["counts"]
+        assert counts["bytes_hashed"] == 0 and counts["fresh_storages_1mib"] == 0, counts
+        assert counts["bytes_read"] == counts["bytes_written"] == counts["payload_bytes"], counts
+        assert "x_floor_cpu" in session and session["cpu_median_ms"] > 0
         assert stock["step_calls"]["vLLM: fused rebuild (torch.cat)"] == r["calls"]  # a new fused buffer per call
         assert 0 < session["own_share"] < 1
         assert "plugin_vs_stock_plain" in r
         assert (r["stock_layerwise"] is not None and "fails" in r["stock_layerwise"]) == (bucket == "whole")
     (probe,) = data["stock_layerwise"]  # quick: one probe, whole-file buckets
     assert probe["bucket"] == "whole" and not probe["completes"] and probe["what"].startswith("the push")
-    assert data["targets"] == []  # the targets are the real-width draft's, not in a quick run
+    # the real-width draft's targets are not in a quick run; the tiny draft's fixed cost is
+    assert [t["kind"] for t in data["targets"]] == ["ms", "ms"]
+    assert data["fixed_cost"]["extra_calls"] == TINY_TENSORS - 1
+    assert data["measured_on"]["path"] and data["summary"]["tables"]
 
 
 def test_gpu_push_on_the_cpu_pushes_every_family_in_every_bucket_size_with_pins_kept(tmp_path, capsys):
@@ -78,4 +89,6 @@ def test_gpu_push_on_the_cpu_pushes_every_family_in_every_bucket_size_with_pins_
     for (family, bucket), r in rows.items():
         assert r["pins_ok"] and r["state"] == "GRAPH_CAPTURED"
         assert r["calls"] == {"whole": 1, "tensor": r["tensors"]}.get(bucket, r["calls"]) and r["calls"] >= 1
-        assert (r["met"] is None) == (family != gpu_push.REAL_WIDTH or bucket == "layer")
+        # every bucket size of the real-width draft is judged (issue 33: one-layer buckets too), no tiny family
+        assert r["target_x"] == (gpu_push.TARGETS[bucket] if family == gpu_push.REAL_WIDTH else None)
+        assert (r["met"] is None) == (family != gpu_push.REAL_WIDTH)

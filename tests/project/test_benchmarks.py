@@ -60,6 +60,10 @@ def test_tracking_overhead_quick(tmp_path, capsys):
                 "met_end_to_end", "target_overhead"} <= r.keys()
         assert {"median_ms", "min_ms", "max_ms", "p25_ms", "p75_ms", "n"} <= r["baseline"].keys()
         assert r["baseline"]["n"] == r["lifecycle"]["n"] >= 3
+        # judged on the CPU-time ratio when the machine was busy (other tenants inflate wall time far more)
+        judged = "overhead_cpu" if data["machine"]["busy"] else "overhead_paired"
+        assert r["met_end_to_end"] == (r[judged]["median"] <= r["target_overhead"]), (r["shape"], r["mode"])
+        assert r["judged_on"] == ("CPU time (MACHINE BUSY)" if data["machine"]["busy"] else "wall time")
     # deterministic: quick shapes have 2 x (7 + 2 x 4) + 1, 4 x 8 + 3 and 2 x 8 + 3 tensors
     assert {r["shape"]: r["tensors"] for r in rows} == {"many-tensor": 31, "dflash-deep": 35, "dflash-8x4k": 19}
     reload_on = [r for r in rows if r["mode"] == "reload" and r["arm"] == "lifecycle, audit on"]
@@ -180,9 +184,10 @@ def test_gpu_check_cpu_stand_in_in_place_reads_new_weights_rebuild_reads_stale(t
     out_json = tmp_path / "g.json"
     assert gpu_check.main(["--device", "cpu", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    assert out.rstrip().endswith("RESULT: all checks passed")
+    assert "\nRESULT: all checks passed\n" in out and out.rstrip().endswith(f"JSON: {out_json}")
     data = json.loads(out_json.read_text())
     assert data["skipped"] is False and data["ok"] is True
+    assert data["summary"]["targets"][0]["met"] is True and data["measured_on"]["commit"]
     rows = {(r["family"], r["path"]): r for r in data["rows"]}
     assert {f for f, _ in rows} == set(FAMILIES)
     for family in FAMILIES:

@@ -13,6 +13,7 @@ import importlib.util
 import itertools
 import json
 import re
+import subprocess
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -41,8 +42,24 @@ def _rel(path: Path) -> str:
 # ---- generated pages and blocks ----------------------------------------------------------------------------------
 
 
+def _shallow() -> bool:
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True,
+                         text=True, check=False)
+    return out.stdout.strip() == "true"
+
+
+def _counts_masked(text: str) -> str:
+    """The page with its "stale by N changes" counts masked: what a shallow clone can check (CI clones fully)."""
+    return re.sub(r"stale by (\d+|\?) changes?", "stale by N changes", text)
+
+
+def _performance_page_current() -> bool:
+    page, stored = gen.performance_page(), (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    return page == stored or (_shallow() and _counts_masked(page) == _counts_masked(stored))
+
+
 def test_every_generated_page_and_block_is_up_to_date() -> None:
-    stale = gen.stale()
+    stale = [rel for rel in gen.stale() if rel != "docs/performance.md" or not _performance_page_current()]
     assert not stale, f"out of date with the code or the results: {', '.join(stale)}: {REGENERATE}"
 
 
@@ -67,17 +84,21 @@ def test_the_check_fails_on_a_stale_block_and_on_changed_results(tmp_path: Path,
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):
         (tmp_path / path.name).write_bytes(path.read_bytes())
     result = json.loads((tmp_path / "refresh.json").read_text())
-    result["rows"][0]["median_ms"] += 1.0
+    result["summary"]["targets"][0]["figure"] += " (changed)"  # what the page shows is the result's own summary
     (tmp_path / "refresh.json").write_text(json.dumps(result))
     monkeypatch.setattr(gen, "RESULTS", tmp_path)
-    assert gen.performance_page() != page
+    changed = gen.performance_page()
+    assert changed != page and "(changed)" in changed
+    result["measured_on"]["uncommitted"] = ["lifecycle/backbone.py"]  # measured on changes never committed
+    (tmp_path / "refresh.json").write_text(json.dumps(result))
+    assert gen.performance_page() != changed
 
 
 def test_the_performance_page_holds_every_stored_result_and_no_figure_by_hand() -> None:
     text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):
         assert f"### {path.stem}\n" in text, f"docs/performance.md has no section for {_rel(path)}: {REGENERATE}"
-    assert gen.performance_page() == text
+    assert _performance_page_current(), f"docs/performance.md: {REGENERATE} (the stale counts follow the history)"
 
 
 def test_the_api_page_lists_every_top_level_name() -> None:

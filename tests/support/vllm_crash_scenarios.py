@@ -7,9 +7,11 @@ interrupted at every write point in turn with RuntimeError, KeyboardInterrupt an
   transfer   the plugin's transfer engine: start_weight_update, update_weights per file (three), finish (path v)
 
 The write points (`support.crash.CORE_PROBES`, `vllm_probes`): every in-place write to a tensor (vLLM's loaders,
-its copy back into the live kernel tensors, the K/V shadows, the refresh), every parameter and buffer registered
+its copy back into the live kernel tensors, the plugin's in-place write of a completed layer (`reload.direct`:
+before it, each copy of it, after it), the K/V shadows, the refresh), every parameter and buffer registered
 (layers moved to META and back), vLLM's reload steps, the transfer calls, every post-load hook, every trigger the
-lifecycle fires (before, and after its state changed) and every report to it.
+lifecycle fires (before, and after its state changed) and every report to it. On the CPU layout the norms are
+written in place and every linear layer by vLLM's copy back; on the GPU layout every layer in place.
 
 After each interrupt (`check`): the draft is usable and then it is exactly draft A (nothing kept) or exactly draft B
 (the reload completed): every linear layer's effective weight (an identity input through its quant method),
@@ -26,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import types
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +40,14 @@ from support.needs import needs
 
 __all__ = ["FULL_ENV", "PATHS", "canaries", "run_crash", "scenario_crash"]
 
-#: the sweeps' scope: unset, every point once with one interrupt kind in turn, on the CPU layout; "1": every point
-#: with every kind, on both layouts
+#: the sweeps' scope: unset, every point once with one interrupt kind in turn, on the CPU layout, and the layerwise
+#: reload on the GPU layout (every layer written in place); "1": every point with every kind, on both layouts
 FULL_ENV = "LIFECYCLE_CRASH_FULL"
 PATHS = ("layerwise", "plain", "transfer")
-#: the default run's sample: every point of the layerwise reload (one kind each, in turn), every 4th of the others
+#: the default run's sample: every point of the layerwise reload (one kind each, in turn), every 4th of the others;
+#: on the GPU layout every 2nd point of the layerwise reload
 STRIDE = {"layerwise": 1, "plain": 4, "transfer": 4}
+GPU_STRIDE = 2
 Tensors = list[tuple[str, torch.Tensor]]
 
 
@@ -158,10 +163,13 @@ def vllm_probes() -> tuple[Any, ...]:
     from torch import nn
     from vllm.model_executor.model_loader.reload import layerwise
 
-    from support.crash import before
+    from lifecycle.vllm.reload import direct
+    from support.crash import after, before
 
     engine = transfer_engine()
     return (
+        before(direct, "write_layer", lambda layer, *a, **k: f"direct write {type(layer).__name__}"),
+        after(direct, "write_layer", lambda layer, *a, **k: f"direct written {type(layer).__name__}"),
         before(nn.Module, "register_parameter", lambda _m, name, *a, **k: f"register_parameter {name}"),
         before(layerwise, "materialize_layer", lambda layer, *a, **k: f"materialize {type(layer).__name__}"),
         before(layerwise, "_copy_and_restore_kernel_tensors",
@@ -303,8 +311,10 @@ def _swallowed_by_vllm(injected: BaseException) -> bool:
     return "/vllm/" in tb.tb_frame.f_code.co_filename.replace("\\", "/")
 
 
-def vllm_sweep(h: Harness, name: str, *, kinds: str | tuple[str, ...], stride: int = 1) -> Any:
-    """`support.crash.sweep` over the harness, every `stride`-th point (an offset per scenario). An injected
+def vllm_sweep(h: Harness, name: str, *, kinds: str | tuple[str, ...], stride: int = 1,
+               pick: Callable[[list[str]], list[int]] | None = None) -> Any:
+    """`support.crash.sweep` over the harness, every `stride`-th point (an offset per scenario), or the points
+    `pick` chooses from the labels of the counting run (1-based). An injected
     RuntimeError that vLLM's own code caught (`_swallowed_by_vllm`) is raised again when the operation ends: the
     run is checked like the others, its outcome marked as such."""
     import zlib
@@ -337,17 +347,43 @@ def vllm_sweep(h: Harness, name: str, *, kinds: str | tuple[str, ...], stride: i
         return Outcome(f"{out.kind} (vLLM caught it)") if d.swallowed and out.kind not in VIOLATIONS else out
 
     def sampled() -> Any:  # iterated once the counting run is done: its points are known
+        if pick is not None:
+            yield from pick(list(seen[0].labels))
+            return
         offset = zlib.crc32(name.encode())
         yield from range(1 + offset % stride, len(seen[0].labels) + 1, stride)
 
     scenario = Scenario(name, h.setup, operation, check, probes=(*CORE_PROBES, *vllm_probes(), grab))
-    return sweep(scenario, kinds=kinds, points=None if stride == 1 else sampled())
+    return sweep(scenario, kinds=kinds, points=None if stride == 1 and pick is None else sampled())
+
+
+def inside_in_place_write(labels: list[str]) -> list[int]:
+    """The points inside the first in-place write of a linear layer: each copy between `direct write` and
+    `direct written` (1-based)."""
+    start = next(i for i, label in enumerate(labels) if label.startswith("direct write") and "Linear" in label)
+    end = next(i for i in range(start, len(labels)) if labels[i].startswith("direct written"))
+    return [i + 1 for i in range(start + 1, end) if labels[i].startswith("copy_")]
+
+
+def torn_write(work: Path) -> dict[str, Any]:
+    """Every copy inside one linear layer's in-place write (GPU layout, vLLM's layerwise reload) interrupted with
+    every kind: the layer is torn, so the draft must refuse (never usable), and the retry must recover it."""
+    from support.crash import KINDS
+
+    h = Harness(work, "gpu", "layerwise")
+    result = vllm_sweep(h, "vllm layerwise (gpu layout), inside an in-place write", kinds=KINDS,
+                        pick=inside_in_place_write)
+    picked = inside_in_place_write(result.points)
+    return {"scenario": result.scenario, "labels": [result.points[k - 1] for k in picked], "runs": result.runs,
+            "outcomes": [[k, o, n] for (k, o), n in sorted(result.outcomes.items())],
+            "violations": result.violations}
 
 
 def _sweep(work: Path, layout: str, path: str, full: bool) -> dict[str, Any]:
     h = Harness(work, layout, path)
     kinds = ("RuntimeError", "KeyboardInterrupt", "SystemExit") if full else "rotate"
-    result = vllm_sweep(h, f"vllm {path} ({layout} layout)", kinds=kinds, stride=1 if full else STRIDE[path])
+    stride = 1 if full else STRIDE[path] if layout == "cpu" else GPU_STRIDE
+    result = vllm_sweep(h, f"vllm {path} ({layout} layout)", kinds=kinds, stride=stride)
     return {"scenario": result.scenario, "points": result.points, "runs": result.runs,
             "outcomes": [[k, o, n] for (k, o), n in sorted(result.outcomes.items())],
             "violations": result.violations}
@@ -383,9 +419,11 @@ def scenario_crash(work: Path) -> dict[str, Any]:
 
     setup()
     full = os.environ.get(FULL_ENV) == "1"
-    layouts = ("cpu", "gpu") if full else ("cpu",)
-    sweeps = [_sweep(work, layout, path, full) for layout in layouts for path in PATHS]
-    return {"full": full, "sweeps": sweeps, "canaries": canaries(Harness(work, "cpu", "layerwise"))}
+    runs = [(layout, path) for layout in ("cpu", "gpu") for path in PATHS] if full else \
+        [*(("cpu", path) for path in PATHS), ("gpu", "layerwise")]
+    sweeps = [_sweep(work, layout, path, full) for layout, path in runs]
+    return {"full": full, "sweeps": sweeps, "torn": torn_write(work),
+            "canaries": canaries(Harness(work, "cpu", "layerwise"))}
 
 
 if __name__ == "__main__":

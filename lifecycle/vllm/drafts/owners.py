@@ -25,8 +25,8 @@ from .runtime import WORKER, DraftRuntime
 if TYPE_CHECKING:
     from .families import VLLMDraftFamily
 
-__all__ = ["VLLMDraftBackbone", "backbones_in", "draft_model_of", "drafts_of", "note_engine_model", "owner_of",
-           "shared_modules"]
+__all__ = ["VLLMDraftBackbone", "backbones_in", "draft_model_of", "drafts_of", "forget_walk", "modules_of",
+           "note_engine_model", "owner_of", "shared_modules", "walk_once"]
 
 
 class VLLMDraftBackbone(DraftBackbone):
@@ -88,7 +88,7 @@ def drafts_of(model: nn.Module) -> list[VLLMDraftBackbone]:
 
 def backbones_in(model: nn.Module) -> list[VLLMDraftBackbone]:
     """Every lifecycle draft backbone among `model`'s modules (none in a target)."""
-    return [m for m in model.modules() if isinstance(m, VLLMDraftBackbone)]
+    return [m for _, m in modules_of(model) if isinstance(m, VLLMDraftBackbone)]
 
 
 def draft_model_of(runner: Any) -> Any:
@@ -116,4 +116,24 @@ def note_engine_model(model: nn.Module) -> None:
 def shared_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Modules of a draft that belong to the target too: vLLM shares the embedding and LM head with a draft that
     has none of its own, and one cached rotary embedding between equal configs."""
-    return [(n, m) for n, m in model.named_modules() if m in WORKER.engine_modules]
+    return [(n, m) for n, m in modules_of(model) if m in WORKER.engine_modules]
+
+
+def walk_once(model: nn.Module) -> None:
+    """A push of `model` begins: its modules are walked now, and every look of the push at them reads this walk
+    (`modules_of`) until `forget_walk` (its epoch ended). vLLM's reload moves tensors, never modules."""
+    WORKER.walked[model] = [(n, weakref.ref(m)) for n, m in model.named_modules() if m is not model]
+
+
+def forget_walk(model: nn.Module) -> None:
+    WORKER.walked.pop(model, None)
+
+
+def modules_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`model.named_modules()`: the push's walk (`walk_once`) while one is open, else walked now."""
+    walked = WORKER.walked.get(model)
+    if walked is not None:
+        out = [(n, m) for n, r in walked if (m := r()) is not None]
+        if len(out) == len(walked):
+            return [("", model), *out]
+    return list(model.named_modules())

@@ -31,10 +31,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ProcessingObserver", "guard_processing", "observe_processing"]
 
-#: Called right before a draft layer is processed: (the layer, (the K/V shadow's name, the shadow) just captured or
-#: None). The outside view registers itself here at activation (the weight checker's digests of what processing may
-#: empty); this layer never imports it.
-ProcessingObserver = Callable[[nn.Module, "tuple[str, torch.Tensor] | None"], None]
+#: Called right before a draft layer is processed: (the layer, (the K/V shadow's name, the shadow, the rows of the
+#: layer's weight it holds) just captured, or None); what it returns (if not None) is called right after processing.
+#: The outside view registers itself here at activation (the weight checker's digests of what processing empties);
+#: this layer never imports it.
+ProcessingObserver = Callable[[nn.Module, "tuple[str, torch.Tensor, slice] | None"], "Callable[[], None] | None"]
 _OBSERVERS: list[ProcessingObserver] = []
 
 
@@ -72,10 +73,12 @@ def guard_processing(backbone: VLLMDraftBackbone, module: VLLMModule, capture: C
                     with torch.no_grad():
                         shadow.copy_(weight[rows])
                     lc.weights_loaded([name])
-                    captured = (name, shadow)
-            for observer in _OBSERVERS:
-                observer(layer, captured)
-            return vllm_processing(layer)
+                    captured = (name, shadow, rows)
+            after = [done for observer in _OBSERVERS if (done := observer(layer, captured)) is not None]
+            result = vllm_processing(layer)
+            for done in after:
+                done()
+            return result
 
         return process_weights_after_loading
 

@@ -48,6 +48,9 @@ class DraftRuntime:
     owned: dict[nn.Module, list[str]] = field(default_factory=dict)
     #: the outermost owned modules: what an implicit reload hands to vLLM's layerwise reload
     roots: list[nn.Module] = field(default_factory=list)
+    #: modules whose processing moved a kept tensor after an in-place write: vLLM's copy back for them since
+    #: (`reload.direct`)
+    copied_back: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     #: linear module -> the name of the K/V shadow its processing fills (`drafts.shadows`)
     shadow_of: dict[nn.Module, str] = field(default_factory=dict)
     #: a call the frozen structure refused, raised by the next write (`reload.classes`)
@@ -58,12 +61,18 @@ class DraftRuntime:
     loader_values: bool = False
     #: this reload's partial policy when its caller chose one; None: the engine's setting
     reload_partial: PartialPolicy | None = None
+    #: the epoch whose precompute metadata was recorded last (`reload.mixin._record_metadata`; -1: none yet)
+    metadata_epoch: int = -1
     #: entry points into the draft's weights being run now (`reload.epoch.entered`): only the outermost acts
     entries: int = 0
     #: the innermost entry point a failure in progress left (what its reason names)
     failed_in: str | None = None
     #: how the last epoch that failed ended: "rolled back" (exactly, serving again) or "quarantined"
     last_outcome: str | None = None
+    #: the reader's staging buffer, kept across pushes (`reload.staging.Staging`, made on the first push)
+    staging: Any = None
+    #: payloads that passed the header check (`reload.expected`): (headers, names, ranks) -> None, oldest first
+    payloads_checked: dict[Any, None] = field(default_factory=dict)
     #: the push whose weights the draft serves: the epoch that last finished (0: the cold load; a rolled-back epoch
     #: is not one) and the trainer's `weight_version` of it, if it gave one (`reload.epoch`, `online.sessions`)
     serving_epoch: int = 0
@@ -74,10 +83,14 @@ class DraftRuntime:
     #: steps served without this draft since the process started
     steps_without_draft_total: int = 0
     written: WrittenBytes = field(default_factory=WrittenBytes)
-    #: module -> {parameter: sha256 as loaded, right before processing} (the weight checker, CPU tensors)
+    #: module -> {parameter: sha256 as loaded, right before processing emptied it} (the weight checker, CPU tensors)
     digests_before_processing: dict[nn.Module, dict[str, str]] = field(default_factory=dict)
-    #: linear module -> {K/V shadow name: sha256 of the rows captured into it}
-    captured_digests: dict[nn.Module, dict[str, str]] = field(default_factory=dict)
+    #: module -> the parameters its last processing emptied (learnt at its first: only those are hashed since)
+    emptied_by_processing: dict[nn.Module, set[str]] = field(default_factory=dict)
+    #: linear module -> {K/V shadow name: what the rows captured into it hash to (`weight_checker.RowsDigest`)}
+    captured_digests: dict[nn.Module, dict[str, Any]] = field(default_factory=dict)
+    #: bytes the push path hashed for the weight checker, since the draft was built (tests count them per push)
+    bytes_hashed: int = 0
     #: the front process's current serving period of this draft's engine, as the `acceptance` event it becomes:
     #: written when the worker stops before the next push ends the period (`observability.serving_state`); kept
     #: per draft, so that a period reaches only the drafts of the engine it was measured on
@@ -92,6 +105,10 @@ class WorkerRuntime:
         self.drafts: weakref.WeakSet[Any] = weakref.WeakSet()
         #: modules of the models the engine loaded that hold no lifecycle draft (the target)
         self.engine_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: model -> its submodules (name, module held weakly), walked once when a push begins and kept until its
+        #: epoch ends (`owners.modules_of`): the push's every look at the model's modules reads this one walk
+        self.walked: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, weakref.ref[nn.Module]]]] = (
+            weakref.WeakKeyDictionary())
         #: modules whose live tensors the current reload began to write, recorded BEFORE the write: an interrupt
         #: after it leaves them partly written, which putting their kept tensors back cannot undo
         self.touched: weakref.WeakSet[nn.Module] = weakref.WeakSet()

@@ -17,14 +17,18 @@ route) and adds, under the same worker prefix:
                               `not-serving:<STATE>` while the draft does not serve (quarantined, mid-reload)
 
 The two layouts. On CUDA (and the CPU build without oneDNN) a linear layer keeps its weight in checkpoint layout
-after processing: its digest is read live. vLLM's CPU build repacks every linear layer into a oneDNN handle and
-empties its `weight` to shape (0,) (vLLM's own entry then hashes no bytes); the plugin records each such
-parameter's digest right before the layer is processed (`record_before_processing`, called from the processing
-guard), so `draft.<parameter>` is the same value on both layouts: what a CUDA engine holds. The cost is one sha256
-pass over those weights per load, on the CPU build only (a CUDA tensor is never hashed there). Likewise the K/V
+after processing: its digest is read live, when `/weight_checker` asks. vLLM's CPU build repacks every linear layer
+into a oneDNN handle and empties its `weight` to shape (0,) (vLLM's own entry then hashes no bytes); the plugin
+records the digest of each parameter processing EMPTIES right before the layer is processed
+(`record_before_processing`, a processing observer), so `draft.<parameter>` is the same value on both layouts:
+what a CUDA engine holds. Which parameters processing empties is learnt from the module's first processing (the
+cold load hashes every CPU parameter once and keeps the digests of those it emptied); from then on a push hashes
+those alone: nothing on the GPU layout (and never a CUDA tensor), at most the bytes processing empties on the CPU
+layout (`DraftRuntime.bytes_hashed` counts them; tests/vllm_plugin/reload/test_push_counts.py). Likewise the K/V
 rows the CPU layout keeps only in the fused buffer (`shadows.py`: its per-layer shadows are views of it) are
-checked against the digest of the rows captured from the weight before it was repacked; on CUDA the cold build
-reads the live weight rows.
+checked against the rows captured from the weight before it was repacked: where they are the weight's last rows,
+by the hash state of the rows before them and the weight's digest (`RowsDigest`: no byte hashed twice), else by
+their own digest; on CUDA the cold build reads the live weight rows.
 
 `/weight_checker reset` (vLLM's `zero_weights(get_model())`) zeroes the target only; the draft is left out of it,
 so no draft ever holds derived buffers that disagree with zeroed weights.
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +54,7 @@ from ...torch_private import own_buffers, own_parameters
 from ..drafts.owners import VLLMDraftBackbone, backbones_in, draft_model_of, owner_of, shared_modules
 
 __all__ = ["DERIVED_PREFIX", "DIFFERS", "DRAFT_PREFIX", "EQUAL", "NOT_BUILT", "NOT_SERVING",
-           "WORKER_PREFIX", "derived_verdicts", "digest", "draft_checksums", "expected_checksums",
+           "WORKER_PREFIX", "RowsDigest", "derived_verdicts", "digest", "draft_checksums", "expected_checksums",
            "record_before_processing"]
 
 DRAFT_PREFIX = "draft."
@@ -64,24 +69,93 @@ WORKER_PREFIX = "dp0:pp0:pcp0:tp0:"
 _DFLASH_FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 
 
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """`t`'s bytes, contiguous, on the CPU, as a buffer hashlib reads without a copy (a contiguous CPU tensor is
+    not copied at all)."""
+    flat = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+    return memoryview(flat.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray is a buffer
+
+
 def digest(t: torch.Tensor) -> str:
     """vLLM's digest of a tensor: sha256 hex of its bytes, contiguous, on the CPU."""
-    flat = t.detach().cpu().contiguous().view(-1).view(torch.uint8)
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    return hashlib.sha256(_byte_view(t)).hexdigest()
 
 
-def record_before_processing(layer: nn.Module, shadow: tuple[str, torch.Tensor] | None = None) -> None:
-    """Right before `layer` is processed (repacked): the digest of each of its CPU parameters, and of the K/V
-    rows just captured into `shadow` (the shadow's name in the backbone, the shadow)."""
+@dataclass(frozen=True)
+class RowsDigest:
+    """What the K/V rows captured into a shadow hashed to: the rows' own `digest`, or, where they are the last rows
+    of a weight hashed anyway, that weight's digest and the hash state of its rows before them (`before`), so the
+    rows are not hashed a second time at the push."""
+
+    digest: str
+    before: Any = None  # a hashlib sha256 object: the weight's bytes before the shadow's rows
+
+    def holds(self, shadow: torch.Tensor) -> bool:
+        """Whether `shadow` still holds the rows captured into it."""
+        if self.before is None:
+            return digest(shadow) == self.digest
+        h = self.before.copy()
+        h.update(_byte_view(shadow))
+        return bool(h.hexdigest() == self.digest)
+
+
+def _tail_split(weight: torch.Tensor, rows: slice | None) -> int | None:
+    """The byte offset where `weight[rows]` starts when those rows are its last ones (a contiguous weight), else
+    None."""
+    if rows is None or rows.step not in (None, 1) or rows.stop not in (None, weight.shape[0]) \
+            or not weight.is_contiguous() or weight.dim() != 2:
+        return None
+    start = range(weight.shape[0])[rows].start if weight.shape[0] else 0
+    return start * weight.stride(0) * weight.element_size()
+
+
+def record_before_processing(layer: nn.Module, shadow: tuple[str, torch.Tensor, slice] | None = None
+                             ) -> Callable[[], None] | None:
+    """Right before `layer` is processed: the digest of each CPU parameter processing empties (all of them the
+    first time, when that is not known yet), and what the K/V rows just captured into `shadow` (its name in the
+    backbone, the shadow, the rows of `layer.weight` it holds) hash to. Returns what runs right after processing:
+    it learns which parameters processing emptied and keeps only their digests."""
     owner = owner_of(layer)
     if owner is None:
-        return
+        return None
     runtime = owner[0].lifecycle_runtime
-    runtime.digests_before_processing[layer] = {
-        name: digest(p) for name, p in own_parameters(layer).items()
-        if p is not None and not p.is_meta and p.device.type == "cpu" and p.numel() > 0}
+    known = runtime.emptied_by_processing.get(layer)  # None: never processed yet
+    if known is not None and not known and shadow is None:  # processing keeps every parameter: nothing to do
+        return None
+    cpu = {name: p for name, p in own_parameters(layer).items()
+           if p is not None and not p.is_meta and p.device.type == "cpu" and p.numel() > 0}
+    split = _tail_split(cpu["weight"], shadow[2]) if shadow is not None and "weight" in cpu else None
+    digests: dict[str, str] = {}
+    rows: RowsDigest | None = None
+    for name, p in cpu.items():
+        if known is not None and name not in known:
+            continue  # processing keeps it: read live when asked
+        h = hashlib.sha256()
+        data = _byte_view(p)
+        runtime.bytes_hashed += len(data)
+        if name == "weight" and split is not None:
+            h.update(data[:split])
+            before = h.copy()
+            h.update(data[split:])
+            digests[name] = h.hexdigest()
+            rows = RowsDigest(digests[name], before)
+        else:
+            h.update(data)
+            digests[name] = h.hexdigest()
     if shadow is not None:
-        runtime.captured_digests.setdefault(layer, {})[shadow[0]] = digest(shadow[1])
+        if rows is None:
+            rows = RowsDigest(digest(shadow[1]))
+            runtime.bytes_hashed += shadow[1].numel() * shadow[1].element_size()
+        runtime.captured_digests.setdefault(layer, {})[shadow[0]] = rows
+    runtime.digests_before_processing[layer] = digests
+
+    def after_processing() -> None:
+        now = own_parameters(layer)
+        emptied = {n for n in cpu if (q := now.get(n)) is None or q.numel() == 0}
+        runtime.emptied_by_processing[layer] = emptied
+        runtime.digests_before_processing[layer] = {n: d for n, d in digests.items() if n in emptied}
+
+    return after_processing
 
 
 # ---- engine side ---------------------------------------------------------------------------------------------
@@ -170,7 +244,7 @@ def _captures_hold(backbone: VLLMDraftBackbone, layer: nn.Module, parts: list[to
     for module in layer.modules():
         for name, recorded in backbone.lifecycle_runtime.captured_digests.get(module, {}).items():
             shadow = resolve_tensor(backbone, name)
-            if shadow is not None and any(p is shadow for p in parts) and digest(shadow) != recorded:
+            if shadow is not None and any(p is shadow for p in parts) and not recorded.holds(shadow):
                 return False
     return True
 

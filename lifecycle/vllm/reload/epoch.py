@@ -35,7 +35,7 @@ from ...torch_private import non_persistent_buffers
 from ...types import capped
 from ...types import describe_error as describe
 from .. import settings
-from ..drafts.owners import VLLMDraftBackbone, backbones_in, drafts_of
+from ..drafts.owners import VLLMDraftBackbone, drafts_of, forget_walk, modules_of, walk_once
 from ..drafts.quantized import reload_blocker
 from ..drafts.runtime import WORKER
 from .partial import PartialOutcome, settle_partial
@@ -99,12 +99,15 @@ def fail(model: nn.Module, reason: str) -> str | None:
     mid-reload. Idempotent."""
     # what an interrupted `initialize_layerwise_reload` left half-way is put back with its buffers' persistence
     non_persistent, WORKER.initializing = WORKER.initializing, None
-    drafts = backbones_in(model)
+    drafts = drafts_of(model)
     # an entry through the inner model (a trainer's own write) unwinds the whole draft: an implicit reload also put
     # the modules the ForCausalLM holds (lm_head, d2t) in vLLM's reload
     outer = drafts[0].lifecycle_runtime.outer() if len(drafts) == 1 and drafts[0] is model else None
     written = unwind(outer if outer is not None else model, non_persistent=non_persistent)
     outcome = None
+    for walked in (model, *(d.lifecycle_runtime.outer() for d in drafts)):
+        if walked is not None:
+            forget_walk(walked)
     for backbone in drafts:
         backbone.lifecycle_runtime.reload_partial = None
         lc = backbone.lifecycle
@@ -145,12 +148,13 @@ def begin(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: 
         raise NotImplementedError(f"reload-lifecycle: {why}")
     if reload_in_progress(model):  # the last reload never reached finalize
         fail(model, "abandoned: a new reload began before the previous one was finalized")
+    walk_once(model)  # the push's one walk of the model's modules (`owners.modules_of`), kept until its end
     # what vLLM's initialize moves to META and back: its buffers' persistence, for an interrupted one
-    WORKER.initializing = {m: set(non_persistent_buffers(m)) for m in model.modules()}
+    WORKER.initializing = {m: set(non_persistent_buffers(m)) for _, m in modules_of(model)}
     for m in WORKER.initializing:
         WORKER.touched.discard(m)
     with entered(model, "initialize_layerwise_reload"):
-        for backbone in backbones_in(model):
+        for backbone in drafts_of(model):
             if not backbone.lifecycle.unloaded:  # never before a first load
                 backbone.begin_reload()
         result = original(model, *args, **kwargs)
@@ -169,6 +173,9 @@ def begin_implicit(backbone: VLLMDraftBackbone, cause: str, *, layerwise: bool =
     lc, runtime = backbone.lifecycle, backbone.lifecycle_runtime
     lc.audit_event("implicit_reload", cause=cause, from_state=lc.state.value)
     backbone.begin_reload()
+    outer = runtime.outer()
+    if outer is not None:
+        walk_once(outer)
     roots = runtime.roots
     if inner_only:
         inside = {id(m) for m in backbone.modules()}
@@ -185,8 +192,19 @@ def begin_implicit(backbone: VLLMDraftBackbone, cause: str, *, layerwise: bool =
 def finish(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """vLLM's `finalize_layerwise_reload(model, model_config, ...)` for a model with lifecycle drafts: settle what a
     partial payload left, vLLM's finalize, then each draft finishes its epoch (`finish_epoch`)."""
-    drafts = backbones_in(model)
+    drafts = drafts_of(model)
     model_config = args[0] if args else kwargs.get("model_config")
+    try:
+        return _finish(model, drafts, model_config, original, *args, **kwargs)
+    finally:
+        forget_walk(model)  # the push ended (or failed: `fail` forgot it already)
+        outer = drafts[0].lifecycle_runtime.outer() if drafts else None
+        if outer is not None:
+            forget_walk(outer)
+
+
+def _finish(model: nn.Module, drafts: list[VLLMDraftBackbone], model_config: Any, original: Callable[..., Any],
+            *args: Any, **kwargs: Any) -> Any:
     with entered(model, "finalize_layerwise_reload"):
         if not hasattr(model_config, "dtype"):  # vLLM reads it only after processing every other layer
             raise TypeError("finalize_layerwise_reload(model, model_config): model_config must be the draft's "

@@ -32,6 +32,10 @@ reading; a name it admits wrongly still meets vLLM's own refusal, with the draft
 
 A model without a lifecycle backbone (the target, through the transfer engine) is not checked here: vLLM's
 loader does, and `payload.plan_payload` refuses any tensor larger than the machine's memory for every payload.
+
+A payload that passed is remembered by its headers and names (`DraftRuntime.payloads_checked`, once the draft's
+structure is frozen): headers equal byte for byte list the same names, shapes and dtypes, so a trainer's every push
+of one model is checked once, not once per push (the loader's `validate_index` does the same).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from typing import Any, cast
 
 from ...errors import MESSAGE_ITEMS_CAP, CheckpointError
 from ...types import capped
-from ..drafts.owners import VLLMDraftBackbone, backbones_in
+from ..drafts.owners import VLLMDraftBackbone, drafts_of
 
 __all__ = ["PACKED", "SKIPPED", "check_payload", "needs_whole_calls"]
 
@@ -55,12 +59,13 @@ PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 SKIPPED = ("t2d", "rotary_emb.inv_freq")
 KV_SCALES = (".k_scale", ".v_scale", ".q_scale", ".kv_scale", ".prob_scale")
 _DROPPED = "dropped"  # a mapper maps the name to None: vLLM ignores it
+PAYLOADS_KEPT = 64  # payloads remembered as checked, per draft (a trainer's chunks: one per shard file)
 
 
 def needs_whole_calls(model: Any) -> bool:
     """Whether the draft's `load_weights` needs every tensor in every call (0.33's Muse Spark: lm_head and d2t;
     XPress: `xpress_head.mix.L`): a payload without `bucket_size` is then one bucket."""
-    return any(b._family.whole_calls for b in backbones_in(model))
+    return any(b._family.whole_calls for b in drafts_of(model))
 
 
 def _mappers(*owners: Any) -> list[Callable[[str], str | None]]:
@@ -155,12 +160,17 @@ def _tp_size() -> int:
 def check_payload(index: dict[str, Any], names: Iterable[str], model: Any, *, tp_size: int | None = None) -> None:
     """Refuse, before any data is read, payload names `model`'s lifecycle draft cannot take, and tensors larger
     than what they load into (see the module doc). A model without a lifecycle backbone passes."""
-    backbones = backbones_in(model)
+    backbones = drafts_of(model)
     if not backbones:
         return
     names = list(names)
     lc = backbones[0].lifecycle
-    structure = backbones[0].lifecycle_runtime.structure
+    runtime = backbones[0].lifecycle_runtime
+    structure = runtime.structure
+    headers = getattr(index, "headers", ())
+    key = (headers, frozenset(names), tp_size or _tp_size()) if headers and structure.frozen is not None else None
+    if key is not None and key in runtime.payloads_checked:
+        return
     if structure is not None:
         names_only = cast("list[tuple[str, Any]]", [(n, None) for n in names])  # admit reads the names alone
         _, refusal = structure.admit(names_only, lc)
@@ -210,3 +220,7 @@ def check_payload(index: dict[str, Any], names: Iterable[str], model: Any, *, tp
             "the payload does not fit the draft, checked from its headers before any data was read; nothing was "
             "touched:\n  " + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""),
             backbone=lc.name, state=lc.state.value))
+    if key is not None:
+        while len(runtime.payloads_checked) >= PAYLOADS_KEPT:  # the oldest first (a dict keeps its order)
+            del runtime.payloads_checked[next(iter(runtime.payloads_checked))]
+        runtime.payloads_checked[key] = None

@@ -5,8 +5,9 @@ epoch boundary (`epoch.py`) and leaves a model without lifecycle drafts (the tar
                                            then vLLM's
   _layerwise_process(layer, info)       -> a draft's layer is processed only once every tensor and every shard
                                            of a fused parameter arrived (`shards.py`; vLLM's element count can add
-                                           up without them); after vLLM processed it, the owning draft records
-                                           that layer's tensors as loaded
+                                           up without them), written straight into its kept tensors where
+                                           processing keeps their layout (`direct.py`), else by vLLM; then the
+                                           owning draft records that layer's tensors as loaded
   _copy_and_restore_kernel_tensors      -> the layer is recorded as written before vLLM copies it back
   finalize_layerwise_reload(model, c)   -> `epoch.finish`: the partial payload settled, vLLM's finalize, then each
                                            draft finishes (every layer ready, reload hooks, refresh in place) or is
@@ -31,8 +32,9 @@ from typing import Any
 
 from torch import nn
 
-from ..drafts.owners import backbones_in, note_engine_model, owner_of
+from ..drafts.owners import drafts_of, note_engine_model, owner_of
 from ..drafts.runtime import WORKER
+from . import direct
 from .epoch import begin, finish
 from .shards import missing_parts
 
@@ -50,7 +52,7 @@ def _require_module(model: Any, function: str) -> None:
 def wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
         _require_module(model, "initialize_layerwise_reload")
-        if not backbones_in(model):  # the target, or a model without lifecycle drafts: vLLM's reload as it is
+        if not drafts_of(model):  # the target, or a model without lifecycle drafts: vLLM's reload as it is
             return original(model, *args, **kwargs)
         return begin(model, original, *args, **kwargs)
 
@@ -60,7 +62,7 @@ def wrap_initialize(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_finalize(original: Callable[..., Any]) -> Callable[..., Any]:
     def finalize_layerwise_reload(model: Any, *args: Any, **kwargs: Any) -> Any:
         _require_module(model, "finalize_layerwise_reload")
-        if not backbones_in(model):
+        if not drafts_of(model):
             with WORKER.flag("in_vllm_reload"):
                 return original(model, *args, **kwargs)
         return finish(model, original, *args, **kwargs)
@@ -82,7 +84,11 @@ def wrap_layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         complete = not completing and info.load_numel_total is not None \
             and info.load_numel >= info.load_numel_total > 0
         with WORKER.flag("in_vllm_reload"):
-            result = original(layer, info, *args, **kwargs)
+            runtime = owner[0].lifecycle_runtime if owner is not None else None
+            if runtime is not None and not completing and direct.writes_in_place(layer, info, runtime):
+                result = direct.write_layer(layer, info, runtime)
+            else:
+                result = vllm_process(original, layer, info, *args, **kwargs)
         WORKER.touched.discard(layer)  # processed and copied back whole: the reload wrote it (it no longer waits)
         if complete and owner is not None:
             backbone, names = owner
@@ -91,6 +97,12 @@ def wrap_layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return layerwise_process
+
+
+def vllm_process(original: Callable[..., Any], layer: Any, info: Any, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's own `_layerwise_process` of a layer (materialise, load, process, copy back): one name a profiler
+    (`benchmarks.engine_steps`) can time apart from the plugin's checks around it."""
+    return original(layer, info, *args, **kwargs)
 
 
 def wrap_copy_back(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -105,7 +117,7 @@ def wrap_copy_back(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def wrap_process_weights_after_loading(original: Callable[..., Any]) -> Callable[..., Any]:
     def process_weights_after_loading(model: Any, *args: Any, **kwargs: Any) -> Any:
-        backbones = backbones_in(model)
+        backbones = drafts_of(model)
         if any(b.reload_open for b in backbones):  # a plain load_weights after the cold load opened an epoch
             model_config = args[0] if args else kwargs["model_config"]
             finalize = importlib.import_module(_LAYERWISE).finalize_layerwise_reload  # the wrapped one

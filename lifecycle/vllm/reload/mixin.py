@@ -106,8 +106,14 @@ class LifecycleDraftModel(VLLMDraftBackbone):
         return report
 
     def _record_metadata(self) -> None:
-        """What each declared builder sets besides its tensors: the non-tensor precompute metadata."""
+        """What each declared builder sets besides its tensors: the non-tensor precompute metadata. vLLM calls the
+        builder at the end of every `load_weights` call; after the cold load (which decides the structure) the
+        geometry it reads is fixed, so a reload records it once per epoch, not once per call."""
+        lc, runtime = self.lifecycle, self.lifecycle_runtime
+        if lc.epoch > 0 and runtime.metadata_epoch == lc.epoch:
+            return
         self._family.set_metadata(self)
+        runtime.metadata_epoch = lc.epoch
 
     def _derived_builder(self) -> None:
         """Each declared builder of vLLM's class (`_build_fused_kv_buffers` and the like): `writes.builder_called`."""

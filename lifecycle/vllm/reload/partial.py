@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ...torch_private import own_buffers, own_parameters
-from ..drafts.owners import VLLMDraftBackbone, backbones_in, owner_of
+from ..drafts.owners import VLLMDraftBackbone, drafts_of, owner_of
 from ..drafts.runtime import WORKER
 from .shards import missing_parts
 from .unwind import infos, put_back
@@ -76,7 +76,7 @@ def settle_partial(model: nn.Module, policy_of: Callable[[VLLMDraftBackbone], Pa
         for n in names + ([shadow] if shadow else []):
             missing = f"; {parts[n]}" if n in parts else ""
             out.unfilled[n] = f"{sent}; kept unchanged, the sent part dropped ({why}){missing}"
-    for backbone in backbones_in(model):
+    for backbone in drafts_of(model):
         outcomes.setdefault(backbone, PartialOutcome())
     return outcomes
 

@@ -11,7 +11,9 @@ one bucket at a time from disk (the reader holds only that bucket; vLLM itself b
 are not complete yet) and hands it to `model.load_weights`. Without a `bucket_size` a bucket is one layer
 (`layers.N.`), and every other tensor is a bucket of its own: the reader never holds more than the largest layer
 or tensor (before, the default was the whole payload in one bucket: a 1.5 GiB payload added 1.5 GiB of resident
-memory). A draft whose `load_weights` needs every tensor in every call (`VLLMDraftFamily.whole_calls`) gets one.
+memory). A draft whose `load_weights` needs every tensor in every call (`VLLMDraftFamily.whole_calls`) gets one. A
+lifecycle draft's buckets are read into its staging buffer, reused from bucket to bucket and from push to push
+(`staging.py`; the target's into fresh tensors).
 
 What a path argument can reach: any file or folder the worker process can read, unless the engine was started
 with `RELOAD_LIFECYCLE_PATH_ROOT=/abs/folder`, in which case every file is confined, not only the path: the path
@@ -37,6 +39,7 @@ from ...errors import CheckpointError
 from ...types import clipped
 from .. import settings
 from .expected import check_payload, needs_whole_calls
+from .staging import staging_for
 
 __all__ = ["Payload", "check_bucket_size", "check_path", "check_prefixes", "default_buckets", "feed", "plan_payload"]
 
@@ -174,7 +177,21 @@ def plan_payload(path: object, *, bucket_size: object = None, shuffle: object = 
 
 
 def feed(model: Any, payload: Payload) -> None:
-    """`model.load_weights(bucket)` per bucket, read from disk one bucket at a time."""
-    with closing(iter_buckets(payload.index, payload.buckets)) as read:
-        for bucket in read:
-            model.load_weights(bucket)
+    """`model.load_weights(bucket)` per bucket, read from disk one bucket at a time (into the draft's staging
+    buffer: `staging.py`)."""
+    staging = staging_for(model)
+    if staging is None:
+        with closing(iter_buckets(payload.index, payload.buckets)) as read:
+            for bucket in read:
+                model.load_weights(bucket)
+        return
+    staging.start()
+    try:
+        with closing(iter_buckets(payload.index, payload.buckets, into=staging.region)) as read:
+            for bucket in read:
+                model.load_weights(bucket)
+                staging.settle(model)
+    except BaseException:
+        staging.drop()  # what a failed call left held is unwound with its epoch; never read over it
+        raise
+    staging.check(model)

@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from ..compat.patching import write_private
-from ..drafts.owners import shared_modules
+from ..drafts.owners import modules_of, shared_modules
 from ..drafts.runtime import WORKER
 
 __all__ = ["infos", "keep_shared_modules_live", "layerwise_function", "put_back", "reload_in_progress", "unwind"]
@@ -38,7 +38,7 @@ def infos(model: nn.Module) -> list[tuple[nn.Module, Any]]:
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     out = []
-    for module in model.modules():
+    for _, module in modules_of(model):
         info = LAYERWISE_INFO.get(module)
         if info is not None and info.can_load() and info.kernel_tensors is not None:
             out.append((module, info))
@@ -63,7 +63,7 @@ def _half_initialized(model: nn.Module) -> list[tuple[nn.Module, Any]]:
     `initialize_layerwise_reload` (their tensors may be on META, or gone)."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    return [(m, info) for m in model.modules() if (info := LAYERWISE_INFO.get(m)) is not None
+    return [(m, info) for _, m in modules_of(model) if (info := LAYERWISE_INFO.get(m)) is not None
             and info.kernel_tensors is not None and not info.can_load()]
 
 
@@ -74,7 +74,8 @@ def unwind(model: nn.Module, *, non_persistent: dict[nn.Module, set[str]] | None
     the modules an interrupted initialize left half-way (`_half_initialized`)."""
     waiting = infos(model)
     half = _half_initialized(model)
-    touched = [m for m in model.modules() if m in WORKER.touched]
+    modules = [m for _, m in modules_of(model)]
+    touched = [m for m in modules if m in WORKER.touched]
     for m in touched:
         WORKER.touched.discard(m)
     if not waiting and not half:
@@ -85,7 +86,7 @@ def unwind(model: nn.Module, *, non_persistent: dict[nn.Module, set[str]] | None
     # initialize_layerwise_reload put every module of `model` in the reload (but the shared ones, taken out by
     # keep_shared_modules_live): one that no longer waits was processed (written into its kernel tensors); one
     # that still waits may have been written in part (`WORKER.touched`: an interrupted copy back)
-    written = 0 if half else sum(1 for m in model.modules() if id(m) not in skip and m in LAYERWISE_INFO)
+    written = 0 if half else sum(1 for m in modules if id(m) not in skip and m in LAYERWISE_INFO)
     written += sum(1 for m in touched if id(m) in skip)
     for module, info in half:
         if non_persistent is not None and module in non_persistent:

@@ -38,8 +38,8 @@ def crash(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
-def sweep_of(crash: dict[str, Any], path: str) -> dict[str, Any]:
-    (s,) = [s for s in crash["sweeps"] if s["scenario"].startswith(f"vllm {path} (cpu")]
+def sweep_of(crash: dict[str, Any], path: str, layout: str = "cpu") -> dict[str, Any]:
+    (s,) = [s for s in crash["sweeps"] if s["scenario"] == f"vllm {path} ({layout} layout)"]
     return s
 
 
@@ -79,6 +79,8 @@ def test_the_write_points_are_the_ones_a_reload_has(crash: dict[str, Any], path:
         assert "register_buffer _fused_kv_weight" in steps
     if path == "transfer":
         assert {"transfer receive_weights", "transfer finish_weight_update"} <= set(labels)
+    if path != "plain":  # the norms are written in place, the linear layers copied back (vLLM's repack)
+        assert {"direct write RMSNorm", "copy back QKVParallelLinear"} <= set(labels), sorted(set(labels))
     assert len(labels) > 150
     # both ends are reached: an interrupt that leaves the draft as it was, one that refuses until the retry
     assert {USABLE, REFUSED} <= set(outcomes(sweep_of(crash, path)))
@@ -88,3 +90,27 @@ def test_the_check_names_a_draft_that_disagrees_with_a_cold_build_usable_but_sta
     # else a sweep's 0 could mean a check that never looks
     assert crash["canaries"] == {"derived buffer off by one element": STALE, "weight on META": STALE}
 
+
+
+def test_on_the_gpu_layout_every_layer_is_written_in_place_and_an_interrupt_anywhere_is_never_usable_but_stale(
+        crash: dict[str, Any]) -> None:
+    s = sweep_of(crash, "layerwise", "gpu")
+    by = outcomes(s)
+    print(f"{s['scenario']}: {len(s['points'])} write points, {s['runs']} interrupted runs, {dict(by)}")
+    assert s["violations"] == [], "\n".join(s["violations"][:20])
+    assert by[STALE] == 0 and by[USABLE] + by[REFUSED] == s["runs"] > 0
+    labels = set(s["points"])
+    assert {"direct write QKVParallelLinear", "direct write MergedColumnParallelLinear",
+            "direct write RowParallelLinear", "direct write RMSNorm"} <= labels, sorted(labels)
+    assert not any(label.startswith(("copy back", "materialize")) for label in labels)  # no fresh layer, no copy
+
+
+def test_an_interrupt_inside_one_layers_in_place_write_leaves_it_torn_and_the_draft_refusing(
+        crash: dict[str, Any]) -> None:
+    torn = crash["torn"]
+    assert torn["labels"] and all(label.startswith("copy_") for label in torn["labels"]), torn["labels"]
+    assert torn["violations"] == [], "\n".join(torn["violations"][:20])
+    # every kind at every copy of the write: the draft refuses (never usable with a torn layer), and the complete
+    # retry (the check's second half) brings it back equal to a cold build
+    assert {o for _, o, _ in torn["outcomes"]} == {REFUSED}, torn["outcomes"]
+    assert torn["runs"] == 3 * len(torn["labels"])

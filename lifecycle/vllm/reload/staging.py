@@ -1,0 +1,105 @@
+"""A draft's staging buffer: every bucket a push reads is read into it, reused from bucket to bucket and from push
+to push.
+
+A fresh tensor per value read (what the checkpoint reader gives otherwise) is faulted in page by page and freed with
+its bucket: at the size of a real draft the reads cost more than the copies. vLLM's layerwise reload keeps each
+load it is handed until the load's layer is complete (the buffered weight loader's arguments), so a bucket's bytes
+are free again only once every layer it reached completed: a bucket is read after the bytes still held
+(`Staging.region`), and the buffer is used from its start again once nothing is held (`Staging.settle`, after
+each `load_weights` call). A bucket that does not fit after the held bytes is read into fresh tensors, and the
+buffer grows to the longest run seen before the next bucket that finds nothing held, so from the second push on
+every read lands in it: whole-file buckets need the file's size, one layer or one tensor at a time about one
+layer's. It is kept across pushes (by the draft's runtime: dropped with the draft); where the draft's tensors are
+on CUDA it is pinned host memory (the copy to the device reads it directly).
+
+Nothing may keep a view of the buffer past its layer's processing: a weight loader that bound a parameter to the
+value it was handed instead of copying it would have the next read overwrite a live weight. `Staging.check`
+refuses that at the end of each chunk (the push fails, so the draft is quarantined before it could serve) and the
+draft reads into fresh tensors from then on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import CheckpointError
+from ..drafts.owners import drafts_of
+from ..drafts.runtime import DraftRuntime
+from .unwind import infos
+
+__all__ = ["Staging", "staging_for"]
+
+
+class Staging:
+    """One draft's reused read buffer (module doc)."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self.buffer: torch.Tensor | None = None
+        self.refused = False  # a loader kept a view of it: fresh reads from then on
+        self._held = 0  # bytes at the start of the buffer that buffered loads still reference
+        self._run = 0  # bytes read since nothing was held (what the buffer would need to hold them all)
+        self._wanted = 0  # the longest such run seen: the size to grow to when nothing is held
+        self._waiting: list[tuple[nn.Module, Any]] | None = None  # vLLM's infos of the modules in the reload
+
+    def region(self, need: int) -> torch.Tensor | None:
+        """`need` bytes to read the next bucket into, after the held ones; None: fresh tensors (it does not fit)."""
+        self._run += need
+        self._wanted = max(self._wanted, self._run)
+        size = 0 if self.buffer is None else self.buffer.numel()
+        if self._held == 0 and size < self._wanted:
+            self.buffer = None  # nothing references it: the smaller one goes first
+            self.buffer = torch.empty(self._wanted, dtype=torch.uint8, pin_memory=self.pinned)
+            size = self._wanted
+        if self.buffer is None or self._held + need > size:
+            return None
+        start, self._held = self._held, self._held + need
+        return self.buffer[start:self._held]
+
+    def settle(self, model: nn.Module) -> None:
+        """After a `load_weights` call: whether any load it was handed is still held (its layer is not complete);
+        if none is, the next bucket goes to the start of the buffer."""
+        if self._waiting is None or not self._waiting:  # an implicit reload may have begun with this call
+            self._waiting = infos(model)
+        self._waiting = [(m, i) for m, i in self._waiting if i.can_load() and i.kernel_tensors is not None]
+        if not any(i.loaded_weights for _, i in self._waiting):
+            self._held = self._run = 0
+
+    def start(self) -> None:
+        """A chunk begins: which modules wait is looked up again after its first call."""
+        self._waiting = None
+
+    def drop(self) -> None:
+        """After a failed call: a new buffer for the next bucket (views of this one may still be held)."""
+        self.buffer, self._held, self._run = None, 0, 0
+
+    def check(self, model: nn.Module) -> None:
+        """At the end of a chunk: no parameter or buffer of `model` may live in the buffer (module doc)."""
+        if self.buffer is None:
+            return
+        ptr = self.buffer.untyped_storage().data_ptr()
+        aliased = [n for n, t in (*model.named_parameters(), *model.named_buffers())
+                   if not t.is_meta and t.untyped_storage().data_ptr() == ptr]
+        if aliased:
+            self.refused, self.buffer = True, None
+            raise CheckpointError(f"reload-lifecycle: {', '.join(aliased[:4])} of the draft now live(s) in the "
+                                  "reader's staging buffer (a weight loader kept the value it was handed instead "
+                                  "of copying it): the next read would overwrite it. The push fails and the draft "
+                                  "is quarantined; its later pushes read into fresh tensors", backbone=None)
+
+
+def staging_for(model: object) -> Staging | None:
+    """The staging buffer of `model`'s lifecycle draft (made on first use), or None (no draft: the target reads
+    into fresh tensors, as vLLM's loaders do)."""
+    drafts = drafts_of(model) if isinstance(model, nn.Module) else []
+    if not drafts:
+        return None
+    runtime: DraftRuntime = drafts[0].lifecycle_runtime
+    if runtime.staging is None:
+        on_cuda = any(t.device.type == "cuda" for t in drafts[0].parameters())
+        runtime.staging = Staging(pinned=on_cuda and torch.cuda.is_available())
+    staging: Staging = runtime.staging
+    return None if staging.refused else staging
