@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .types import capped, clipped
+from .types import capped, clipped, layer_line
 
 __all__ = ["MESSAGE_CAP", "MESSAGE_ITEMS_CAP", "MESSAGE_NAME_CAP", "CheckpointError", "ConcurrentUseError",
            "DerivedBuildError", "FrozenStructureError", "IllegalTransitionError", "IncompleteCheckpointError",
@@ -64,16 +64,6 @@ def _listing(items: Sequence[str]) -> str:
     shown, more = capped(items, MESSAGE_ITEMS_CAP)
     shown = [clipped(str(item), MESSAGE_NAME_CAP) for item in shown]
     return "\n  ".join([*shown, f"... and {more} more"] if more else shown)
-
-
-def _layer_line(layer: str, names: Sequence[str]) -> str:
-    """`layer: a, b, c`; where every name carries the same reason (`name (why)`), the reason once, after the layer:
-    repeated per name it would fill the line's cap before the names it is about."""
-    split = [n.partition(" (") for n in names]
-    reasons = {sep + rest for _, sep, rest in split}
-    if len(names) > 1 and len(reasons) == 1 and "" not in reasons:
-        return f"{layer} {next(iter(reasons)).strip()}: {', '.join(n for n, _, _ in split)}"
-    return f"{layer}: {', '.join(names)}"
 
 
 def raise_unheld(error: BaseException | None) -> None:
@@ -139,7 +129,7 @@ class LayersNotReadyError(StateError):
     draft."""
 
     def __init__(self, action: str, missing: Mapping[str, Sequence[str]], *, backbone: str, state: str) -> None:
-        lines = [_layer_line(layer, names) for layer, names in missing.items()]
+        lines = [layer_line(layer, names) for layer, names in missing.items()]
         n_tensors = sum(len(v) for v in missing.values())
         super().__init__(
             f"{action} refused: {len(missing)} layer(s) not ready, {n_tensors} tensor(s) missing or on META:\n  "

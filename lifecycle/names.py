@@ -51,11 +51,12 @@ def claim(name: str, rank: Any, owner: Any, scope: str) -> str:
         held = _live.setdefault(scope, weakref.WeakValueDictionary())
         holder = held.get((name, rank))
     if holder is not None and holder is not owner and holder not in _survived:
-        del holder
+        holder = None  # no strong reference of ours while the collector decides whether it is still reachable
         gc.collect(1)
         if held.get((name, rank)) is not None:
             gc.collect()
-            if (holder := held.get((name, rank))) is not None:
+            holder = held.get((name, rank))
+            if holder is not None:
                 _survived.add(holder)
     del holder
     with _lock:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 
-__all__ = ["BufferReport", "RefreshReport", "TensorSpec", "capped", "clipped", "describe_error", "dtype_name"]
+__all__ = ["BufferReport", "RefreshReport", "TensorSpec", "capped", "clipped", "describe_error", "dtype_name",
+           "layer_line"]
 
 T = TypeVar("T")
 
@@ -45,6 +46,16 @@ def clipped(text: str, cap: int) -> str:
         return text
     keep = max(0, cap - len(f"...(+{len(text)} characters)"))
     return f"{text[:keep]}...(+{len(text) - keep} characters)"
+
+
+def layer_line(layer: str, names: Sequence[str]) -> str:
+    """`layer: a, b, c`; where every name carries the same reason (`name (why)`), the reason once, after the layer:
+    repeated per name it would fill the line's cap before the names it is about."""
+    split = [n.partition(" (") for n in names]
+    reasons = {sep + rest for _, sep, rest in split}
+    if len(names) > 1 and len(reasons) == 1 and "" not in reasons:
+        return f"{layer} {next(iter(reasons)).strip()}: {', '.join(n for n, _, _ in split)}"
+    return f"{layer}: {', '.join(names)}"
 
 
 @dataclass(frozen=True)

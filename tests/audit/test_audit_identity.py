@@ -173,3 +173,24 @@ def test_the_fast_timestamp_path_refuses_what_iso_8601_does(ts: str) -> None:
 def test_the_fast_timestamp_path_still_reads_the_writers_format() -> None:
     assert parse_ts("1970-01-01T00:01:02.500000Z") == 62.5
     assert parse_ts("2026-01-01T00:00:59.999999Z") == pytest.approx(1767225659.999999)
+
+
+def test_a_name_held_only_by_garbage_is_free_whichever_collection_frees_it() -> None:
+    """The holder of a name that nothing reaches any more (a dropped backbone in a reference cycle) is freed by the
+    collector, and the name goes to the next owner unchanged: also when the young generation's collection is the
+    one that frees it (it raised UnboundLocalError then, and a restarted worker's cold load failed)."""
+    from lifecycle import names
+
+    class Holder:
+        def __init__(self) -> None:
+            self.cycle = self
+
+    scope = f"test-scope-{id(object())}"
+    first = Holder()
+    assert names.claim("draft", 0, first, scope) == "draft"
+    del first  # only the cycle holds it now: gc.collect(1) frees it (it is in the young generation)
+    second = Holder()
+    assert names.claim("draft", 0, second, scope) == "draft"
+    third = Holder()  # while the second lives, the name is taken
+    assert names.claim("draft", 0, third, scope) == "draft#2"
+    gc.collect()
