@@ -69,8 +69,8 @@ def _probe(worker: Any = None) -> dict[str, Any]:  # pragma: no cover - runs in 
     except Exception as e:
         report["importable"] = False
         report["import_error"] = f"{type(e).__name__}: {e}"[:300]
-    plugin = sys.modules.get("lifecycle.vllm.plugin")
-    report["active"] = bool(getattr(plugin, "_active", False))
+    activation = sys.modules.get("lifecycle.vllm.plugin.activation")  # where `activate()` sets it
+    report["active"] = bool(getattr(activation, "_active", False))
     return report
 
 

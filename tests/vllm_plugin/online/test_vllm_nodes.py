@@ -78,6 +78,16 @@ def test_the_probe_runs_by_value_where_the_package_is_missing() -> None:
         check_reports([got], driver_version=got["version"])
 
 
+def test_the_probe_reads_the_flag_activation_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It read `lifecycle.vllm.plugin._active`, which the layered package no longer has: every Ray engine was
+    refused ("the plugin did not load there") although it had loaded."""
+    from lifecycle.vllm.plugin import activation
+
+    for active in (True, False):
+        monkeypatch.setattr(activation, "_active", active)
+        assert node_probe()["active"] is active
+
+
 def test_the_probe_here_finds_the_package_installed() -> None:
     got = node_probe()
     assert got["importable"] and got["entry_point"] and got["version"] and got["node"] == socket.gethostname()
