@@ -335,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         skipped.note(f"Skipped: {msg}")
         skipped.target("GPU check: CUDA-graph replay after an in-place reload, and the push on CUDA", "not run "
                        "(no GPU)", None)
+        if args.json is None:  # `make bench` without CUDA: the stored result (a CUDA machine's) stays as it is
+            common.say(f"not stored: {out_path} keeps the last CUDA machine's result")
+            return 0
         common.store(args, NAME, {"skipped": True, "reason": msg, "rows": []}, info, skipped, MEASURED, path=out_path)
         return 0
     if device.startswith("cuda"):

@@ -180,6 +180,16 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path, capsys):
     assert data["skipped"] is True and data["rows"] == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the skip path is for machines without CUDA")
+def test_gpu_check_without_cuda_leaves_the_stored_cuda_result_alone(tmp_path, capsys, monkeypatch):
+    """`make bench` runs it everywhere: a machine without CUDA replaced the lent GPU's stored figures by a skip."""
+    stored = tmp_path / "gpu_check.json"
+    stored.write_text('{"a CUDA machine\'s": "result"}')
+    monkeypatch.setattr(gpu_check.common, "RESULTS_DIR", tmp_path)
+    assert gpu_check.main([]) == 0
+    assert "not stored" in capsys.readouterr().out and stored.read_text() == '{"a CUDA machine\'s": "result"}'
+
+
 def test_gpu_check_cpu_stand_in_in_place_reads_new_weights_rebuild_reads_stale(tmp_path, capsys):
     out_json = tmp_path / "g.json"
     assert gpu_check.main(["--device", "cpu", "--json", str(out_json)]) == 0
