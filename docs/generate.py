@@ -24,7 +24,6 @@ import inspect
 import itertools
 import json
 import re
-import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -48,22 +47,6 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def num(value: object, digits: int = 3) -> str:
-    """A measured figure as printed: `digits` significant digits, thousands separated, '-' for none."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if value == 0:
-            return "0"
-        text = f"{value:,.{digits}g}" if abs(value) < 10 ** digits else f"{value:,.0f}"
-        return text.replace("e-0", "e-")
-    return str(value)
 
 
 def verdict(met: object) -> str:
@@ -597,6 +580,8 @@ def module_exports() -> list[tuple[str, str]]:
 
 
 def _machine(result: Mapping[str, Any]) -> str:
+    from benchmarks.stored import num  # the figures as the benchmarks write them
+
     m = result.get("machine") or {}
     parts = [f"{m['nproc']} CPUs" + (f" ({m['cpu']})" if m.get("cpu") else "")] if m.get("nproc") else []
     if m.get("mem_gib"):
@@ -621,24 +606,17 @@ def _machine(result: Mapping[str, Any]) -> str:
     return f"_{runs}; {', '.join(parts)}._" if parts else f"_{runs}._"
 
 
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60,
-                             check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 def staleness(result: Mapping[str, Any]) -> tuple[str, int | None]:
     """(the commit a result measured, short; how many commits changed its measured path since, plus one when it
     measured uncommitted changes), or None for the count where the history does not hold that commit (a shallow
     clone) or none was recorded."""
+    from benchmarks.stored import git
+
     m = result.get("measured_on") or {}
     commit = m.get("commit")
     if not commit:
         return "no commit recorded", None
-    count = _git("rev-list", "--count", f"{commit}..HEAD", "--", *(m.get("path") or ["."]))
+    count = git("rev-list", "--count", f"{commit}..HEAD", "--", *(m.get("path") or ["."]))
     if count is None:
         return commit[:10], None
     return commit[:10], int(count) + (1 if m.get("uncommitted") else 0)
