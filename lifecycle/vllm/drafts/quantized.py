@@ -27,6 +27,7 @@ from torch import nn
 from ...derived import DerivedSpec
 from ...torch_private import own_parameters
 from .families import SHADOW, VLLMDraftFamily
+from .owners import modules_of
 
 if TYPE_CHECKING:
     from .owners import VLLMDraftBackbone
@@ -105,7 +106,7 @@ def quantized_fallback(backbone: VLLMDraftBackbone, family: VLLMDraftFamily, met
 def reload_blocker(model: nn.Module) -> str | None:
     """Why a layerwise reload of `model` would leave wrong weights, naming the layer, its method, its kernel and
     the path the kernel took (`NOT_RELOADABLE`); None if no layer applies such a path."""
-    for name, module in model.named_modules():
+    for name, module in modules_of(model):  # the push's walk (`owners.walk_once`) where one is open
         scheme = getattr(module, "scheme", None) or getattr(module, "quant_method", None)
         kernel = getattr(scheme, "kernel", None)
         if kernel is None:

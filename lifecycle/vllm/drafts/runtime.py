@@ -109,6 +109,10 @@ class WorkerRuntime:
         #: epoch ends (`owners.modules_of`): the push's every look at the model's modules reads this one walk
         self.walked: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, weakref.ref[nn.Module]]]] = (
             weakref.WeakKeyDictionary())
+        #: a loader's layer (or a plain loader) -> its loader function -> the elements each load writes, by the load's
+        #: arguments: what vLLM's dry run counted once; None: counted by a dry run every time (`reload.counting`)
+        self.load_counts: weakref.WeakKeyDictionary[Any, dict[Any, dict[Any, int] | None]] = (
+            weakref.WeakKeyDictionary())
         #: modules whose live tensors the current reload began to write, recorded BEFORE the write: an interrupt
         #: after it leaves them partly written, which putting their kept tensors back cannot undo
         self.touched: weakref.WeakSet[nn.Module] = weakref.WeakSet()

@@ -144,11 +144,13 @@ def begin(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: 
     """vLLM's `initialize_layerwise_reload(model, ...)`: every lifecycle draft of `model` begins a reload epoch
     first (a reload that never reached finalize is ended as abandoned), and the modules a draft shares with the
     target stay live."""
+    walk_once(model)  # the push's one walk of the model's modules (`owners.modules_of`), kept until its end
     if (why := reload_blocker(model)) is not None:
+        forget_walk(model)
         raise NotImplementedError(f"reload-lifecycle: {why}")
     if reload_in_progress(model):  # the last reload never reached finalize
         fail(model, "abandoned: a new reload began before the previous one was finalized")
-    walk_once(model)  # the push's one walk of the model's modules (`owners.modules_of`), kept until its end
+        walk_once(model)  # (its end forgot the walk)
     # what vLLM's initialize moves to META and back: its buffers' persistence, for an interrupted one
     WORKER.initializing = {m: set(non_persistent_buffers(m)) for _, m in modules_of(model)}
     for m in WORKER.initializing:
