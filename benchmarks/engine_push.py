@@ -30,11 +30,11 @@ Where the time goes: two more rounds with every step timed (`benchmarks.engine_s
 Targets (issue 33), on the real-width draft and the GPU layout (where the floor is all a push must do; on the CPU
 layout vLLM's repack, not in the floor, is shown in the breakdown): the session push <= 1.2x the floor with
 whole-file and one-layer buckets, <= 1.5x with one-tensor buckets; the plugin no slower than stock wherever stock
-completes, with less peak memory; the plugin's own steps < 5% of the push; no fresh storage of 1 MiB or more per
-push; and on the tiny draft the fixed cost: <= 10 ms per push (a whole-file push over its floor) and <= 0.5 ms per
-extra `load_weights` call (one-tensor buckets against the whole file). `--quick`: the tiny draft, the GPU layout
-only, two rounds, stock's layerwise reload probed for whole-file buckets only (two engines, about 35 s): what the
-suite runs (tests/project/test_bench_engine_push.py).
+completes, with less peak memory (or none over its steady RSS); the plugin's own steps < 5% of the push; no fresh
+storage of 1 MiB or more per push; and on the tiny draft the fixed cost: <= 10 ms per push (a whole-file push over
+its floor) and <= 0.5 ms per extra `load_weights` call (one-tensor buckets against the whole file). `--quick`: the
+tiny draft, the GPU layout only, two rounds, stock's layerwise reload probed for whole-file buckets only (two
+engines, about 35 s): what the suite runs (tests/project/test_bench_engine_push.py).
 """
 
 from __future__ import annotations

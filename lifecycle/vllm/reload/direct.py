@@ -60,13 +60,14 @@ def writes_in_place(layer: nn.Module, info: Any, runtime: DraftRuntime) -> bool:
     placeholders = {n: p for n, p in own_parameters(layer).items() if p is not None}
     if not placeholders or placeholders.keys() != kept.keys():
         return False
-    for name, placeholder in placeholders.items():
-        live = kept[name]
-        if placeholder is live:  # never moved to META (vLLM's `bias`): written in place on either path
-            continue
-        if not placeholder.is_meta or live.is_meta or placeholder.shape != live.shape \
-                or placeholder.dtype != live.dtype or placeholder.stride() != live.stride():
-            return False
+    with torch_function_bypassed():  # vLLM's parameters answer every attribute through __torch_function__
+        for name, placeholder in placeholders.items():
+            live = kept[name]
+            if placeholder is live:  # never moved to META (vLLM's `bias`): written in place on either path
+                continue
+            if not placeholder.is_meta or live.is_meta or placeholder.shape != live.shape \
+                    or placeholder.dtype != live.dtype or placeholder.stride() != live.stride():
+                return False
     return True
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 from torch import nn
 
+from ...torch_private import torch_function_bypassed
+
 __all__ = ["expected_shards", "missing_parts", "received"]
 
 _SHARD_ARG = "loaded_shard_id"  # the name in every vLLM linear weight loader (v1 and v2)
@@ -59,8 +61,9 @@ def missing_parts(layer: nn.Module, info: Any, names: dict[str, str] | None = No
     shards = expected_shards(layer)
     out: dict[str, str] = {}
     for leaf, tensor in get_layer_tensors(layer).items():
-        if leaf in SKIP_LOAD_TENSORS or get_tensor_load_numel(tensor) == 0:
-            continue
+        with torch_function_bypassed():  # vLLM's parameters answer `numel()` through __torch_function__
+            if leaf in SKIP_LOAD_TENSORS or get_tensor_load_numel(tensor) == 0:
+                continue
         shown = (names or {}).get(leaf, leaf)
         loads = got.get(leaf)
         if not loads:
