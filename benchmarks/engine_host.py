@@ -53,6 +53,7 @@ class Host:
         self.paths: dict[str, Path] = {}
         self.floor_dest: dict[str, Any] = {}
         self.chunk_plans: dict[tuple[Path, str], list[dict[str, Any]]] = {}
+        self.held: list[list[tuple[str, Any]]] = []  # the plain arm's buckets, read before the clock
         self.last: str | None = None
 
     # ---- engine ---------------------------------------------------------------------------------------------
@@ -117,6 +118,8 @@ class Host:
         folder = self.paths[draft]
         if arm == "session":
             self._chunks(folder, bucket)  # planned before the clock starts (see `_chunks`)
+        if arm == "plain":  # the tensors the trainer holds, read before the clock (see `_plain`)
+            self.held = [list(b) for b in self._buckets(folder, bucket)]
         self.evict_dst.copy_(self.evict_src)  # every arm from the same cache state (see common.Eviction)
         timers = Steps()
         with timed_steps(timers, self.draft, plugin=self.role == "plugin") if steps else nullcontext():
@@ -133,6 +136,7 @@ class Host:
             finally:
                 gc.enable()
             peak = _status_kib("VmHWM")
+        self.held = []
         if arm != "floor":
             self.last = draft
         out: dict[str, Any] = {"s": seconds, "cpu_s": cpu, "calls": calls, "rss_mib": round(rss / 1024, 1),
@@ -192,13 +196,16 @@ class Host:
 
     def _plain(self, folder: Path, bucket: str) -> int:
         """Trainer path (iv): `load_weights` per bucket into the live model, then `process_weights_after_loading`
-        (older veRL, vLLM's weight-cache loaders)."""
+        (older veRL, vLLM's weight-cache loaders). The tensors are the ones the trainer holds (`held`, read before
+        the clock by `run`): read inside it, fresh tensors fault their pages in or not by the process's heap history
+        (245 ms vs 45 ms for the same bytes in the plugin's host), which swung this arm 0.97x-4.2x against stock's
+        between runs; the trainer's reads are its own, whichever vLLM it pushes to."""
         import importlib
 
         import torch
 
         n = 0
-        for b in self._buckets(folder, bucket):
+        for b in self.held or self._buckets(folder, bucket):
             self.draft.load_weights(b)
             n += 1
         utils = importlib.import_module("vllm.model_executor.model_loader.utils")

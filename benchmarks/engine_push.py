@@ -15,7 +15,9 @@ Qwen3 target of the same width, and the suite's tiny draft (the fixed cost). Buc
   floor               the same bytes read once per bucket into one reused buffer, copied once into tensors of the
                       same shapes, each layer's K/V rows written once into a fused buffer: what a push cannot beat
   plugin session      the native session above, pinned (as after graph capture)
-  plugin plain        trainer path (iv): `load_weights` per bucket, then `process_weights_after_loading`
+  plugin plain        trainer path (iv): `load_weights` per bucket, then `process_weights_after_loading`, with
+                      the tensors the trainer holds (read before the clock: its reads are its own; their x floor
+                      leaves the reads out)
   stock plain         the same calls on stock vLLM (`VLLM_PLUGINS=""`), GPU layout: it completes them
   stock layerwise     vLLM's layerwise reload around the calls (paths i-iii, and what vLLM's own transfer engines
                       run): probed once per bucket on a fresh stock engine; it fails (named in the table)
