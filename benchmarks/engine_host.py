@@ -135,8 +135,8 @@ class Host:
                 cpu = time.process_time() - c0
             finally:
                 gc.enable()
+                self.held = []  # the trainer's tensors go with the push, whatever became of it
             peak = _status_kib("VmHWM")
-        self.held = []
         if arm != "floor":
             self.last = draft
         out: dict[str, Any] = {"s": seconds, "cpu_s": cpu, "calls": calls, "rss_mib": round(rss / 1024, 1),

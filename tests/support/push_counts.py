@@ -126,6 +126,7 @@ def push_counts(model: nn.Module, payload_bytes: int) -> Iterator[PushCounts]:
 
     from vllm.model_executor.model_loader.reload.meta import CopyCounter
 
+    own_enter = vars(CopyCounter).get("__enter__")  # vLLM's class may define one of its own: put back, not deleted
     enter = CopyCounter.__enter__
 
     def counted_dry_run(mode: Any) -> Any:
@@ -140,5 +141,8 @@ def push_counts(model: nn.Module, payload_bytes: int) -> Iterator[PushCounts]:
             yield counts
     finally:
         checkpoint._read_tensor = read_tensor  # type: ignore[assignment]
-        del CopyCounter.__enter__  # its base class's again
+        if own_enter is None:
+            del CopyCounter.__enter__  # its base class's again
+        else:
+            CopyCounter.__enter__ = own_enter  # type: ignore[method-assign]
         counts.bytes_hashed = runtime.bytes_hashed - hashed

@@ -25,9 +25,12 @@ from torch import nn
 from ...torch_private import torch_function_bypassed
 from ..drafts.runtime import WORKER
 
-__all__ = ["wrap_numel_loaded"]
+__all__ = ["COUNTS_KEPT", "wrap_numel_loaded"]
 
 _PLAIN = (str, int, float, bool, type(None))
+#: counts remembered per loader function (a fused linear's loader sees one argument set per shard; a trainer that
+#: sends ever new shapes gets vLLM's dry run for each beyond these, not a table that grows with every push)
+COUNTS_KEPT = 64
 
 
 @functools.cache
@@ -59,7 +62,7 @@ def wrap_numel_loaded(original: Callable[..., tuple[int, Any]]) -> Callable[...,
         if numel is not None:
             return numel, None
         numel, ret = original(weight_loader, args)
-        if ret is None:
+        if ret is None and len(table) < COUNTS_KEPT:
             table[key] = numel
         return numel, ret
 

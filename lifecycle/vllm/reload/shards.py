@@ -60,10 +60,10 @@ def missing_parts(layer: nn.Module, info: Any, names: dict[str, str] | None = No
     got = received(info)
     shards = expected_shards(layer)
     out: dict[str, str] = {}
-    for leaf, tensor in get_layer_tensors(layer).items():
-        with torch_function_bypassed():  # vLLM's parameters answer `numel()` through __torch_function__
-            if leaf in SKIP_LOAD_TENSORS or get_tensor_load_numel(tensor) == 0:
-                continue
+    with torch_function_bypassed():  # vLLM's parameters answer `numel()` through __torch_function__
+        loadable = [leaf for leaf, tensor in get_layer_tensors(layer).items()
+                    if leaf not in SKIP_LOAD_TENSORS and get_tensor_load_numel(tensor) != 0]
+    for leaf in loadable:
         shown = (names or {}).get(leaf, leaf)
         loads = got.get(leaf)
         if not loads:

@@ -124,3 +124,25 @@ def test_a_real_parameter_an_answer_or_an_odd_argument_is_never_remembered(count
     assert len(answers) == 7  # an argument that is neither a tensor nor a plain value: dry-run every time
     remembered(len, _bound(returns, meta, torch.ones(4)))  # a builtin cannot be held weakly: dry-run, no error
     assert len(answers) == 8
+
+
+def test_a_loader_remembers_a_bounded_number_of_argument_sets(counting: Any) -> None:
+    """A trainer that sends ever new shapes gets vLLM's dry run for each beyond the cap, with vLLM's answer; the
+    table does not grow with every push."""
+    from vllm.model_executor.model_loader.reload.meta import get_numel_loaded
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from lifecycle.vllm.drafts.runtime import WORKER
+
+    runs, dry_run = _counted(get_numel_loaded)
+    remembered = counting.wrap_numel_loaded(dry_run)
+    tables = WORKER.load_counts.get(default_weight_loader, {})
+    kept_before = len(tables.get(default_weight_loader) or {})  # other tests of this process counted some already
+    sizes = range(1000, 1000 + counting.COUNTS_KEPT + 10)
+    beyond = len(sizes) - (counting.COUNTS_KEPT - kept_before)
+    for _ in range(2):
+        for n in sizes:
+            param = nn.Parameter(torch.empty(n, device="meta"), requires_grad=False)
+            assert remembered(default_weight_loader, _bound(default_weight_loader, param, torch.ones(n))) == (n, None)
+    assert len(runs) == len(sizes) + beyond  # those up to the cap remembered, the ones beyond dry-run both times
+    assert len(WORKER.load_counts[default_weight_loader][default_weight_loader]) <= counting.COUNTS_KEPT
