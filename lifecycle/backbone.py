@@ -261,10 +261,19 @@ class DraftBackbone(nn.Module):
         """Run this phase's hooks that have not completed yet (`hooks.run_hooks`); what they wrote of the tracked
         tensors is dirty (`BackboneLifecycle.note_changed`)."""
         lc = self.lifecycle
-        names = list(lc.specs)
         done = self.__dict__.setdefault("_hooks_done", {})
-        return run_hooks(self, self.post_load_hooks(phase), phase, lc.epoch, done, lc.audit_event,
-                         lambda: dict(zip(names, self._slots.gather(names), strict=True)), lc.note_changed)
+
+        def tracked() -> tuple[list[str], tuple[torch.Tensor | None, ...]]:
+            names = list(lc.specs)
+            cached: list[str] | None = self.__dict__.get("_tracked_names")
+            if cached is not None and names == cached:  # the same list object: `gather` compiles it once
+                names = cached
+            else:
+                self.__dict__["_tracked_names"] = names
+            return names, self._slots.gather(names)
+
+        return run_hooks(self, self.post_load_hooks(phase), phase, lc.epoch, done, lc.audit_event, tracked,
+                         lc.note_changed)
 
     # ---- lifecycle steps --------------------------------------------------------------------------------------
     def begin_reload(self) -> int:

@@ -62,7 +62,12 @@ def _bound_value(key: str, value: Any, out: MutableMapping[str, Any], depth: int
             out[f"{key}_more"] = out.get(f"{key}_more", 0) + len(items) - RECORDS_CAP
             items = items[:RECORDS_CAP]
         for k, v in items:
-            inner[k] = _bound_value(str(k), v, inner, depth + 1)
+            vkind = type(v)  # a plain value kept as it is, decided inline (a refresh's per-buffer records)
+            if (vkind is str and len(v) <= STR_CAP) or vkind is bool or vkind is float or v is None \
+                    or (vkind is int and -_INT_BOUND < v < _INT_BOUND):
+                inner[k] = v
+            else:
+                inner[k] = _bound_value(str(k), v, inner, depth + 1)
         return inner
     if isinstance(value, (list, tuple)):
         records = any(isinstance(v, dict) for v in value)

@@ -16,10 +16,13 @@ never be replayed on weights that were already converted.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from operator import attrgetter
 from typing import Any, TypeVar
+
+import torch
 
 __all__ = ["Hook", "Phase", "collect_hooks", "post_load_hook", "run_hooks"]
 
@@ -87,14 +90,28 @@ def _signature(t: Any) -> tuple[int, int, int] | None:
     return id(t), version, 0 if t.is_meta else t.data_ptr()
 
 
+_VERSION = attrgetter("_version")
+
+
+def _signatures(tensors: Sequence[Any]) -> list[Any]:
+    """`_signature` of each of `tensors`, the common case (every one a tensor with a version counter) read in C
+    with `map`: a cold load reads every tracked tensor twice around its hooks. A META tensor's `data_ptr` is 0, as
+    `_signature` says. Anything else (a None, an inference tensor) takes the per-tensor path."""
+    try:
+        return list(zip(map(id, tensors), map(_VERSION, tensors), map(torch.Tensor.data_ptr, tensors), strict=True))
+    except (RuntimeError, TypeError, AttributeError):
+        return list(map(_signature, tensors))
+
+
 def run_hooks(backbone: Any, hooks: Iterable[Hook], phase: Phase, epoch: int, done: Done,
-              audit: Callable[..., None], tracked: Callable[[], Mapping[str, Any]],
+              audit: Callable[..., None], tracked: Callable[[], tuple[Sequence[str], Sequence[Any]]],
               changed: Callable[[list[str]], None]) -> list[str]:
     """Run the hooks that have not completed yet (`done`): a `cold_load` hook once ever, a `reload` hook once per
     epoch. A hook that raises (or is interrupted) stops the run (audited); the hooks before it stay completed.
-    Whatever the hooks wrote of the `tracked` tensors (found by each one's version counter, object and address,
-    before and after) goes to `changed`, also when a hook stopped part way: a hook may scale, convert or replace
-    a weight in place, and what reads it must then be refreshed. Returns the names of the hooks that ran."""
+    Whatever the hooks wrote of the `tracked` tensors (`tracked()`: their names and live tensors, in one order;
+    found by each one's version counter, object and address, before and after) goes to `changed`, also when a
+    hook stopped part way: a hook may scale, convert or replace a weight in place, and what reads it must then be
+    refreshed. Returns the names of the hooks that ran."""
     def pending(hook: Hook) -> bool:
         key = (phase.value, hook.name, hook.fn)
         return not (key in done and (phase is Phase.COLD_LOAD or done[key] == epoch))
@@ -102,7 +119,8 @@ def run_hooks(backbone: Any, hooks: Iterable[Hook], phase: Phase, epoch: int, do
     todo = [h for h in hooks if pending(h)]
     if not todo:
         return []
-    before = {name: _signature(t) for name, t in tracked().items()}
+    names, tensors = tracked()
+    before = _signatures(tensors)
     ran = []
     try:
         for hook in todo:
@@ -119,8 +137,10 @@ def run_hooks(backbone: Any, hooks: Iterable[Hook], phase: Phase, epoch: int, do
                   duration_ms=round((time.perf_counter() - t0) * 1e3, 3))
             ran.append(hook.name)
     finally:
-        now = tracked()
-        written = [name for name, sig in before.items() if _signature(now.get(name)) != sig]
+        now_names, now_tensors = tracked()
+        now = dict(zip(now_names, _signatures(now_tensors), strict=True)) if now_names is not names else None
+        after = _signatures(now_tensors) if now is None else [now.get(name) for name in names]
+        written = [name for name, was, sig in zip(names, before, after, strict=True) if was != sig]
         if written:
             changed(written)
     return ran

@@ -77,6 +77,7 @@ class LayerReadiness:
         self._closed = False  # the epoch ended (close_epoch ran): nothing more is written in it
         # layers that must be written in full before anything of them may be kept (`unchanged_refusals`)
         self.full_writes = FullWrites()
+        self._owed_full_write = self.full_writes.layers  # the same set object for the backbone's life
         self._layer_get = self.layer_of_name.get
         self._plain = True  # nothing declared unchanged, no failed write, no refresh in this epoch: the fast path
 
@@ -196,13 +197,14 @@ class LayerReadiness:
         added = len(written) - before
         if not added:
             return []
-        left = self._left[layer] = self._left[layer] - added
+        left_of = self._left
+        left = left_of[layer] = left_of[layer] - added
         if left:
             return []
         self._complete += 1
-        partly = self.full_writes.layers
-        if partly:
-            partly.discard(layer)  # written in full (nothing may declare it unchanged)
+        owed = self._owed_full_write
+        if owed:
+            owed.discard(layer)  # written in full (nothing may declare it unchanged)
         return [layer]
 
     def fresh_layers(self, layers: Sequence[str]) -> bool:

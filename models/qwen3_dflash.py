@@ -87,7 +87,7 @@ class DFlashQwen3Draft(DraftBackbone):
 
     derived_buffers: ClassVar[tuple[DerivedSpec, ...]] = (
         concat("_fused_kv_weight", sources=("self_attn.qkv_proj.weight",),
-               per_layer=lambda layer: layer.self_attn.qkv_proj.weight[layer.self_attn.q_size:]),
+               per_layer=lambda layer: (attn := layer.self_attn).qkv_proj.weight[attn.q_size:]),
         stack("_k_norm_weights", sources=("self_attn.k_norm.weight",),
               per_layer=lambda layer: layer.self_attn.k_norm.weight),
         alias("_rope_cos_sin_cache", source="layers.0.self_attn.rotary_emb.cos_sin_cache"),

@@ -26,7 +26,6 @@ computed buffers.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -178,7 +177,13 @@ def _replan(m: _Remembered, backbone: nn.Module, specs: Sequence[DerivedSpec], n
     each per-layer buffer evaluated (their parts checked against the remembered layout), a backed buffer
     verified. None when a part is not what the remembered plan validated."""
     out: dict[int, BufferPlan] = {}
-    owned = functools.cache(functools.partial(owned_storages, backbone))  # walked once per refresh, and only if needed
+    walked: list[set[int]] = []
+
+    def owned() -> set[int]:  # walked once per refresh, and only if needed (a closure: `functools.cache` costs more)
+        if not walked:
+            walked.append(owned_storages(backbone))
+        return walked[0]
+
     for k in m.kept:
         spec, existing = specs[k.index], now.buffers[k.observed]
         if k.places is None:
