@@ -276,3 +276,39 @@ def test_skipping_finalize_is_refused_so_cold_hooks_cannot_be_skipped(tiny_cfg: 
     assert m.finalize_loading() == ["reload_only", "both"]
     m.refresh_derived_buffers()
     assert m.lifecycle.usable
+
+
+def test_what_a_reload_hook_writes_is_named_and_refreshed(loaded: DFlashQwen3Draft, ckpt_b: Path) -> None:
+    """A reload hook that scales one weight in place and replaces another: both (and only they) are audited as
+    written by hooks, and the refresh after a reload of another layer rewrites what reads them."""
+    m = loaded
+
+    def rescale(b: DFlashQwen3Draft) -> None:
+        with torch.no_grad():
+            b.layers[1].self_attn.k_norm.weight.mul_(3)  # in place: its version counter moves
+            old = b.layers[2].self_attn.k_norm.weight
+            b.layers[2].self_attn.k_norm.weight = torch.nn.Parameter(old.detach() * 5)  # a new tensor
+
+    m.register_post_load_hook(rescale, Phase.RELOAD, name="rescale")
+    with capture_logs() as logs:
+        assert reload(m, ckpt_b, subset=lambda n: n.startswith("layers.0.")) == ["rescale"]
+    (ev,) = [e for e in logs if e["event"] == "changed_by_hooks"]
+    assert sorted(ev["names"]) == ["layers.1.self_attn.k_norm.weight", "layers.2.self_attn.k_norm.weight"]
+    assert ev["tensors"] == 2
+    assert torch.equal(m._k_norm_weights, torch.stack([layer.self_attn.k_norm.weight for layer in m.layers]))
+
+
+def test_signatures_in_bulk_are_the_per_tensor_ones() -> None:
+    """The bulk read of the hooks' before/after snapshot says what the per-tensor one says, whatever is tracked:
+    tensors, a META tensor, an inference tensor (no version counter), a view, a missing one (None)."""
+    from lifecycle.hooks import _signature, _signatures
+
+    plain = torch.ones(3)
+    with torch.inference_mode():
+        inference = torch.ones(2)
+    tracked_sets = [[plain, plain[1:], torch.empty(2, device="meta")], [plain, None], [inference, plain], []]
+    for tensors in tracked_sets:
+        assert _signatures(tensors) == [_signature(t) for t in tensors]
+    before = _signatures([plain])
+    plain.add_(1)
+    assert _signatures([plain]) != before  # written in place: the version counter moved
