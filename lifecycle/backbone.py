@@ -264,13 +264,10 @@ class DraftBackbone(nn.Module):
         done = self.__dict__.setdefault("_hooks_done", {})
 
         def tracked() -> tuple[list[str], tuple[torch.Tensor | None, ...]]:
+            # read slot by slot, not with `gather`: compiling the list costs more than one read of it, and the
+            # hooks of a cold load register buffers (the slots change) between the two snapshots
             names = list(lc.specs)
-            cached: list[str] | None = self.__dict__.get("_tracked_names")
-            if cached is not None and names == cached:  # the same list object: `gather` compiles it once
-                names = cached
-            else:
-                self.__dict__["_tracked_names"] = names
-            return names, self._slots.gather(names)
+            return names, tuple(map(self._slots.live, names))
 
         return run_hooks(self, self.post_load_hooks(phase), phase, lc.epoch, done, lc.audit_event, tracked,
                          lc.note_changed)

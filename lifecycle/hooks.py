@@ -138,7 +138,7 @@ def run_hooks(backbone: Any, hooks: Iterable[Hook], phase: Phase, epoch: int, do
             ran.append(hook.name)
     finally:
         now_names, now_tensors = tracked()
-        now = dict(zip(now_names, _signatures(now_tensors), strict=True)) if now_names is not names else None
+        now = dict(zip(now_names, _signatures(now_tensors), strict=True)) if now_names != names else None
         after = _signatures(now_tensors) if now is None else [now.get(name) for name in names]
         written = [name for name, was, sig in zip(names, before, after, strict=True) if was != sig]
         if written:

@@ -63,6 +63,8 @@ class LayerReadiness:
             tensors.setdefault(layer, []).append(name)
         self.tensors_of_layer: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in tensors.items()}
         self._names_of_layer: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in tensors.items()}
+        # name -> its layer and that layer's names: `mark_loaded` reads a bucket's first name in one lookup
+        self._member_of = {n: (la, self._names_of_layer[la]) for n, la in self.layer_of_name.items()}
         self._size: dict[str, int] = {k: len(v) for k, v in tensors.items()}
         self.epoch = 0
         self._written: set[str] = set()  # written in this epoch
@@ -78,7 +80,6 @@ class LayerReadiness:
         # layers that must be written in full before anything of them may be kept (`unchanged_refusals`)
         self.full_writes = FullWrites()
         self._owed_full_write = self.full_writes.layers  # the same set object for the backbone's life
-        self._layer_get = self.layer_of_name.get
         self._plain = True  # nothing declared unchanged, no failed write, no refresh in this epoch: the fast path
 
     def _note_plain(self) -> None:
@@ -168,6 +169,7 @@ class LayerReadiness:
             tensors.setdefault(layer, []).append(name)
         self.tensors_of_layer = {k: tuple(v) for k, v in tensors.items()}
         self._names_of_layer = {k: frozenset(v) for k, v in tensors.items()}
+        self._member_of = {n: (la, self._names_of_layer[la]) for n, la in self.layer_of_name.items()}
         self._size = {k: len(v) for k, v in tensors.items()}
         loaded = self._written | self._unchanged
         self._left = {k: sum(n not in loaded for n in v) for k, v in tensors.items()}
@@ -185,12 +187,12 @@ class LayerReadiness:
         Raises `UnknownNames` (recording nothing) for names this backbone does not have."""
         if not names:
             return []
-        layer = self._layer_get(names[0])
-        # the common case in C: names of one layer (a superset check, which also says they are known), nothing
-        # unusual in the epoch (`_plain`); duplicates and names written before are fine: the count goes down by
-        # what the set grew by
-        if not self._plain or layer is None or not self._names_of_layer[layer].issuperset(names):
+        member = self._member_of.get(names[0])
+        # the common case in C: names of one layer (a superset check: also known), nothing unusual in the epoch
+        # (`_plain`); duplicates and names written before are fine: the count goes down by what the set grew by
+        if member is None or not self._plain or not member[1].issuperset(names):
             return self._mark_written(names)
+        layer = member[0]
         written = self._written
         before = len(written)
         written.update(names)
