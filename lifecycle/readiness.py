@@ -58,14 +58,7 @@ class LayerReadiness:
 
     def __init__(self, names: Iterable[str], layer_key: Callable[[str], str] = layer_of) -> None:
         self.layer_of_name: dict[str, str] = {n: layer_key(n) for n in names}
-        tensors: dict[str, list[str]] = {}
-        for name, layer in self.layer_of_name.items():
-            tensors.setdefault(layer, []).append(name)
-        self.tensors_of_layer: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in tensors.items()}
-        self._names_of_layer: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in tensors.items()}
-        # name -> its layer and that layer's names: `mark_loaded` reads a bucket's first name in one lookup
-        self._member_of = {n: (la, self._names_of_layer[la]) for n, la in self.layer_of_name.items()}
-        self._size: dict[str, int] = {k: len(v) for k, v in tensors.items()}
+        self._index_layers()
         self.epoch = 0
         self._written: set[str] = set()  # written in this epoch
         self._unchanged: set[str] = set()  # declared unchanged in this epoch (and not written since)
@@ -81,6 +74,17 @@ class LayerReadiness:
         self.full_writes = FullWrites()
         self._owed_full_write = self.full_writes.layers  # the same set object for the backbone's life
         self._plain = True  # nothing declared unchanged, no failed write, no refresh in this epoch: the fast path
+
+    def _index_layers(self) -> None:
+        """The per-layer tables, from `layer_of_name` (at creation, and when `forget` stops tracking names)."""
+        tensors: dict[str, list[str]] = {}
+        for name, layer in self.layer_of_name.items():
+            tensors.setdefault(layer, []).append(name)
+        self.tensors_of_layer: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in tensors.items()}
+        self._names_of_layer: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in tensors.items()}
+        # name -> its layer and that layer's names: `mark_loaded` reads a bucket's first name in one lookup
+        self._member_of = {n: (la, self._names_of_layer[la]) for n, la in self.layer_of_name.items()}
+        self._size: dict[str, int] = {k: len(v) for k, v in tensors.items()}
 
     def _note_plain(self) -> None:
         """Recompute `_plain` after a change to what it summarises (off the hot path)."""
@@ -164,15 +168,9 @@ class LayerReadiness:
         self._unchanged -= gone
         self._failed -= gone
         self.dirty.forget(gone)
-        tensors: dict[str, list[str]] = {}
-        for name, layer in self.layer_of_name.items():
-            tensors.setdefault(layer, []).append(name)
-        self.tensors_of_layer = {k: tuple(v) for k, v in tensors.items()}
-        self._names_of_layer = {k: frozenset(v) for k, v in tensors.items()}
-        self._member_of = {n: (la, self._names_of_layer[la]) for n, la in self.layer_of_name.items()}
-        self._size = {k: len(v) for k, v in tensors.items()}
+        self._index_layers()
         loaded = self._written | self._unchanged
-        self._left = {k: sum(n not in loaded for n in v) for k, v in tensors.items()}
+        self._left = {k: sum(n not in loaded for n in v) for k, v in self.tensors_of_layer.items()}
         self._complete = sum(not left for left in self._left.values())
         self.full_writes.keep_only(self.tensors_of_layer)
         self._note_plain()
