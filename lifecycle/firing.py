@@ -212,8 +212,8 @@ class TableMachine(AuditTrail):
         """Fire what the table declares to follow `trigger` (`FOLLOW_UPS`): each follow-up with a row from the
         state reached whose condition is met (a refresh under captured graphs goes on to `graphs_verified`)."""
         for follow_up in FOLLOW_UPS.get(trigger, ()):
-            if any(t.trigger == follow_up and self.state in t.sources
-                   and (t.condition is None or CONDITIONS[t.condition](self)) for t in TRANSITIONS):
+            if any(t.condition is None or CONDITIONS[t.condition](self)
+                   for t in ROWS_FROM[follow_up][self._model.state]):
                 self._fire(follow_up, **log)
 
     def _bucket_moves(self, trigger: str, completed: bool) -> bool:
