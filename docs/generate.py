@@ -720,6 +720,13 @@ def stale() -> list[str]:
 
 
 def main(argv: Sequence[str] = ()) -> int:
+    unknown = [a for a in argv if a != "--check"]
+    if unknown:  # `--help` or a typo must not rewrite the pages
+        asked = set(unknown) <= {"-h", "--help"}
+        print((__doc__ or "").strip() if asked else
+              f"usage: {COMMAND} [--check]: unknown argument(s) {' '.join(unknown)}; nothing was written",
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     wanted = expected()
     changed = [rel for rel, text in wanted.items()
                if not (ROOT / rel).exists() or (ROOT / rel).read_text(encoding="utf-8") != text]

@@ -63,6 +63,18 @@ def test_every_generated_page_and_block_is_up_to_date() -> None:
     assert not stale, f"out of date with the code or the results: {', '.join(stale)}: {REGENERATE}"
 
 
+def test_the_generator_writes_only_when_asked_to(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`--help` or a mistyped flag says how to run it and writes nothing; no argument rewrites what is stale."""
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    monkeypatch.setattr(gen, "expected", lambda: {"page.md": "regenerated\n"})
+    assert gen.main(["--help"]) == 0 and gen.COMMAND in capsys.readouterr().out
+    assert gen.main(["--chek"]) == 2 and "--chek" in capsys.readouterr().err
+    assert not (tmp_path / "page.md").exists(), "an argument it does not know rewrote a page"
+    assert gen.main(["--check"]) == 1 and not (tmp_path / "page.md").exists()
+    assert gen.main([]) == 0 and (tmp_path / "page.md").read_text(encoding="utf-8") == "regenerated\n"
+
+
 def test_each_generated_page_says_how_it_is_made_and_each_block_is_marked_once() -> None:
     for rel in gen.PAGES:
         text = (ROOT / rel).read_text(encoding="utf-8")
