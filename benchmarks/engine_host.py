@@ -122,7 +122,9 @@ class Host:
             self.held = [list(b) for b in self._buckets(folder, bucket)]
         self.evict_dst.copy_(self.evict_src)  # every arm from the same cache state (see common.Eviction)
         timers = Steps()
-        with timed_steps(timers, self.draft, plugin=self.role == "plugin") if steps else nullcontext():
+        plugin = self.role == "plugin"
+        engine = getattr(self.worker, "weight_transfer_engine", None) if plugin else None
+        with timed_steps(timers, self.draft, plugin=plugin, engine=engine) if steps else nullcontext():
             gc.collect()
             gc.disable()
             rss = _status_kib("VmRSS")

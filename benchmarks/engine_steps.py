@@ -2,17 +2,21 @@
 it is looked up, each timer counting its own time only (a nested step's time is its own, not its caller's).
 
 Plugin steps (`PLUGIN`): header validation (`checkpoint_index` as the payload calls it), the checks that a file did
-not change under the reader, the structure checks and write hooks around each `load_weights` call (what the
-plugin's `load_weights` does besides vLLM's), the lifecycle bookkeeping (epoch begin, layer reports), a completed
-layer's checks (every shard arrived, which path writes it), the epoch's open and close (`initialize` / `finalize`
-wrappers: partial payloads, shared modules), the finish (finalize_loading, hooks), the in-place refresh (its plan,
-checks and events; its copies are the fused write) and its pin verification, the processing guard (the K/V shadow
-capture and the weight checker's digests before vLLM repacks a layer: CPU layout). vLLM steps (`VLLM`): its weight
-loaders (buffering per layer), its own layerwise processing of a layer (materialise, load, process, copy back into
-the kept storage: quantized layers and the CPU repack), its processing (the CPU repack), its finalize, stock's fused
-rebuild (`torch.cat` after every call). Shared with the floor (`SHARED`): the reads, a completed layer written
-straight into its kept tensors (`reload.direct`: the loads replayed, the one write of the bytes), and the refresh's
-copies (the fused buffer written once). The rest of a push is the session's plumbing.
+not change under the reader, the transfer engine's own work per chunk (the payload's planning and admission, the
+reader's loop, the staging buffer's upkeep: `receive_weights` less what it calls that is timed), the structure checks
+and write hooks around each `load_weights` call (what the plugin's `load_weights` does besides vLLM's), the lifecycle
+bookkeeping (epoch begin, layer reports), a completed layer's checks (every shard arrived, which path writes it), the
+epoch's open and close (`initialize` / `finalize` wrappers: the push's walk of the modules, partial payloads, shared
+modules), the finish (finalize_loading, hooks), the in-place refresh (its plan, checks and events; its copies are the
+fused write) and its pin verification, the processing guard (the K/V shadow capture and the weight checker's digests
+before vLLM repacks a layer: CPU layout). vLLM steps (`VLLM`): its `initialize_layerwise_reload` (every layer's
+tensors to META placeholders, its loaders wrapped), its weight loaders (buffering per layer), its own layerwise
+processing of a layer (materialise, load, process, copy back into the kept storage: quantized layers and the CPU
+repack), its processing (the CPU repack), its finalize, stock's fused rebuild (`torch.cat` after every call). Shared
+with the floor (`SHARED`): the reads, a completed layer written straight into its kept tensors (`reload.direct`: the
+loads replayed, the one write of the bytes), and the refresh's copies (the fused buffer written once). The rest of a
+push is the session's plumbing (vLLM's worker and transfer-engine session calls, the plugin's session wrappers around
+them) and the timers' own cost.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from typing import Any
 
 __all__ = ["FUSED_WRITE", "IN_PLACE", "PLUGIN", "READS", "SHARED", "VLLM", "Steps", "timed_steps"]
 
-PLUGIN = ("validation: headers", "file checks", "structure checks, write hooks", "lifecycle bookkeeping",
-          "layer completion checks", "epoch open/close", "finish: finalize_loading, hooks",
-          "refresh: plan, checks, events", "pin verification", "processing guard (shadow capture, digests)")
-VLLM = ("vLLM: weight loaders", "vLLM: layerwise materialize, load, copy back", "vLLM: processing", "vLLM: finalize",
-        "vLLM: fused rebuild (torch.cat)")
+PLUGIN = ("validation: headers", "file checks", "transfer engine: plan, reader, staging",
+          "structure checks, write hooks", "lifecycle bookkeeping", "layer completion checks", "epoch open/close",
+          "finish: finalize_loading, hooks", "refresh: plan, checks, events", "pin verification",
+          "processing guard (shadow capture, digests)")
+VLLM = ("vLLM: layerwise init", "vLLM: weight loaders", "vLLM: layerwise materialize, load, copy back",
+        "vLLM: processing", "vLLM: finalize", "vLLM: fused rebuild (torch.cat)")
 READS = "reads"
 #: A completed layer written straight into its kept tensors: the loads replayed, the one write the floor does too.
 IN_PLACE = "in-place write (the copies)"
@@ -92,8 +97,9 @@ def _patch(stack: ExitStack, owner: Any, attr: str, make: Callable[[Any], Any]) 
 
 
 @contextmanager
-def timed_steps(steps: Steps, draft: Any, *, plugin: bool) -> Iterator[Steps]:
-    """Every step's timer installed on `draft` (vLLM's ForCausalLM) and on the functions its pushes call."""
+def timed_steps(steps: Steps, draft: Any, *, plugin: bool, engine: Any = None) -> Iterator[Steps]:
+    """Every step's timer installed on `draft` (vLLM's ForCausalLM) and on the functions its pushes call, and on
+    `engine` (the worker's weight-transfer engine, the plugin's `safetensors_file` one) when given."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     from lifecycle import checkpoint
@@ -129,6 +135,19 @@ def timed_steps(steps: Steps, draft: Any, *, plugin: bool) -> Iterator[Steps]:
             for name in ("reload_blocker", "reload_in_progress", "keep_shared_modules_live", "settle_partial",
                          "fail"):
                 patch(patches, name, "epoch open/close")
+
+            def begin_timed(begin: Callable[..., Any]) -> Callable[..., Any]:
+                # the epoch's opening, around vLLM's initialize_layerwise_reload (handed to it as `original`)
+                timed = steps.wrap("epoch open/close", begin)
+
+                def opening(model: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+                    return timed(model, steps.wrap("vLLM: layerwise init", original), *args, **kwargs)
+
+                return opening
+
+            _patch(stack, hooks, "begin", begin_timed)
+            if engine is not None:  # the payload's planning, the reader's loop and the staging buffer's upkeep
+                patch(type(engine), "receive_weights", "transfer engine: plan, reader, staging")
             patch(patches, "finish_epoch", "finish: finalize_loading, hooks")
             patch(type(inner), "refresh_derived_buffers", "refresh: plan, checks, events")
             patch(importlib.import_module("lifecycle.backbone"), "apply_refresh", FUSED_WRITE)

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError
-from ..drafts.owners import drafts_of
+from ...torch_private import own_buffers, own_parameters, torch_function_bypassed
+from ..drafts.owners import drafts_of, modules_of
 from ..drafts.runtime import DraftRuntime
 from .unwind import infos
 
@@ -80,9 +81,17 @@ class Staging:
         """At the end of a chunk: no parameter or buffer of `model` may live in the buffer (module doc)."""
         if self.buffer is None:
             return
-        ptr = self.buffer.untyped_storage().data_ptr()
-        aliased = [n for n, t in (*model.named_parameters(), *model.named_buffers())
-                   if not t.is_meta and t.untyped_storage().data_ptr() == ptr]
+        start = self.buffer.data_ptr()
+        end = start + self.buffer.numel()
+        # every tensor's address read once, through the push's walk of the modules (a META tensor's is 0): a chunk
+        # ends here, so this runs once per `update_weights` call; names only for the error
+        with torch_function_bypassed():  # vLLM's parameters answer `data_ptr` through `__torch_function__`
+            held = [t for _, m in modules_of(model) for t in (*own_parameters(m).values(), *own_buffers(m).values())
+                    if t is not None]
+            if not any(start <= p < end for p in map(torch.Tensor.data_ptr, held)):
+                return
+            aliased = [n for n, t in (*model.named_parameters(), *model.named_buffers())
+                       if start <= t.data_ptr() < end]
         if aliased:
             self.refused, self.buffer = True, None
             raise CheckpointError(f"reload-lifecycle: {', '.join(aliased[:4])} of the draft now live(s) in the "

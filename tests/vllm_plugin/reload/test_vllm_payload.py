@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from lifecycle.errors import CheckpointError
 from lifecycle.loading import write_checkpoint
 from lifecycle.vllm import settings
 from lifecycle.vllm.reload.payload import check_path, feed, plan_payload
+from lifecycle.vllm.reload.staging import Staging
 
 
 @pytest.fixture
@@ -70,6 +72,25 @@ def test_feed_hands_each_bucket_to_load_weights_as_read_from_disk(ckpt: Path) ->
     feed(Model(), plan_payload(ckpt, bucket_size=4))
     assert seen == [[("layers.0.w", 0.0), ("layers.1.w", 1.0), ("layers.2.w", 2.0), ("layers.3.w", 3.0)],
                     [("layers.4.w", 4.0), ("norm.weight", 1.0)]]
+
+
+def test_the_staging_buffer_refuses_a_weight_left_living_in_it() -> None:
+    """A weight loader that kept the value it was handed (a view of the reused read buffer) instead of copying it:
+    the chunk's end refuses it, naming the tensor, and the draft reads into fresh tensors from then on."""
+    staging = Staging(pinned=False)
+    region = staging.region(256)
+    assert region is not None and staging.buffer is not None
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].register_buffer("scale", torch.zeros(4))
+    model[0].register_parameter("bias", nn.Parameter(torch.empty(4, device="meta")))  # META: no address, not held
+    outside = torch.empty(512, dtype=torch.uint8)  # another buffer's bytes
+    model[1].weight = nn.Parameter(outside[:32].view(torch.float32).view(4, 2))
+    staging.check(model)  # nothing lives in it
+    assert not staging.refused and staging.buffer is not None
+    model[1].register_buffer("scale", region[192:208].view(torch.float32))  # what a careless loader keeps
+    with pytest.raises(CheckpointError, match=r"1\.scale of the draft now live\(s\) in the reader's staging buffer"):
+        staging.check(model)
+    assert staging.refused and staging.buffer is None  # `staging_for` hands it out no more: fresh reads
 
 
 def test_the_allowed_root_confines_paths_through_symlinks(ckpt: Path, tmp_path: Path,
