@@ -3,6 +3,9 @@
     python docs/generate.py           # rewrite what is out of date, in place
     python docs/generate.py --check   # change nothing; exit 1 naming each stale file (tests/project/test_docs.py)
 
+Both name each stored result measured on other code than the checkout's (stale by 1 change or more) on stderr,
+with the command that measures it again; that alone never fails.
+
 Generated pages (whole files): docs/api.md (from `lifecycle.__all__`), docs/performance.md (from
 benchmarks/results/*.json). Generated blocks (between `<!-- generated:NAME:begin -->` and
 `<!-- generated:NAME:end -->`) in README.md (the state diagram), CHANGELOG.md (the releases' compare links),
@@ -713,6 +716,23 @@ def expected() -> dict[str, str]:
     return out
 
 
+def stale_results() -> list[str]:
+    """A line for each stored result measured on other code than this (stale by 1 change or more, or unknown),
+    saying how to measure it again; one measured on CUDA says so (it needs a lent device)."""
+    out = []
+    for path in sorted(RESULTS.glob("*.json")):
+        result = json.loads(path.read_text(encoding="utf-8"))
+        commit, count = staleness(result)
+        if count == 0:
+            continue
+        run = f"`python -m benchmarks.{result.get('benchmark', path.stem)}`"
+        if (result.get("machine") or {}).get("cuda"):  # `gpu_check` measures every CUDA result in one run
+            run = "`python -m benchmarks.gpu_check` on a CUDA device (it writes every gpu_*.json)"
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        out.append(f"{shown}: {stale_text(count)} since `{commit}`: run {run} again")
+    return out
+
+
 def stale() -> list[str]:
     """The generated files whose text differs from what the code and the results give now."""
     return [rel for rel, text in expected().items()
@@ -730,6 +750,8 @@ def main(argv: Sequence[str] = ()) -> int:
     wanted = expected()
     changed = [rel for rel, text in wanted.items()
                if not (ROOT / rel).exists() or (ROOT / rel).read_text(encoding="utf-8") != text]
+    for line in stale_results():  # a figure that no longer describes this code: said, never fatal (a device may lack)
+        print(f"stale result: {line}", file=sys.stderr)
     if "--check" in argv:
         for rel in changed:
             print(f"{rel} is out of date: run `{COMMAND}`", file=sys.stderr)

@@ -75,6 +75,25 @@ def test_the_generator_writes_only_when_asked_to(monkeypatch: pytest.MonkeyPatch
     assert gen.main([]) == 0 and (tmp_path / "page.md").read_text(encoding="utf-8") == "regenerated\n"
 
 
+def test_the_generator_names_each_result_measured_on_other_code(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """A stored result whose measured path changed since its commit is named, with the command that measures it
+    again (and the device it needs); one measured on this code is not."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
+    oldest = git("rev-list", "--max-parents=0", "HEAD").split()[0]  # every file of lifecycle/ changed since
+    head = git("rev-parse", "HEAD").strip()
+    for name, commit, cuda in (("old_cpu", oldest, False), ("old_gpu", oldest, True), ("fresh", head, False)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            {"benchmark": name, "machine": {"cuda": cuda}, "measured_on": {"commit": commit, "path": ["lifecycle"]}}),
+            encoding="utf-8")
+    monkeypatch.setattr(gen, "RESULTS", tmp_path)
+    lines = gen.stale_results()
+    assert [line.split(":")[0].rsplit("/", 1)[-1] for line in lines] == ["old_cpu.json", "old_gpu.json"], lines
+    assert "`python -m benchmarks.old_cpu` again" in lines[0] and "on a CUDA device" in lines[1]
+
+
 def test_each_generated_page_says_how_it_is_made_and_each_block_is_marked_once() -> None:
     for rel in gen.PAGES:
         text = (ROOT / rel).read_text(encoding="utf-8")
