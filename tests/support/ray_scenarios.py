@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from support.cpu_shm import buffers_removed
 from support.needs import refuse_engines
 from support.vllm_basic_scenarios import _try, pinned_reload_on_every_rank
 
@@ -101,8 +102,13 @@ def main() -> None:
 
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)
-    result = {"scenario": scenario, **globals()[f"scenario_{scenario}"](work, arg)}
-    print("SCENARIO_RESULT " + json.dumps(result, default=str), flush=True)
+    with buffers_removed():  # Ray kills its workers without unlinking their buffers: see support.cpu_shm
+        try:
+            result = {"scenario": scenario, **globals()[f"scenario_{scenario}"](work, arg)}
+            print("SCENARIO_RESULT " + json.dumps(result, default=str), flush=True)
+        finally:
+            if "ray" in sys.modules:
+                sys.modules["ray"].shutdown()
 
 
 if __name__ == "__main__":
