@@ -21,7 +21,7 @@ Then: load (the loader reports `weights_loaded`), `finalize_loading()` (finish +
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from operator import attrgetter
 from typing import Any, ClassVar, TypeVar, cast
@@ -32,7 +32,7 @@ from torch import nn
 from .derived import DerivedSpec, apply_refresh, current_buffer, plan_refresh, resolve_tensor
 from .derived.reuse import PlanMemory
 from .errors import LayersNotReadyError, QuarantinedError, RefreshInterruptedError, StorageReallocationError
-from .hooks import Hook, Phase, collect_hooks, run_hooks
+from .hooks import Hook, Phase, collect_hooks, declared_writes, may_write, run_hooks, unmatched_writes
 from .loading import Writer
 from .machine import BackboneLifecycle
 from .session import ReloadSession
@@ -119,6 +119,7 @@ class DraftBackbone(nn.Module):
         self._runtime_hooks: list[Hook] = []
         self._derived_fallbacks: dict[str, str] = {}
         self._plan_memory = PlanMemory()  # the last validated plans of its alias, concat, stack buffers
+        self._check_hook_writes(collect_hooks(type(self)))
         return self._lifecycle
 
     def _check_declared_sources(self) -> None:
@@ -241,12 +242,22 @@ class DraftBackbone(nn.Module):
 
     # ---- hooks ------------------------------------------------------------------------------------------------
     def register_post_load_hook(self, fn: Callable[[DraftBackbone], Any], *phases: Phase | str,
-                                name: str | None = None) -> None:
-        """Add a hook at run time (besides methods decorated with `@post_load_hook`)."""
+                                name: str | None = None, writes: Iterable[str] | None = None) -> None:
+        """Add a hook at run time (besides methods decorated with `@post_load_hook`); `writes` as there."""
         if not phases:
             raise ValueError("register_post_load_hook needs at least one phase (cold_load and/or reload)")
         label: str = getattr(fn, "__name__", repr(fn))
-        self._runtime_hooks.append(Hook(name or label, frozenset(Phase(p) for p in phases), fn))
+        hook = Hook(name or label, frozenset(Phase(p) for p in phases), fn, declared_writes(writes))
+        self._check_hook_writes([hook])
+        self._runtime_hooks.append(hook)
+
+    def _check_hook_writes(self, hooks: list[Hook]) -> None:
+        """A hook declaring it writes a tensor the checkpoint does not hold (a typo) is refused, naming it."""
+        if bad := unmatched_writes(hooks, self.lifecycle.specs):
+            named = "; ".join(f"{h}: {', '.join(map(repr, ws))}" for h, ws in bad.items())
+            raise ValueError(f"{type(self).__name__}: post-load hooks declare writes to no tracked tensor: {named} "
+                             "(writes= names the checkpoint's tensors a hook may change; a buffer the hook makes "
+                             "needs no declaration)")
 
     def post_load_hooks(self, phase: Phase) -> list[Hook]:
         return collect_hooks(type(self), phase) + [h for h in self._runtime_hooks if phase in h.phases]
@@ -263,10 +274,10 @@ class DraftBackbone(nn.Module):
         lc = self.lifecycle
         done = self.__dict__.setdefault("_hooks_done", {})
 
-        def tracked() -> tuple[list[str], tuple[torch.Tensor | None, ...]]:
+        def tracked(hooks: Sequence[Hook]) -> tuple[list[str], tuple[torch.Tensor | None, ...]]:
             # read slot by slot, not with `gather`: compiling the list costs more than one read of it, and the
             # hooks of a cold load register buffers (the slots change) between the two snapshots
-            names = list(lc.specs)
+            names = may_write(hooks, lc.specs)
             return names, tuple(map(self._slots.live, names))
 
         return run_hooks(self, self.post_load_hooks(phase), phase, lc.epoch, done, lc.audit_event, tracked,

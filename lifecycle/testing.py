@@ -1,7 +1,8 @@
 """Test and benchmark helpers: random checkpoints for any backbone (`random_checkpoint`), and large, valid audit
 logs from a recorded one (`repeat_reloads`): the benchmarks' and the tests' way to get a million real events.
 And a cold load and a reload in one call each (`cold_load`, `reload`): what a test of one's own backbone does
-before what it checks. Importing this module costs torch and nothing of the loader: those two import it when called.
+before what it checks; and the check of what its post-load hooks declare they write (`undeclared_hook_writes`).
+Importing this module costs torch and nothing of the loader: those two import it when called.
 
 A real lifecycle is recorded once (cold load in epoch 0, then one reload in epoch 1); `repeat_reloads` writes
 the cold load once and the reload again and again, as epochs 1, 2, 3, ..., renumbering `seq` and moving
@@ -29,7 +30,7 @@ from .events import TS_FORMAT
 if TYPE_CHECKING:
     from .backbone import DraftBackbone
 
-__all__ = ["cold_load", "random_checkpoint", "reload", "repeat_reloads", "write_synthetic"]
+__all__ = ["cold_load", "random_checkpoint", "reload", "repeat_reloads", "undeclared_hook_writes", "write_synthetic"]
 
 BackboneT = TypeVar("BackboneT", bound="DraftBackbone")
 #: one checkpoint file or several (what `load_safetensors` reads)
@@ -164,3 +165,26 @@ def reload(backbone: DraftBackbone, checkpoint: Checkpoint, *, subset: Subset = 
     if refresh:
         backbone.refresh_derived_buffers(full=full, rebuild=rebuild)
     return hooks
+
+
+def undeclared_hook_writes(backbone: DraftBackbone, phase: str) -> dict[str, list[str]]:
+    """Hook name -> the tracked tensors it wrote that its `writes=` does not cover, for each hook of `phase` that
+    declares what it writes (`post_load_hook(..., writes=...)`): each is run on `backbone` once, every tracked tensor
+    read before and after it. Empty: every declaration holds for this backbone. The hooks' writes are not reported
+    to its lifecycle: check a backbone loaded for the check (`cold_load`), not one that serves."""
+    from .hooks import Phase, _signatures, may_write
+
+    lc = backbone.lifecycle
+    out: dict[str, list[str]] = {}
+    for hook in backbone.post_load_hooks(Phase(phase)):
+        if hook.writes is None:
+            continue
+        names = list(lc.specs)
+        before = _signatures([backbone.live_tensor(n) for n in names])
+        hook.fn(backbone)
+        after = _signatures([backbone.live_tensor(n) for n in names])
+        allowed = set(may_write([hook], names))
+        wrote = [n for n, was, now in zip(names, before, after, strict=True) if was != now and n not in allowed]
+        if wrote:
+            out[hook.name] = wrote
+    return out

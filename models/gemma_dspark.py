@@ -166,7 +166,7 @@ class GemmaDSparkDraft(DSparkHeads, DFlashQwen3Draft):
 
     # One-time cold-start work besides the inherited RoPE tables (`init_rope_caches`): computed, not loaded.
     # Replayed on reload it would give the buffer new storage under captured graphs, so it opts into cold_load only.
-    @post_load_hook(Phase.COLD_LOAD)
+    @post_load_hook(Phase.COLD_LOAD, writes=())
     def init_normalizer(self) -> None:
         c = self.config
         self.register_buffer("normalizer", torch.tensor(c.hidden_size**0.5, dtype=c.dtype,

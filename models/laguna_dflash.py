@@ -136,7 +136,7 @@ class DFlashLagunaDraft(DFlashQwen3Draft):
 
     # A one-time cold-start buffer besides the inherited RoPE tables (`init_rope_caches`), not in the checkpoint.
     # Replayed on reload it would give the buffer new storage under captured graphs: cold_load only.
-    @post_load_hook(Phase.COLD_LOAD)
+    @post_load_hook(Phase.COLD_LOAD, writes=())
     def init_mask_embedding(self) -> None:
         if self.mask_embedding.is_meta:
             self.register_buffer("mask_embedding", torch.zeros(self.config.hidden_size, dtype=self.config.dtype,

@@ -140,7 +140,7 @@ class RotaryEmbedding(nn.Module):
         return rotate(x, positions, self.cos_sin_cache)
 
 
-@post_load_hook(Phase.COLD_LOAD)
+@post_load_hook(Phase.COLD_LOAD, writes=())
 def init_rope_caches(backbone: nn.Module) -> None:
     """Compute every RotaryEmbedding's table once, on the device of the loaded weights. A family binds it as a
     method (`init_rope_caches = init_rope_caches` in its class body). Cold load only: replayed on reload it would

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from lifecycle.errors import IllegalTransitionError, StorageDriftError
 from lifecycle.hooks import Phase, collect_hooks, post_load_hook
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.states import LifecycleState
-from lifecycle.testing import reload
+from lifecycle.testing import reload, undeclared_hook_writes
 from models.qwen3_dflash import DFlashConfig, DFlashQwen3Draft, random_weights
 
 S = LifecycleState
@@ -312,3 +313,95 @@ def test_signatures_in_bulk_are_the_per_tensor_ones() -> None:
     before = _signatures([plain])
     plain.add_(1)
     assert _signatures([plain]) != before  # written in place: the version counter moved
+
+
+# ---- what a hook declares it writes (`writes=`) --------------------------------------------------------------
+
+
+@pytest.fixture
+def snapshot_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tracked tensors each read of the hooks' before/after snapshot took."""
+    from lifecycle import hooks
+
+    reads: list[int] = []
+    real = hooks._signatures
+
+    def counted(tensors: Any) -> list[Any]:
+        reads.append(len(tensors))
+        return real(tensors)
+
+    monkeypatch.setattr(hooks, "_signatures", counted)
+    return reads
+
+
+def test_hooks_that_declare_they_write_nothing_tracked_cost_no_snapshot(tiny_cfg: DFlashConfig, ckpt_a: Path,
+                                                                        snapshot_reads: list[int]) -> None:
+    """A cold load whose hooks all declare `writes=()` (the RoPE tables: buffers the checkpoint does not hold) reads
+    no tracked tensor around them; one undeclared hook makes the run read every one, before and after."""
+    m = DFlashQwen3Draft(tiny_cfg)
+    assert [(h.name, h.writes) for h in m.post_load_hooks(Phase.COLD_LOAD)] == [("init_rope_caches", ())]
+    load_safetensors(m, ckpt_a)
+    assert m.finalize_loading() == ["init_rope_caches"]
+    assert snapshot_reads == []
+
+    m2 = DFlashQwen3Draft(tiny_cfg)
+    m2.register_post_load_hook(lambda b: None, Phase.COLD_LOAD, name="undeclared")
+    load_safetensors(m2, ckpt_a)
+    assert m2.finalize_loading() == ["init_rope_caches", "undeclared"]
+    assert snapshot_reads == [len(m2.lifecycle.specs)] * 2
+
+
+def test_a_declared_write_is_named_refreshed_and_only_it_is_read(loaded: DFlashQwen3Draft, ckpt_b: Path,
+                                                                 snapshot_reads: list[int]) -> None:
+    """A reload hook declaring the k_norm weights (a pattern) has those 3 read around it, not the draft's other
+    tensors; what it scales in place is audited as written by hooks and refreshed."""
+    m = loaded
+
+    def rescale(b: DFlashQwen3Draft) -> None:
+        with torch.no_grad():
+            b.layers[1].self_attn.k_norm.weight.mul_(3)
+
+    m.register_post_load_hook(rescale, Phase.RELOAD, writes=["layers.*.self_attn.k_norm.weight"])
+    with capture_logs() as logs:
+        assert reload(m, ckpt_b, subset=lambda n: n.startswith("layers.0.")) == ["rescale"]
+    assert snapshot_reads == [len(m.layers)] * 2
+    (ev,) = [e for e in logs if e["event"] == "changed_by_hooks"]
+    assert ev["names"] == ["layers.1.self_attn.k_norm.weight"]
+    assert torch.equal(m._k_norm_weights, torch.stack(_k_norms(m)))
+
+
+def test_a_write_outside_the_declaration_is_what_the_check_reports(loaded: DFlashQwen3Draft) -> None:
+    """The trade a declaration makes: the lifecycle reads only what a hook declares, so a write outside it goes
+    unseen by the run; `undeclared_hook_writes` finds it (a family's test runs it over every hook)."""
+    m = loaded
+
+    def mislabelled(b: DFlashQwen3Draft) -> None:
+        with torch.no_grad():
+            b.layers[0].self_attn.k_norm.weight.mul_(2)  # declared: layer 1 only
+            b.layers[1].self_attn.k_norm.weight.mul_(2)
+
+    m.register_post_load_hook(mislabelled, Phase.RELOAD, writes=["layers.1.self_attn.k_norm.weight"])
+    assert undeclared_hook_writes(m, "reload") == {"mislabelled": ["layers.0.self_attn.k_norm.weight"]}
+    assert undeclared_hook_writes(m, "cold_load") == {}  # init_rope_caches: only its buffers
+
+
+def test_a_bad_declaration_is_refused_naming_it_and_registers_nothing(tiny_cfg: DFlashConfig) -> None:
+    m = DFlashQwen3Draft(tiny_cfg)
+    before = m.post_load_hooks(Phase.RELOAD)
+    with pytest.raises(TypeError, match=r"writes='norm.weight': give a list .*\(writes=\['norm.weight'\]\)"):
+        m.register_post_load_hook(lambda b: None, Phase.RELOAD, writes="norm.weight")
+    with pytest.raises(TypeError, match=r"non-empty string\), got \[3, ''\]"):
+        m.register_post_load_hook(lambda b: None, Phase.RELOAD, writes=["norm.weight", 3, ""])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"DFlashQwen3Draft: .*scale: 'layers.\*.q_norm.bias', 'norm.wieght' "):
+        m.register_post_load_hook(lambda b: None, Phase.RELOAD, name="scale",
+                                  writes=["layers.*.self_attn.k_norm.weight", "layers.*.q_norm.bias", "norm.wieght"])
+    assert m.post_load_hooks(Phase.RELOAD) == before
+
+    class Typo(DFlashQwen3Draft):
+        @post_load_hook(Phase.COLD_LOAD, writes=["_fused_kv_weight"])  # a derived buffer, not a checkpoint tensor
+        def build_early(self) -> None:
+            pass
+
+    with pytest.raises(ValueError, match=r"Typo: post-load hooks declare writes to no tracked tensor: build_early: "
+                                         r"'_fused_kv_weight'"):
+        Typo(tiny_cfg)

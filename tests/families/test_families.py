@@ -32,7 +32,7 @@ from lifecycle import (
 from lifecycle.hooks import collect_hooks
 from lifecycle.loading import load_safetensors, write_checkpoint
 from lifecycle.storage import count_allocations
-from lifecycle.testing import cold_load
+from lifecycle.testing import cold_load, undeclared_hook_writes
 from models import FAMILIES
 from support.family_helpers import (
     Fam,
@@ -368,3 +368,13 @@ def test_cold_only_hooks_never_run_on_reload_and_reload_hooks_do(fam: Fam) -> No
         assert torch.equal(m.live_tensor(source), fam.weights[which][source])  # type: ignore[arg-type]
         assert {n: StorageIdentity.of(t) for n, t in m.named_buffers() if n in cold_made} == cold_made
     assert calls == [("convert", 0), ("recompute", 1), ("recompute", 2)]
+
+
+@pytest.mark.parametrize("phase", [Phase.COLD_LOAD, Phase.RELOAD])
+def test_what_each_hook_declares_it_writes_holds(fam: Fam, phase: Phase) -> None:
+    """A hook that declares what it writes (`writes=`) has only that read around it: each declaration of a family's
+    hooks is checked against what the hook does, every tracked tensor read before and after it."""
+    m = fam.cold("a")
+    assert undeclared_hook_writes(m, phase) == {}
+    if phase is Phase.COLD_LOAD:  # every family's RoPE tables: a buffer the checkpoint does not hold
+        assert {h.name: h.writes for h in m.post_load_hooks(phase)}["init_rope_caches"] == ()

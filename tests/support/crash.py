@@ -211,7 +211,7 @@ def post_load_hooks() -> Probe:
                     points.hit(f"hook {_name}")
                     return _original(backbone)
                 wrapped[hook.fn] = fn
-            return Hook(hook.name, hook.phases, fn)
+            return Hook(hook.name, hook.phases, fn, hook.writes)
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> list[Hook]:
