@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -125,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeats = common.enough_rounds(repeats, info, explicit=args.repeats is not None)
     common.say(f"audit overhead ({'quick' if args.quick else 'full'} run, {repeats} interleaved repeats per arm)")
     common.say(common.machine_line(info))
-    with tempfile.TemporaryDirectory(prefix="bench-audit-", dir=common.scratch_dir()) as d:
+    with common.scratch("bench-audit-") as d:
         settings = Settings(Path(d))
         try:
             events = per_event(settings, args.quick)

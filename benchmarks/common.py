@@ -13,14 +13,20 @@ a | bb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
+import re
 import resource
+import shutil
+import signal
 import statistics
+import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +128,57 @@ def scratch_dir() -> str | None:
     come from memory every time (other tenants' I/O cannot evict the page cache mid-run); else the default."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+@contextlib.contextmanager
+def scratch(prefix: str) -> Iterator[str]:
+    """A run's scratch folder in `scratch_dir()`, named after this process (`<prefix><pid>-...`), removed when the
+    block ends, also when a SIGTERM (`kill`, a job's timeout) ends it: inside the block SIGTERM raises
+    SystemExit(143) in the main thread, as an interrupt would, where Python's default ends the process without its
+    `finally` blocks (the folder, a GiB of /dev/shm, would hold that memory until the machine restarts; the run's
+    engines would not be closed). The folders of this name whose process is gone (a run killed with SIGKILL) are
+    removed first."""
+    where = scratch_dir()
+    remove_orphaned_scratch(Path(where or tempfile.gettempdir()), prefix)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    if main and previous is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"{prefix}{os.getpid()}-", dir=where) as folder:
+            yield folder
+    finally:
+        if main and previous is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def remove_orphaned_scratch(where: Path, prefix: str) -> list[Path]:
+    """Remove the folders `<prefix><pid>-...` in `where` whose process no longer exists; returns them. A live pid
+    (its own, or one the system gave to another process since) keeps its folder."""
+    removed = []
+    name = re.compile(re.escape(prefix) + r"(\d+)-")
+    with contextlib.suppress(OSError):
+        for folder in where.iterdir():
+            m = name.match(folder.name)
+            if m is None or not folder.is_dir() or _alive(int(m.group(1))):
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def machine_info() -> dict[str, Any]:

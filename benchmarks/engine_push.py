@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                f"({'quick' if args.quick else 'full'} run, {repeats} interleaved rounds per arm)")
     common.say(common.machine_line(info))
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench-engine-push-", dir=common.scratch_dir()) as d:
+    with common.scratch("bench-engine-push-") as d:
         work = Path(d)
         logs = Path(tempfile.mkdtemp(prefix="engine-push-logs-"))
         hosts = {role: Host(role, logs / f"{role}.log") for role in ARMS}

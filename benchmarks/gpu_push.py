@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -156,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                f"run, {repeats} interleaved rounds per arm)")
     common.say(common.machine_line(info))
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bench-gpu-push-", dir=common.scratch_dir()) as d, torch.no_grad():
+    with common.scratch("bench-gpu-push-") as d, torch.no_grad():
         for name, family in FAMILIES.items():
             rows += measure(name, family, family.config(num_hidden_layers=2), device, Path(d), repeats)
         rows += measure(REAL_WIDTH, FAMILIES["dflash"], big_config(args.quick), device, Path(d), repeats)

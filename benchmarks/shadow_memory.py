@@ -16,7 +16,6 @@ Target (issue #15): bytes over stock = 0 for every family and layout. `--quick`:
 from __future__ import annotations
 
 import sys
-import tempfile
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -81,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.say(common.machine_line(info))
     setup()
     families = QUICK if args.quick else FAMILIES
-    with tempfile.TemporaryDirectory(prefix="bench-shadow-", dir=common.scratch_dir()) as d:
+    with common.scratch("bench-shadow-") as d:
         work = Path(d)
         make_target(work / "target")
         rows = [measure(fam, layout, work) for fam in families for layout in LAYOUTS]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -129,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                f"({'quick' if args.quick else 'full'} run, {repeats} rounds)")
     common.say(common.machine_line(info))
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench-breakdown-", dir=common.scratch_dir()) as d:
+    with common.scratch("bench-breakdown-") as d:
         for shape in tracking.shapes(args.quick):
             if shape.name in wanted:
                 common.say(f"  measuring {shape.name}: {shape.note} ...")

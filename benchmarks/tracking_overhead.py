@@ -36,7 +36,6 @@ from __future__ import annotations
 import gc
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -245,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.say(f"tracking overhead: loader with the lifecycle vs without ({'quick' if args.quick else 'full'} run, "
                f"{repeats} interleaved repeats per arm, tensors on {args.device})")
     common.say(common.machine_line(info))
-    with tempfile.TemporaryDirectory(prefix="bench-tracking-", dir=common.scratch_dir()) as d:
+    with common.scratch("bench-tracking-") as d:
         tmp = Path(d)
         rows: list[dict[str, Any]] = []
         updates: list[dict[str, Any]] = []

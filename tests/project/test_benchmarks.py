@@ -8,6 +8,7 @@ report as FAIL.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -319,3 +320,51 @@ def test_a_quick_run_never_replaces_a_full_runs_results() -> None:
     assert full == common.RESULTS_DIR / "refresh.json"
     assert quick.parent == common.RESULTS_DIR / "quick" and quick != full
     assert common.json_path(argparse.Namespace(json="/tmp/x.json", quick=True), "refresh") == Path("/tmp/x.json")
+
+
+# ---- a benchmark stopped part way leaves no scratch folder (a GiB of /dev/shm) ------------------------------------
+
+_SCRATCH_RUN = """
+import signal, sys, time
+from benchmarks import common
+with common.scratch(sys.argv[1]) as d:
+    print(d, signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_terminated_run_removes_its_scratch_folder(tmp_path: Path) -> None:
+    """SIGTERM (`kill`, a job's timeout) ends a run as an interrupt does: its scratch folder is gone, exit 143."""
+    prefix = f"bench-test-{tmp_path.name}-"
+    proc = subprocess.Popen([sys.executable, "-c", _SCRATCH_RUN, prefix], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    printed, handled = proc.stdout.readline().split()
+    folder = Path(printed)
+    assert handled == "True" and folder.is_dir() and folder.name.startswith(f"{prefix}{proc.pid}-")
+    proc.terminate()
+    assert proc.wait(timeout=30) == 143
+    assert not folder.exists()
+
+
+def test_the_scratch_folder_of_a_killed_run_is_removed_by_the_next_run(tmp_path: Path) -> None:
+    """A run killed outright (SIGKILL) leaves its folder; the next run of that name removes it, and nothing else:
+    not a live process's folder, not one of another name."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f"bench-x-{int(dead.stdout)}-abc"
+    live = tmp_path / f"bench-x-{os.getpid()}-abc"
+    other = tmp_path / f"bench-y-{int(dead.stdout)}-abc"
+    for folder in (gone, live, other):
+        (folder / "ck").mkdir(parents=True)
+    assert common.remove_orphaned_scratch(tmp_path, "bench-x-") == [gone]
+    assert not gone.exists() and live.exists() and other.exists()
+
+
+def test_the_sigterm_handling_is_the_scratch_blocks_only() -> None:
+    """Outside a scratch block SIGTERM is what it was (a test process, or an engine forked later, keeps the default)."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with common.scratch("bench-z-") as d:
+        assert Path(d).is_dir()
+        assert (signal.getsignal(signal.SIGTERM) is not before) == (before is signal.SIG_DFL)  # someone else's stays
+    assert signal.getsignal(signal.SIGTERM) is before and not Path(d).exists()
