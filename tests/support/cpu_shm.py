@@ -13,7 +13,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -29,12 +29,12 @@ def buffers() -> set[str]:
         return set()
 
 
-def held() -> set[str]:
-    """The /dev/shm entries some live process maps or holds open (any process this user can read)."""
+def held(pids: Iterable[int] | None = None) -> set[str]:
+    """The /dev/shm entries that a live process maps or holds open: one of `pids`, or any this user can read."""
+    procs = [Path(f"/proc/{pid}") for pid in pids] if pids is not None else \
+        [p for p in Path("/proc").iterdir() if p.name.isdigit()]
     out: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for proc in procs:
         with contextlib.suppress(OSError):
             out |= {line.split(None, 5)[5].removesuffix(" (deleted)") for line in
                     (proc / "maps").read_text().splitlines() if "/dev/shm/" in line}

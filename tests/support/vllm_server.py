@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from support import cpu_shm
 from support.needs import needs
 
 __all__ = ["CLI", "SERVER_ENV", "ServerStartError", "StopReport", "VllmServer", "free_port", "serve_args",
@@ -243,17 +244,7 @@ class VllmServer:
         after one of their pids (vLLM's CPU shared-memory buffers: `<pid>-tp:...-cpushm_N`). Other jobs' entries
         (the machine's /dev/shm is shared) are not counted."""
         pids = [p.pid for p in self.processes()]
-        held: set[str] = set()
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                held |= {line.split(None, 5)[5].removesuffix(" (deleted)") for line in
-                         Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in line}
-            with contextlib.suppress(OSError):
-                for fd in Path(f"/proc/{pid}/fd").iterdir():
-                    with contextlib.suppress(OSError):
-                        held.add(os.readlink(fd))
-        names = {h.removeprefix("/dev/shm/") for h in held if h.startswith("/dev/shm/")}
-        return names | {n for n in shm_names() if any(n.startswith(f"{pid}-") for pid in pids)}
+        return cpu_shm.held(pids) | {n for n in shm_names() if any(n.startswith(f"{pid}-") for pid in pids)}
 
     def log_tail(self, lines: int = 60) -> str:
         try:
