@@ -49,7 +49,8 @@ KIB = 1024
 #: The plugin's own allocations alive per push below this many bytes count as no growth (tracemalloc's own noise).
 ZERO_BYTES = 16
 #: What a change of which can change the figures: the plugin, the core under it, this script and its test helpers.
-MEASURED = ("lifecycle", "benchmarks/soak.py", "tests/support/vllm_server.py", "tests/support/rl_client.py")
+MEASURED = ("lifecycle", "benchmarks/soak.py", "tests/support/vllm_server.py", "tests/support/cpu_shm.py",
+            "tests/support/rl_client.py")
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
