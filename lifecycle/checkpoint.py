@@ -53,7 +53,7 @@ from safetensors.torch import save_file
 
 from .confined import confined_files, open_confined
 from .errors import CheckpointError
-from .header import DTYPES, HEADER_LIMIT, check_layout, parse_header
+from .header import DTYPES, HEADER_LIMIT, checked_header
 from .header import error as _error
 
 __all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "ReadBuffer", "check_paths",
@@ -174,8 +174,7 @@ def _read_header(path: Path, root: Path | None = None) -> tuple[dict[str, IndexE
         text = bytes(buf)
         del buf
         data_start, data_size = 8 + length, identity.size - 8 - length
-        parsed = parse_header(text, path)
-        check_layout(parsed, data_size, path, data_start)  # end to end over the data, as safetensors lays them
+        parsed = checked_header(text, data_size, path, data_start)  # its layout too: end to end over the data
         entries = {name: IndexEntry(path, shape, dtype, data_start + begin, end - begin, identity)
                    for name, shape, dtype, begin, end in parsed}
         return entries, text

@@ -16,6 +16,10 @@ anywhere, a lone surrogate escape, a number past 64 bits (also a shape whose run
 of the data to its end, so no two tensors share a byte (an entry pointing at another tensor's bytes loaded that
 tensor's values), no byte before the first, between two or after the last belongs to no tensor.
 
+A header that passed is remembered by its bytes and the data's size (`checked_header`, which the checkpoint
+reader calls): a trainer's pushes repeat both byte for byte, and the same bytes over the same size pass the same
+checks. A refusal is never remembered.
+
 >>> try:
 ...     parse_header(b'{"w": {"dtype": "F32", "shape": [2, Infinity], "data_offsets": [0, 8]}}', "x.safetensors")
 ... except CheckpointError as e:
@@ -27,6 +31,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
 from os import PathLike
 from typing import Any
 
@@ -63,6 +70,19 @@ def _shown(value: Any) -> str:
     except (TypeError, ValueError, RecursionError):
         text = type(value).__name__
     return clipped(text, _SHOWN)
+
+
+class _Label:
+    """`tensor NAME` (the name cut for a message), formatted only when a message uses it: a header is checked
+    entry by entry on every push, and messages are the failure path."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"tensor {clipped(self.name, _SHOWN)}"
 
 
 class _Repeated(dict[str, Any]):
@@ -166,7 +186,7 @@ def _check_metadata(path: str | PathLike[str], meta: object) -> None:
 
 
 def _entry(path: str | PathLike[str], name: str, meta: object) -> HeaderEntry:
-    tensor = f"tensor {clipped(name, _SHOWN)}"
+    tensor = _Label(name)  # "tensor NAME", made only for a message
     if isinstance(meta, _Repeated):
         raise error(path, f"{tensor}: its entry gives {clipped(meta.repeated, _SHOWN)} twice")
     if type(meta) is not dict:
@@ -194,7 +214,7 @@ def _entry(path: str | PathLike[str], name: str, meta: object) -> HeaderEntry:
     return name, dims, dtype, begin, end
 
 
-def check_layout(entries: list[HeaderEntry], data_size: int, path: str | PathLike[str], data_start: int = 0
+def check_layout(entries: Sequence[HeaderEntry], data_size: int, path: str | PathLike[str], data_start: int = 0
                  ) -> None:
     """The tensors' byte ranges, sorted, lie end to end over the data exactly (`data_size` bytes), as safetensors
     checks: the first begins at 0, each begins where the one before it ends (zero-size tensors may share a point),
@@ -204,7 +224,7 @@ def check_layout(entries: list[HeaderEntry], data_size: int, path: str | PathLik
     the file (for messages)."""
     at, before = 0, None
     for name, _, _, begin, end in sorted(entries, key=lambda e: (e[3], e[4])):
-        tensor = f"tensor {clipped(name, _SHOWN)}"
+        tensor = _Label(name)
         if end > data_size:
             raise error(path, f"{tensor} needs bytes {data_start + begin}..{data_start + end} but the file has "
                               f"{data_start + data_size}: truncated")
@@ -221,6 +241,37 @@ def check_layout(entries: list[HeaderEntry], data_size: int, path: str | PathLik
                 else "the header lists no tensor")
         raise error(path, f"{data_size - at} byte(s) of data follow the tensors' ({last}; the data holds {data_size}): "
                           "they belong to no tensor (appended to the file?)")
+
+
+#: Headers checked before, by their bytes and the data's size: a trainer's pushes write headers that are the same
+#: byte for byte (the same names, shapes, dtypes and offsets), and the checks are a pure function of the two. Only
+#: what passed is kept, at most `_CHECKED_MAX` headers of at most `_CHECKED_BYTES` each.
+_CHECKED: OrderedDict[tuple[bytes, int], tuple[HeaderEntry, ...]] = OrderedDict()
+_CHECKED_MAX = 16
+_CHECKED_BYTES = 256 << 10
+_CHECKED_LOCK = threading.Lock()
+
+
+def checked_header(text: bytes, data_size: int, path: str | PathLike[str], data_start: int = 0
+                   ) -> tuple[HeaderEntry, ...]:
+    """`parse_header` then `check_layout` (`data_size` bytes of data after it), each header's bytes checked once:
+    the same bytes over the same data size answer what passed before (a failure is never kept: it is raised again,
+    naming `path`)."""
+    key = (text, data_size)
+    with _CHECKED_LOCK:
+        hit = _CHECKED.get(key)
+        if hit is not None:
+            _CHECKED.move_to_end(key)
+            return hit
+    entries = parse_header(text, path)
+    check_layout(entries, data_size, path, data_start)
+    checked = tuple(entries)
+    if len(text) <= _CHECKED_BYTES:
+        with _CHECKED_LOCK:
+            _CHECKED[key] = checked
+            while len(_CHECKED) > _CHECKED_MAX:
+                _CHECKED.popitem(last=False)
+    return checked
 
 
 _TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{},]')
