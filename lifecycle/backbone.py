@@ -219,11 +219,11 @@ class DraftBackbone(nn.Module):
     def _pinned_view(self) -> Mapping[str, torch.Tensor | None]:
         """What the lifecycle pins and verifies: `graph_visible_tensors`, as a live view that a pin verification
         reads in bulk (`slots.LiveSlots.tensors_at`), unless a subclass redefines what graphs read."""
-        cls = type(self)
-        if cls.graph_visible_tensors is DraftBackbone.graph_visible_tensors \
-                and cls.live_tensor is DraftBackbone.live_tensor:
-            return self._slots.view()
-        return self.graph_visible_tensors()
+        return self._slots.view() if self._pins_read_slots() else self.graph_visible_tensors()
+
+    def _pins_read_slots(self) -> bool:  # a refresh's plan reads the same slots: pins it verified hold for it too
+        cls, base = type(self), DraftBackbone
+        return cls.graph_visible_tensors is base.graph_visible_tensors and cls.live_tensor is base.live_tensor
 
     def derived_buffer_names(self) -> list[str]:
         return [s.name for s in self.derived_buffers]
@@ -333,8 +333,7 @@ class DraftBackbone(nn.Module):
                 self, self.derived_buffers, tensor_specs=lc.specs, dirty=dirty,
                 context={"backbone": lc.name, "state": lc.state.value}, full=full,
                 pinned=lc.graphs_pinned, allow_realloc=rebuild, resolve=self.live_tensor, memory=self._plan_memory,
-                gather=self._slots.gather,
-            )
+                gather=self._slots.gather, verified=lc.verified_pins if self._pins_read_slots() else None)
             # every buffer it will write no longer holds the last good values from before its first write until the
             # refresh's transition is done (`refresh_derived` clears them): an interrupt (any BaseException)
             # anywhere in between leaves them torn, so no rollback can be taken for exact; a write that fails

@@ -75,6 +75,8 @@ class TableMachine(AuditTrail):
                  meta_scan: MetaScan | None = None) -> None:
         super().__init__(name, rank, readiness, holds_events=not locked, recent_events=recent_events)
         self.pinned: PinnedStorage | None = None
+        #: the pins the running trigger's pin guard verified unchanged (its effect may rely on them), else None
+        self.verified_pins: PinnedStorage | None = None
         #: why `recover` would be wrong now (None: it would not), decided when a reload is aborted
         self.recovery_blocker: str | None = "no reload was aborted"
         self._resolve = resolve
@@ -192,11 +194,14 @@ class TableMachine(AuditTrail):
             if not self.can(trigger):
                 raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
                                              allowed_from=[s.value for s in allowed_sources(trigger)])
+            self.verified_pins = None  # set by this trigger's own pin guard only: code run since may move storage
             try:
                 fired = self._model.trigger(trigger, effect_call=effect_call)
             except MachineError as e:  # the table check above should make this unreachable
                 raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
                                              allowed_from=[s.value for s in allowed_sources(trigger)]) from e
+            finally:
+                self.verified_pins = None
             if not fired:
                 raise IllegalTransitionError(trigger, backbone=self.name, state=src.value,
                                              allowed_from=["(no row's condition was met)"])

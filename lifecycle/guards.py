@@ -37,6 +37,7 @@ class GuardedMachine(Protocol):
     name: str
     readiness: LayerReadiness
     pinned: PinnedStorage | None
+    verified_pins: PinnedStorage | None
     recovery_blocker: str | None
 
     @property
@@ -85,6 +86,7 @@ def require_pinned_unchanged(lc: GuardedMachine, action: str, *, audit: bool = T
                        problems_more=more)
     if problems:
         raise StorageDriftError(problems, backbone=lc.name, state=lc.state.value)
+    lc.verified_pins = lc.pinned  # for the trigger's effect (a refresh's plan); `_fire` clears it around each trigger
 
 
 def require_recoverable(lc: GuardedMachine, action: str, *, audit: bool = True) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import LayersNotReadyError, SourceLayoutError, StorageReallocationError
 from ..readiness import layer_of
-from ..storage import StorageIdentity, describe_changes
+from ..storage import PinnedStorage, StorageIdentity, describe_changes
 from ..types import TensorSpec, dtype_name
 from .buffer_plan import BufferPlan, Problem, Request
 from .custom import plan_custom
@@ -50,6 +50,7 @@ def plan_refresh(
     resolve: Resolve | None = None,
     memory: PlanMemory | None = None,
     gather: Gather | None = None,
+    verified: PinnedStorage | None = None,
 ) -> RefreshPlan:
     """Validate every buffer and decide every write. Raises before anything is written.
 
@@ -59,7 +60,8 @@ def plan_refresh(
     `resolve`: name -> live tensor (default: walk the module tree).
     `memory`: where the plans of `alias`, `concat` and `stack` buffers are kept between refreshes, and reused
     while nothing they read changed (`reuse.py`); None: plan every buffer afresh. `gather`: names -> their live
-    tensors in one call (default: `resolve` for each).
+    tensors in one call (default: `resolve` for each). `verified`: pins verified unchanged just now, read through
+    the tensors `gather` reads (the memory's observation need not be compared again where they hold it).
     Raises LayersNotReadyError (a source absent or on META), SourceLayoutError, StorageReallocationError,
     DerivedBuildError (a builder raised).
     """
@@ -67,7 +69,7 @@ def plan_refresh(
     look = None
     if memory is not None and not allow_realloc:  # the last refresh's plans, while nothing they read changed
         look = memory.look(backbone, specs, gather=gather or (lambda names: list(map(sources.resolve, names))),
-                           tensor_specs=tensor_specs, dirty=dirty, full=full, context=context)
+                           tensor_specs=tensor_specs, dirty=dirty, full=full, context=context, verified=verified)
     elif memory is not None:
         memory.forget()
     realloc_problems: list[str] = []
@@ -92,7 +94,7 @@ def plan_refresh(
             plans.append(bp)
             planned[i] = bp
     if memory is not None and look is not None and not look.reused:
-        memory.remember(look, planned)
+        memory.remember(look, planned, verified)
 
     ctx = dict(context)
     where = {"backbone": ctx.get("backbone", "?"), "state": ctx.get("state", "?")}

@@ -364,3 +364,88 @@ def test_a_reused_plan_walks_the_backbones_storages_once_per_refresh(monkeypatch
     assert reload_and_refresh() == "in_place"
     assert walks["owned"] == 1
     assert torch.equal(m._scales, torch.stack([layer.scale for layer in m.layers]))
+
+
+# ---- under captured graphs: the refresh's own pin verification stands for the observation ---------------------
+
+
+def _identity_passes(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
+    """How many tensors each bulk identity comparison read (`IdentityColumns.same`), by count of tensors."""
+    from lifecycle.storage import IdentityColumns
+
+    passes = Counter[int]()
+    real = IdentityColumns.same
+
+    def counted(self: IdentityColumns, tensors: object) -> bool:
+        passes[len(tensors)] += 1  # type: ignore[arg-type]
+        return real(self, tensors)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(IdentityColumns, "same", counted)
+    return passes
+
+
+def test_under_captured_graphs_the_refresh_compares_identities_only_in_its_pin_checks(
+        ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = built(ckpt, memory=True)
+    pinned = len(m.lifecycle.specs) + len(SPECS)  # every weight and every derived buffer
+    passes = _identity_passes(monkeypatch)
+    reload_layers(m, [1], value=1.5)
+    m.refresh_derived_buffers()
+    assert sum(passes.values()) == 2 and pinned not in passes  # no graphs: the memory's two observation passes
+    m.capture_graphs()
+    for round_ in range(3):  # the first refresh under these pins compares and remembers that the pins hold it
+        passes.clear()
+        reload_layers(m, [round_], value=float(round_))
+        report = m.refresh_derived_buffers()
+        assert passes[pinned] == 2  # the refresh's guard, then graphs_verified
+        assert sum(passes.values()) == (4 if round_ == 0 else 2)
+        assert report["_kv"].mode == "in_place" and torch.equal(m._kv, m.expected()["_kv"])
+    m.release_graphs()  # captured again: other pins, compared again once
+    reload_layers(m, [3], value=3.0)
+    m.refresh_derived_buffers()
+    m.capture_graphs()
+    for expected in (4, 2):
+        passes.clear()
+        reload_layers(m, [2], value=7.0)
+        m.refresh_derived_buffers()
+        assert sum(passes.values()) == expected
+    assert all(torch.equal(m._buffers[n], t) for n, t in m.expected().items())
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_under_captured_graphs_a_refresh_after_a_mutation_is_what_a_fresh_plan_gives(ckpt: Path, mutation: str
+                                                                                      ) -> None:
+    twins = built(ckpt, memory=True), built(ckpt, memory=False)
+    results = []
+    for m in twins:
+        m.capture_graphs()
+        for value in (1.0, 1.5):  # remembered, then reused on the strength of the pin verification
+            reload_layers(m, [0], value=value)
+            m.refresh_derived_buffers()
+        MUTATIONS[mutation](m)
+        reload_layers(m, [0, 2], value=2.0)
+        results.append(outcome(m))
+    (reused, reused_bits), (fresh, fresh_bits) = results
+    assert reused == fresh
+    assert all(torch.equal(reused_bits[n], fresh_bits[n]) for n in fresh_bits), "a buffer differs"
+
+
+def test_what_a_pin_guard_verified_lives_only_inside_its_trigger(ckpt: Path) -> None:
+    m = built(ckpt, memory=True)
+    lc = m.lifecycle
+    m.capture_graphs()
+    seen: list[object] = []
+
+    def spying_into(backbone: Draft, out: torch.Tensor | None) -> torch.Tensor:
+        seen.append(backbone.lifecycle.verified_pins)
+        return torch.stack([layer.qkv_proj.weight.sum(0) for layer in backbone.layers], out=out)
+
+    spying = dataclasses.replace(SPECS[3], into=spying_into)
+    m.derived_buffers = (*SPECS[:3], spying)  # type: ignore[misc]  # this backbone's declarations
+    reload_layers(m, [1], value=1.0)
+    m.refresh_derived_buffers()
+    assert seen and all(p is lc.pinned for p in seen) and lc.pinned is not None  # inside the effect: its pins
+    assert lc.verified_pins is None  # and not after it
+    lc.verify_pinned()  # a verification outside any trigger...
+    m.begin_reload()  # ...is not what the next trigger's effect may rely on
+    assert lc.verified_pins is None
