@@ -34,7 +34,8 @@ def test_on_the_onednn_path_vllms_reload_computes_from_freed_memory_and_the_plug
     release fixes this, this test fails: take the path off `NOT_RELOADABLE`."""
     res = int8["onednn"]
     assert res["path"] == [CPU_INT8, "CPUInt8ScaledMMLinearKernel._apply_weights_onednn"]  # the path forced
-    assert res["same_addresses"] and not res["warm_equals_cold"] and res["max_abs_diff"] > 1
+    # what freed memory holds decides the values: far off, or NaN (seen once in a full run); never near the cold ones
+    assert res["same_addresses"] and not res["warm_equals_cold"] and not res["max_abs_diff"] <= 1
     assert res["blocker"] is not None
     assert "on CPUInt8ScaledMMLinearKernel (apply_weights_onednn)" in res["blocker"]
     assert "keeps reading that layer's weight scale" in res["blocker"]
