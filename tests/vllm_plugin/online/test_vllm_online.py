@@ -175,13 +175,6 @@ class InFlight:
             seen = now
             time.sleep(quiet_s)
 
-    def streaming(self, timeout: float = 60) -> None:
-        """Wait until every request has streamed a token (or finished): each was scheduled."""
-        deadline = time.monotonic() + timeout
-        while not all(n or at for n, at in zip(self.received, self.finished_at, strict=True)):
-            assert time.monotonic() < deadline and not self.errors, (self.received, self.errors)
-            time.sleep(0.01)
-
     def moved_past(self, received: list[int], which: list[bool], timeout: float = 60) -> None:
         """Wait until every request marked in `which` has streamed past `received` (or finished): it runs in the
         engine again. A keep pause resets the prefix cache, which sends every running request back to the queue
