@@ -48,6 +48,21 @@ def test_a_stale_buffer_no_process_holds_is_removed_and_nothing_else(names: list
 
 def test_the_buffers_a_block_creates_are_removed_when_it_ends(names: list[str]) -> None:
     kept = _buffer(names, "before", 1)  # someone else's, young: not the block's
+    kept_queue = _shared_memory(names, "0")
     with cpu_shm.buffers_removed(wait_s=2):
         mine = _buffer(names, "mine", 0)
+        my_queue = _shared_memory(names, "1")  # a Ray engine's message queue its killed workers left
+        held_queue = _shared_memory(names, "2")
+        handle = held_queue.open("rb")
+    handle.close()
     assert not mine.exists() and kept.exists()
+    assert not my_queue.exists() and kept_queue.exists()
+    assert held_queue.exists()  # a live process had it open until the wait ran out
+
+
+def _shared_memory(names: list[str], tag: str) -> Path:
+    name = f"psm_{os.getpid():x}ab{tag}"
+    names.append(name)
+    path = cpu_shm.SHM / name
+    path.write_bytes(b"\0" * 64)
+    return path

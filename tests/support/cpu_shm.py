@@ -5,6 +5,8 @@ Under Ray `<ident>` is a TCP port the OS picked, and Ray kills its workers witho
 left by an earlier run whose port the OS hands out again makes a later engine's start fail ("create shm in
 SHMManager failed. errno: 17"). A scenario that starts such an engine runs inside `buffers_removed()`: it removes
 the buffers no live process holds that are older than a few minutes first (a killed run's), and its own when it ends.
+Its own include the message queues vLLM's executor shares with the Ray workers (Python shared memory, `psm_<hex>`,
+up to 240 MiB each), which a killed worker leaves too; only those the block created, as other programs use the name.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from pathlib import Path
 
 SHM = Path("/dev/shm")
 CPU_TP_BUFFER = re.compile(r"-cpushm_\d+$")
+SHARED_MEMORY = re.compile(r"^psm_[0-9a-f]+$")  # multiprocessing.shared_memory's names: vLLM's message queues
 STALE_AFTER_S = 300.0  # older than any engine start: a buffer no process holds for that long is a killed run's
 
 
-def buffers() -> set[str]:
-    """The CPU tensor-parallel buffers /dev/shm holds now."""
+def buffers(pattern: re.Pattern[str] = CPU_TP_BUFFER) -> set[str]:
+    """The /dev/shm entries named like `pattern` now (vLLM's CPU tensor-parallel buffers by default)."""
     try:
-        return {n for n in os.listdir(SHM) if CPU_TP_BUFFER.search(n)}
+        return {n for n in os.listdir(SHM) if pattern.search(n)}
     except OSError:
         return set()
 
@@ -71,11 +74,11 @@ def buffers_removed(wait_s: float = 20.0) -> Iterator[None]:
     """Remove stale buffers, run the block, then remove the buffers it created once no process holds them (its
     engine's workers may take a moment to exit after the block shut them down)."""
     remove_stale()
-    before = buffers()
+    before = buffers() | buffers(SHARED_MEMORY)
     try:
         yield
     finally:
-        mine = buffers() - before
+        mine = (buffers() | buffers(SHARED_MEMORY)) - before
         deadline = time.monotonic() + wait_s
         while mine:
             mine -= remove_unheld(mine)

@@ -77,8 +77,11 @@ def scenario_tp2(work: Path, executor: str) -> dict[str, Any]:
     os.environ[AUDIT_DIR_ENV] = str(work / f"audit-ray-{executor}")  # after ray.init: see the module doc
     started = time.perf_counter()
     llm = _engine(work)
-    return {"start_s": time.perf_counter() - started, "probes": llm.collective_rpc(node_probe),
-            "executor": type(llm.llm_engine.model_executor).__name__, **pinned_reload_on_every_rank(llm, work)}
+    try:
+        return {"start_s": time.perf_counter() - started, "probes": llm.collective_rpc(node_probe),
+                "executor": type(llm.llm_engine.model_executor).__name__, **pinned_reload_on_every_rank(llm, work)}
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # while Ray is up: see main()
 
 
 def scenario_bad_node(work: Path, variant: str) -> dict[str, Any]:
@@ -96,6 +99,11 @@ def scenario_bad_node(work: Path, variant: str) -> dict[str, Any]:
 
 
 def main() -> None:
+    """Runs one scenario. The engine is shut down before Ray, and Ray may not start a second local cluster: the
+    executors' shutdown, run later by the garbage collector, calls `ray.kill`, which after `ray.shutdown()` would
+    start a fresh cluster (Ray's auto-connect); its head processes then outlived this process, which hung in its
+    exit for 15 minutes in CI."""
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"  # read when ray is imported
     scenario, work, arg = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     refuse_engines()
     from lifecycle.vllm.demo.tiny import ENGINE_ENV

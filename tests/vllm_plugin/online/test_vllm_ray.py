@@ -10,10 +10,7 @@ workers only, never through the plugin. Each scenario runs in its own process (o
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,25 +18,19 @@ import pytest
 
 from lifecycle.audit.replay import audit_logs
 from lifecycle.states import LifecycleState
+from lifecycle.vllm.settings import AUDIT_DIR_ENV
 from support.needs import needs
-from support.vllm_runs import PYTHONPATH
+from support.vllm_runs import run_script
 
 pytestmark = pytest.mark.ray
 
-ROOT = Path(__file__).resolve().parents[3]
 HOST = socket.gethostname()
 
 
 @needs("engine")
 def run(script: str, name: str, work: Path, arg: str = "") -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
-    env.pop("RELOAD_LIFECYCLE_AUDIT_DIR", None)  # each scenario sets its own, after Ray started
-    proc = subprocess.run([sys.executable, "-m", f"support.{script}", name, str(work), *([arg] if arg else [])],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
-    for line in proc.stdout.splitlines():
-        if line.startswith("SCENARIO_RESULT "):
-            return json.loads(line.removeprefix("SCENARIO_RESULT "))  # type: ignore[no-any-return]
-    raise AssertionError(f"{script} {name} {arg} printed no result (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+    # each scenario sets the audit folder itself, after Ray started
+    return run_script(script, name, work, *([arg] if arg else []), unset=(AUDIT_DIR_ENV,))
 
 
 @pytest.fixture(scope="module")
