@@ -4,7 +4,6 @@ where its threads stood."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -14,11 +13,11 @@ from support.vllm_runs import run_script
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed and waiting for its new parent to reap it, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
         return False
-    state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] if Path(f"/proc/{pid}").exists() else "X"
     return state not in ("Z", "X")
 
 

@@ -53,7 +53,8 @@ def run_script(module: str, name: str, work: Path, *args: str, timeout: int = 90
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        out.seek(0), err.seek(0)
+        out.seek(0)
+        err.seek(0)
         stdout, stderr = out.read(), err.read()
     if hung:
         raise AssertionError(f"scenario {module} {name} {' '.join(args)} still ran after {timeout} s (killed); "
