@@ -25,7 +25,7 @@ from .runtime import WORKER, DraftRuntime
 if TYPE_CHECKING:
     from .families import VLLMDraftFamily
 
-__all__ = ["VLLMDraftBackbone", "backbones_in", "draft_model_of", "drafts_of", "forget_walk", "modules_of",
+__all__ = ["VLLMDraftBackbone", "backbones_in", "claim", "draft_model_of", "drafts_of", "forget_walk", "modules_of",
            "note_engine_model", "owner_of", "shared_modules", "walk_once"]
 
 
@@ -67,12 +67,29 @@ class VLLMDraftBackbone(DraftBackbone):
         raise NotImplementedError
 
 
+def claim(backbone: VLLMDraftBackbone, module: nn.Module, names: list[str]) -> None:
+    """`backbone`'s tracked tensors `names` live in `module` (`DraftRuntime.owned`). Every claimer is indexed:
+    vLLM shares some modules between the engines of one process (`get_rope` caches one rotary embedding per
+    configuration), so a module outlives the draft that claimed it first."""
+    backbone.lifecycle_runtime.owned[module] = names
+    claimers = [r for r in WORKER.owners.get(module, ()) if (b := r()) is not None and b is not backbone]
+    WORKER.owners[module] = (*claimers, weakref.ref(backbone))
+
+
 def owner_of(module: nn.Module) -> tuple[VLLMDraftBackbone, list[str]] | None:
-    """The live draft whose tracked tensors `module` holds, with their names, or None (`DraftRuntime.owned`)."""
-    for backbone in WORKER.drafts:
-        names = backbone.lifecycle_runtime.owned.get(module)
-        if names is not None:
-            return backbone, names
+    """The live draft whose tracked tensors `module` holds, with their names, or None (`DraftRuntime.owned`): of
+    the drafts that claimed it, the newest that is live, enabled (in `WORKER.drafts`) and still lists it."""
+    try:
+        claimers = WORKER.owners.get(module)
+    except TypeError:  # not weakly referenceable: no draft claimed it
+        return None
+    for ref in reversed(claimers or ()):
+        backbone = ref()
+        # a draft whose enabling did not finish owns nothing; a claim `claim_structure` released names nothing
+        if backbone is not None and backbone in WORKER.drafts:
+            names = backbone.lifecycle_runtime.owned.get(module)
+            if names is not None:
+                return backbone, names
     return None
 
 

@@ -103,6 +103,11 @@ class WorkerRuntime:
     def __init__(self) -> None:
         #: every lifecycle draft alive in this process (`owners.VLLMDraftBackbone`s)
         self.drafts: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: module -> the drafts that claimed it, oldest first (`owners.claim`; each one's `DraftRuntime.owned` says
+        #: with which names): `owners.owner_of` runs for every layer a push processes, and iterating a WeakSet
+        #: costs microseconds
+        self.owners: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Any], ...]] = \
+            weakref.WeakKeyDictionary()
         #: modules of the models the engine loaded that hold no lifecycle draft (the target)
         self.engine_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: model -> its submodules (name, module held weakly), walked once when a push begins and kept until its

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..compat.patching import write_private
-from ..drafts.owners import backbones_in, draft_model_of
+from ..drafts.owners import backbones_in, draft_model_of, drafts_of
 from ..drafts.runtime import WORKER
 from ..reload.epoch import OUTCOME_QUARANTINED, describe, entered, fail
 from ..settings import TAKEOVER_IDLE_ENV, takeover_idle_s  # the setting's record: settings.TAKEOVER_IDLE
@@ -72,7 +72,7 @@ def _session(worker: Any) -> Push | None:
 
 def _drafts(worker: Any) -> list[Any]:
     draft = draft_model_of(worker.model_runner)
-    return backbones_in(draft) if draft is not None else []
+    return drafts_of(draft) if draft is not None else []
 
 
 def _audit_end(worker: Any, push: Push | None, outcome: str, reason: str | None = None) -> None:

@@ -34,7 +34,7 @@ def engine_class() -> type:
     """Built on demand so that importing this module imports no vLLM."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    from ..drafts.owners import backbones_in
+    from ..drafts.owners import drafts_of
     from ..reload.epoch import entered
     from ..reload.payload import feed, plan_payload
     from ..settings import allowed_root, check_partial
@@ -71,7 +71,7 @@ def engine_class() -> type:
             push = current()  # a chunk of a push the worker's session wrapper runs: tensors it sent again are
             if push is not None:  # skipped when their bytes are the same, else the push is refused (`chunks.py`)
                 payload = admit(push, payload, allowed_root())
-            for backbone in backbones_in(self.model):
+            for backbone in drafts_of(self.model):  # cached per model: this runs per chunk of a push
                 backbone.lifecycle_runtime.reload_partial = policy
             feed(self.model, payload)
             if push is not None:

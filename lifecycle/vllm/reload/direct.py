@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ...storage import StorageIdentity
-from ...torch_private import own_buffers, own_parameters, torch_function_bypassed
+from ...torch_private import own_buffers, own_parameters, set_grad_mode, torch_function_bypassed
 from ..drafts.runtime import WORKER, DraftRuntime
 
 __all__ = ["write_layer", "writes_in_place"]
@@ -71,10 +71,19 @@ def writes_in_place(layer: nn.Module, info: Any, runtime: DraftRuntime) -> bool:
     return True
 
 
-@torch.no_grad()
 def write_layer(layer: nn.Module, info: Any, runtime: DraftRuntime) -> None:
     """Replay `layer`'s buffered loads into its kept tensors, process it in place, end vLLM's record of it (what
-    `_layerwise_process` does, without the fresh copy and the copy back)."""
+    `_layerwise_process` does, without the fresh copy and the copy back). Without autograd, switched in C (this
+    runs for every layer of every push: `torch.no_grad()`'s Python frames cost more than the check around it)."""
+    grad = torch.is_grad_enabled()
+    try:  # switched inside the try: an interrupt right after the switch must still restore the caller's mode
+        set_grad_mode(False)
+        _write_layer(layer, info, runtime)
+    finally:
+        set_grad_mode(grad)
+
+
+def _write_layer(layer: nn.Module, info: Any, runtime: DraftRuntime) -> None:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, _place_kernel_tensors
 

@@ -83,12 +83,17 @@ def wrap_layerwise_process(original: Callable[..., Any]) -> Callable[..., Any]:
         # uninitialised); only a layer that received everything counts as loaded
         complete = not completing and info.load_numel_total is not None \
             and info.load_numel >= info.load_numel_total > 0
-        with WORKER.flag("in_vllm_reload"):
+        was = WORKER.in_vllm_reload  # `WORKER.flag`, inline: this runs for every layer of every push
+        try:
+            WORKER.in_vllm_reload = True
             runtime = owner[0].lifecycle_runtime if owner is not None else None
             if runtime is not None and not completing and direct.writes_in_place(layer, info, runtime):
-                result = direct.write_layer(layer, info, runtime)
+                direct.write_layer(layer, info, runtime)
+                result = None  # as vLLM's `_layerwise_process`
             else:
                 result = vllm_process(original, layer, info, *args, **kwargs)
+        finally:
+            WORKER.in_vllm_reload = was
         WORKER.touched.discard(layer)  # processed and copied back whole: the reload wrote it (it no longer waits)
         if complete and owner is not None:
             backbone, names = owner

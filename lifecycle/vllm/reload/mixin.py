@@ -35,7 +35,7 @@ from ...errors import raise_unheld
 from ...torch_private import own_parameters
 from ...types import RefreshReport
 from ..drafts.families import SHADOW
-from ..drafts.owners import VLLMDraftBackbone
+from ..drafts.owners import VLLMDraftBackbone, claim
 from ..drafts.processing import guard_processing
 from ..drafts.quantized import attention_prefixes
 from ..drafts.runtime import WORKER
@@ -78,7 +78,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
             names = [f"{mod_name}.{leaf}" if mod_name else leaf for leaf in own_parameters(module)]
             names = [n for n in names if n in tracked]
             if names:
-                self.lifecycle_runtime.owned[module] = names
+                claim(self, module, names)
                 owned.append(module)
                 guard_processing(self, module, plan.captures.get(module))
                 guard_weight_loaders(self, module, names)
@@ -196,7 +196,7 @@ class LifecycleDraftModel(VLLMDraftBackbone):
                 entry = owned.get(owner)
                 names = [n for n in (entry or []) if n != name] + ([name] if name in specs else [])
                 if names:
-                    owned[owner] = names
+                    claim(self, owner, names)
                     if entry is None:  # not claimed with the layers: process and load it as they are
                         guard_processing(self, owner, None)
                         guard_weight_loaders(self, owner, names)
