@@ -7,7 +7,10 @@ plugin's transfer session (whole-file, one-layer and one-tensor buckets) and a p
 `process_weights_after_loading`; the push after two warm-ups (the first sizes the staging buffer) is counted
 (`support.push_counts`). Beside each count, the push is checked: the weights and every derived buffer bit-equal to
 a cold load of what was pushed, every pinned address kept, and what `/weight_checker` answers for the draft
-(`weight_checker.draft_checksums`) equal to a cold engine's answer.
+(`weight_checker.draft_checksums`) equal to a cold engine's answer, and what vLLM logged at WARNING or above
+during the counted push about the modules that hold the plugin's own buffers (the draft's model module, its
+attention modules: `own_buffer_warnings`). vLLM's warnings about the modules this build does not share with a target
+(the embedding, the LM head, the rotary embedding: no push writes them) are in `vllm_warnings`.
 
 Every check stands beside the action it checks (`expect`); the first one that fails ends the run and is the result.
 """
@@ -15,6 +18,7 @@ Every check stands beside the action it checks (`expect`); the first one that fa
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -60,6 +64,17 @@ def session(model: Any, folder: Path, bucket_size: int | None) -> None:
     engine.receive_weights(FileUpdateInfo(path=str(folder), bucket_size=bucket_size))
     engine.finish_weight_update()
     engine.reset_weight_update_target()
+
+
+class Warnings(logging.Handler):
+    """What vLLM's loggers ("vllm" and below) say at WARNING or above while it is attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(f"{record.name}: {record.getMessage()}")
 
 
 def plain(model: Any, tensors: list[tuple[str, Any]]) -> None:
@@ -116,8 +131,13 @@ def run_counts(work: Path, layout: str) -> dict[str, Any]:
         for what, push in pushes:
             for _ in range(3):  # two warm-ups (the first sizes the staging buffer), then the counted push
                 to = "B" if at == "A" else "A"
-                with push_counts(model, payload) as counts:
-                    push(model, to)
+                warned = Warnings()
+                logging.getLogger("vllm").addHandler(warned)
+                try:
+                    with push_counts(model, payload) as counts:
+                        push(model, to)
+                finally:
+                    logging.getLogger("vllm").removeHandler(warned)
                 at = to
                 lc = backbone(model).lifecycle
                 expect(lc.usable and lc.state.value == "GRAPH_CAPTURED", f"{what}: state {lc.state.value}")
@@ -131,7 +151,11 @@ def run_counts(work: Path, layout: str) -> dict[str, Any]:
                 wrong = sorted(k for k in cold[to]["checker"] if answer.get(k) != cold[to]["checker"][k])
                 expect(not wrong and answer.keys() == cold[to]["checker"].keys(),
                        f"{what}: /weight_checker's draft entries differ from a cold engine's: {wrong[:4]}")
-            counted[what] = counts.as_dict()
+            holders = {type(backbone(model)).__name__} | {type(layer.self_attn).__name__
+                                                           for layer in backbone(model).layers}
+            counted[what] = {**counts.as_dict(), "vllm_warnings": warned.said,
+                             "own_buffer_warnings": [w for w in warned.said
+                                                     if any(f": {c}: " in w for c in holders)]}
     return {"layout": layout, "payload_bytes": payload, "emptied_bytes": emptied_bytes(model), "counts": counted}
 
 

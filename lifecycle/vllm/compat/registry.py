@@ -85,7 +85,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch(WRITES, _LAYERWISE, "model._do_torchao_reload",
           "an unwound reload gives a torchao model its flag back, as vLLM's finalize does", "reload.unwind"),
     _reads(_TYPES, "LayerReloadingInfo.load_numel", "reload.hooks"),
-    _reads(_TYPES, "LayerReloadingInfo.load_numel_total", "reload.hooks"),
+    Patch(WRITES, _TYPES, "LayerReloadingInfo.load_numel_total",
+          "a draft module's total leaves out the plugin's own buffers (derived buffers, K/V shadows: no checkpoint "
+          "carries them), else vLLM's finalize warns \"Failed to load weights\" for the module on every push; "
+          "read by the layer completion checks", "reload.counting"),
     _reads(_TYPES, "LayerReloadingInfo.loaded_weights", "reload.shards", "what each layer received, per shard"),
     _reads(_TYPES, "LayerReloadingInfo.kernel_tensors", "reload.unwind"),
     _reads(_TYPES, "LayerReloadingInfo.can_load", "reload.unwind"),

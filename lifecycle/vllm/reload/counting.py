@@ -10,6 +10,13 @@ push counts by the dry run and remembers the answer per (loader, arguments); eve
 arguments reuses it (`WORKER.load_counts`, per loader: dropped with its parameter). Anything else (quantized layers,
 whose loaders may set attributes on the placeholder; an argument that is neither a tensor nor a plain value; a
 loader that returns something) is counted by vLLM's dry run every time.
+
+vLLM's total per module (`get_layer_size`, what a layer's loads must add up to) counts every buffer as loadable,
+the plugin's own too: the derived buffers on a draft's model module and the K/V shadows on its attention modules,
+which no checkpoint carries. A module that holds only those waits for elements no push sends, and vLLM's finalize
+then logged "Failed to load weights" for it on every push (and put its tensors back, which is right). Their elements
+are left out of the module's total when a reload begins (`leave_out_own_buffers`); a load into the module would
+count them again (vLLM recomputes the total on each load), and none comes: they hold no checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -23,9 +30,13 @@ import torch
 from torch import nn
 
 from ...torch_private import torch_function_bypassed
+from ..compat.patching import write_private
+from ..drafts.families import SHADOW
+from ..drafts.owners import drafts_of
 from ..drafts.runtime import WORKER
+from .unwind import infos
 
-__all__ = ["COUNTS_KEPT", "wrap_numel_loaded"]
+__all__ = ["COUNTS_KEPT", "leave_out_own_buffers", "wrap_numel_loaded"]
 
 _PLAIN = (str, int, float, bool, type(None))
 #: counts remembered per loader function (a fused linear's loader sees one argument set per shard; a trainer that
@@ -99,3 +110,13 @@ def _slot(weight_loader: Callable[..., Any], args: inspect.BoundArguments) -> tu
     if not isinstance(args.arguments.get("param"), torch.Tensor):
         return None
     return table, tuple(key)
+
+
+def leave_out_own_buffers(model: nn.Module) -> None:
+    """The plugin's own buffers out of vLLM's total of each module of `model` in a reload (module doc)."""
+    derived = {id(b): {SHADOW, *b.derived_buffer_names()} for b in drafts_of(model)}
+    for module, info in infos(model):
+        names = derived.get(id(module), (SHADOW,))
+        own = sum(t.numel() for n, t in info.kernel_tensors[1].items() if n in names)
+        if own:
+            write_private("LayerReloadingInfo.load_numel_total", info, info.load_numel_total - own)

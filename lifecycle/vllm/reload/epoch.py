@@ -38,6 +38,7 @@ from .. import settings
 from ..drafts.owners import VLLMDraftBackbone, drafts_of, forget_walk, modules_of, walk_once
 from ..drafts.quantized import reload_blocker
 from ..drafts.runtime import WORKER
+from .counting import leave_out_own_buffers
 from .partial import PartialOutcome, settle_partial
 from .unwind import keep_shared_modules_live, layerwise_function, reload_in_progress, unwind
 
@@ -162,6 +163,7 @@ def begin(model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: 
         result = original(model, *args, **kwargs)
         WORKER.initializing = None
         keep_shared_modules_live(model)  # what the draft shares with the target stays live
+        leave_out_own_buffers(model)  # no checkpoint carries them (`counting.py`)
     return result
 
 

@@ -151,5 +151,5 @@ def test_nothing_writes_a_private_attribute_of_vllms_objects_outside_the_registr
     # ... and the scan sees one
     assert list(_private_writes(ast.parse("worker._weight_update_active = False\n"))) == [(1, "_weight_update_active")]
     declared = {p.target.rpartition(".")[2] for p in PATCHES if p.kind == WRITES}
-    assert declared == {"_weight_update_active", "_do_torchao_reload", "_cpu_skip_gemm_dispatch"}
+    assert declared == {"_weight_update_active", "_do_torchao_reload", "_cpu_skip_gemm_dispatch", "load_numel_total"}
     assert any(p.kind == WRAPS_INSTANCE for p in PATCHES)
