@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -100,6 +101,7 @@ def apply(records: Iterable[Patch]) -> list[str]:
     return changed
 
 
+@functools.cache  # the registry is a tuple: a lookup per write of every push need not scan it
 def _declared(key: str, kind: str) -> Patch:
     for patch in PATCHES:
         if patch.key == key and patch.kind == kind:
@@ -143,14 +145,21 @@ def set_flag(key: str, obj: Any, value: Any) -> None:
     """Set an attribute that vLLM reads with a default (`getattr(layer, "_cpu_skip_gemm_dispatch", False)`), so
     the object need not have it (a WRITES record whose owner is no class: the capability check requires vLLM's
     module to mention the name, so a rename upstream refuses the activation instead of setting a dead flag)."""
-    patch = _declared(key, WRITES)
-    setattr(obj, patch.target.rpartition(".")[2], value)
+    setattr(obj, _attribute(key), value)
 
 
 def write_private(key: str, obj: Any, value: Any) -> None:
     """Set the private attribute of vLLM's object named by record `key` (a WRITES record): only one vLLM has."""
-    patch = _declared(key, WRITES)
-    attr = patch.target.rpartition(".")[2]
+    attr = _attribute(key)
     if not hasattr(obj, attr):
+        patch = _declared(key, WRITES)
         raise AttributeError(f"{type(obj).__name__} has no {attr}: vLLM moved it ({patch.where}: {patch.why})")
     setattr(obj, attr, value)
+
+
+@functools.cache
+def _attribute(key: str) -> str:
+    """The attribute a WRITES record names, made once and interned: a name split off afresh for every write (each
+    push writes vLLM's reload records) stayed alive in the objects' attribute dictionaries, a few dozen bytes per
+    object, which the soak benchmark counts as growth."""
+    return sys.intern(_declared(key, WRITES).target.rpartition(".")[2])
