@@ -582,6 +582,16 @@ def module_exports() -> list[tuple[str, str]]:
 #: its load, and the commit it measured, with how many commits changed its measured path since.
 
 
+def machine_of(result: Mapping[str, Any]) -> str:
+    """The machine a result was measured on, in a few words: its GPU where it ran on one, else its CPU model (the
+    targets table puts it beside the commit: ratios measured on different CPUs do not compare)."""
+    m = result.get("machine") or {}
+    if m.get("gpu"):
+        return str(m["gpu"])
+    cpu = " ".join(re.sub(r"\((R|TM)\)|\bProcessor\b|\bCPU\b", "", str(m.get("cpu") or "")).split("@")[0].split())
+    return (cpu or "machine not recorded") + (", CUDA" if m.get("cuda") else "")
+
+
 def _machine(result: Mapping[str, Any]) -> str:
     from benchmarks.stored import num  # the figures as the benchmarks write them
 
@@ -655,7 +665,8 @@ def performance_page() -> str:
         body, found = _section(name, result)
         commit, count = staleness(result)
         measured = result.get("measured_on") or {}
-        targets += [(f"[{t[0]}](#{name})", t[1], t[2], f"`{commit}`", stale_text(count)) for t in found]
+        targets += [(f"[{t[0]}](#{name})", t[1], t[2], f"`{commit}` on {machine_of(result)}", stale_text(count))
+                    for t in found]
         doc = first_line(source_docstring(ROOT / "benchmarks" / f"{script}.py"))
         command = f"python -m benchmarks.{script}" + (" --device cpu" if name == "gpu_check_cpu" else "")
         path = ", ".join(f"`{p}`" for p in measured.get("path", []))
@@ -683,7 +694,9 @@ def performance_page() -> str:
              "the CPU count or a slow copy probe; the rounds are doubled then). `make bench BENCH_ARGS=--quick` is "
              "a smoke run of seconds whose results go to a git-ignored `quick/` folder beside them, never here.", "",
              "Every result records the commit it measured and its measured path (the modules and scripts a change "
-             "of which can change its figures); \"stale by N changes\" counts the commits that changed that path "
+             "of which can change its figures) and the machine (the targets table names its CPU, or its GPU: "
+             "ratios measured on different machines do not compare); \"stale by N changes\" counts the commits "
+             "that changed that path "
              "since (one more if it measured uncommitted changes). A stored result whose commit is not an ancestor "
              "of the checkout fails tests/project/test_results.py. A figure stale by 1 or more was measured on "
              "other code than this: measure again before relying on it.", "",
