@@ -28,6 +28,19 @@ def offline(vllm_workdir: Path) -> dict[str, Any]:
     return run_scenario("offline", vllm_workdir, script="vllm_session_scenarios")
 
 
+def _digests_differ(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> list[str]:
+    """Each derived buffer whose digest differs, per rank and backbone, and the ranks' nodes: the assertion's message
+    (pytest cuts the two lists short at the first differing dict). Seen once in four full-suite runs, never alone."""
+    def flat(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], str]:
+        return {(r.get("rank"), b, k): v for r in rows for b, bufs in r.get("backbones", {}).items()
+                for k, v in bufs.items()}
+
+    g, w = flat(got), flat(want)
+    nodes = [(r.get("rank"), r.get("node")) for r in got], [(r.get("rank"), r.get("node")) for r in want]
+    return [f"{k}: {g.get(k, 'absent')[:16]} != {w.get(k, 'absent')[:16]}" for k in sorted(g.keys() | w.keys(), key=str)
+            if g.get(k) != w.get(k)] + [f"nodes {nodes[0]} vs {nodes[1]}"]
+
+
 def _derived(entries: dict[str, str]) -> dict[str, str]:
     return {k.rpartition(".")[2]: v for k, v in entries.items() if ".derived." in k}
 
@@ -45,7 +58,7 @@ def test_a_refused_finish_closes_the_session_names_what_was_refused_and_a_correc
     assert set(_derived(cpu["refused_checksums"]).values()) == {"not-serving:QUARANTINED"}
     # before the fix every later start answered "start_weight_update called while a weight update is already active"
     assert cpu["corrected"] == OK3 and cpu["corrected_state"]["state"] == "DERIVED_REFRESHED"
-    assert cpu["corrected_digests"] == cold_b["digests"]
+    assert cpu["corrected_digests"] == cold_b["digests"], _digests_differ(cpu["corrected_digests"], cold_b["digests"])
     assert cpu["policy"] == OK3
 
 
@@ -60,7 +73,7 @@ def test_an_abandoned_push_refuses_a_start_until_taken_over_by_name_audited_and_
     assert "lifecycle_take_over_push" in refused["message"]
     assert cpu["abandoned_taken_over"][0]["taken_over"] == f"epoch {epoch}"
     assert cpu["next"] == OK3 and cpu["next_state"]["state"] == "DERIVED_REFRESHED"
-    assert cpu["next_digests"] == cold_b["digests"]
+    assert cpu["next_digests"] == cold_b["digests"], _digests_differ(cpu["next_digests"], cold_b["digests"])
     (ended,) = [e for e in cpu["events"][0] if e["event"] == "weight_update_session_ended" and e["epoch"] == epoch]
     assert ended["outcome"] == "taken_over" and ended["chunks"] == 1 and ended["push"] == f"epoch {epoch}"
     assert ended["reason"].startswith("taken over: lifecycle_take_over_push ended the open draft session")
