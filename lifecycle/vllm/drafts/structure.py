@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -41,6 +41,10 @@ from .own_heads import declare_own_heads
 __all__ = ["DraftStructure", "observe"]
 
 Weights = Iterable[tuple[str, torch.Tensor]]
+
+_UNKNOWN = object()
+_MODULE_OF_KEPT = 1 << 16  # names whose module is remembered: far more than any draft's checkpoint holds
+_NOTHING: AbstractContextManager[None] = nullcontext()
 
 
 def _resolve(root: nn.Module, path: str) -> Any:
@@ -86,6 +90,11 @@ class DraftStructure:
         self.cold_lookup: dict[str, tuple[int, ...]] | None = None
         #: checkpoint tensors this vLLM's load_weights writes outside a weight loader (vLLM #57800)
         self.hand_writes: tuple[HandWrite, ...] = _hand_writes(family)
+        #: checkpoint name -> its optional module (`module_of`, asked for every tensor of every push), bounded
+        self._module_of: dict[str, str | None] = {}
+        #: nothing to neutralize around a call: no module vLLM drops per call, no whole-checkpoint check
+        self._neutral = not any(m.dropped_per_call for m in family.optional) \
+            and not (family.check_view is not None and family.checks)
 
     # ---- what the lifecycle tracks -----------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -110,9 +119,13 @@ class DraftStructure:
 
     # ---- one load_weights call ---------------------------------------------------------------------------------
     def module_of(self, name: str) -> str | None:
-        if "t2d" in name:  # training-only; every draft's load_weights skips it
-            return None
-        return next((m.name for m in self.modules.values() if m.marker in name), None)
+        known = self._module_of.get(name, _UNKNOWN) if type(name) is str else _UNKNOWN
+        if known is not _UNKNOWN:
+            return known  # type: ignore[return-value]  # only str | None is stored
+        module = None if "t2d" in name else next((m.name for m in self.modules.values() if m.marker in name), None)
+        if type(name) is str and len(self._module_of) < _MODULE_OF_KEPT:  # a hostile caller's names cannot grow it
+            self._module_of[name] = module
+        return module
 
     def admit(self, weights: Weights, lifecycle: Any) -> tuple[Weights, LoadRefusedError | None]:
         """The call's tensors as vLLM should see them, and the refusal to raise before anything is written (or
@@ -125,12 +138,12 @@ class DraftStructure:
         refused = self.hand_written(items, lifecycle)
         if refused is not None:
             return items, refused
+        optional = [(name, module) for name, _ in items if (module := self.module_of(name)) is not None]
+        if not optional:  # a layer's tensors: nothing the structure decides
+            return items, None
         bad: dict[str, list[str]] = {}
         shared = self.shared_now()
-        for name, _ in items:
-            module = self.module_of(name)
-            if module is None:
-                continue
+        for name, module in optional:
             if not self.frozen.get(module, False):
                 bad.setdefault(f"{module} (absent since the first load)", []).append(name)
             elif module in shared:
@@ -146,6 +159,8 @@ class DraftStructure:
         (vLLM #57800): vLLM's layerwise reload drops that write (it lands in a placeholder) and no readiness count
         sees it, so the draft would serve the old value as current. Refused before anything of the call is
         written; a push without it keeps its value (`partial='keep'`) or is refused naming it (`refuse`)."""
+        if not self.hand_writes:
+            return None
         names = [n for n, _ in items if any(w.name in n for w in self.hand_writes)]
         if not names:
             return None
@@ -171,10 +186,13 @@ class DraftStructure:
                 self.cold_shapes[name] = tuple(shape)
             yield name, t
 
-    @contextmanager
-    def within_call(self) -> Iterator[None]:
+    def within_call(self) -> AbstractContextManager[None]:
         """Around vLLM's `load_weights`: its whole-checkpoint checks see `check_view` (they run at finalize);
         a module vLLM drops in a call that lacks its tensors is put back when the call returns."""
+        return _NOTHING if self._neutral else self._within_call()
+
+    @contextmanager
+    def _within_call(self) -> Iterator[None]:
         outer, fam = self._outer, self.family
         kept = {m.path: obj for m in self.modules.values() if m.dropped_per_call
                 if (obj := _resolve(outer, m.path)) is not None}

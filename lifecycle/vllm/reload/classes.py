@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -29,8 +28,6 @@ from .unwind import layerwise_function
 from .writes import inner_load_weights
 
 __all__ = ["lifecycle_class"]
-
-LoadWeights = Callable[[nn.Module, Weights], Any]
 
 #: family name -> its lifecycle-enabled ForCausalLM (one class per family and process)
 _CAUSAL_LM_CLASSES: dict[str, type] = {}
@@ -57,15 +54,28 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
         inner.claim_structure()
 
     def load_weights(self: nn.Module, weights: Weights) -> Any:
-        # an entry point of the epoch boundary: a bucket that fails inside a reload (a bad name or shape, a loader
-        # or a source that raises) ends the epoch (else modules stay on META and the next reload is refused)
+        # one wrapper, run for every bucket of every push: the call's tensors pass the frozen structure first
+        # (`structure.admit`; a refusal is raised by the backbone's `before_write`, so a call inside a reload fails
+        # like any bad bucket); vLLM's per-call decisions and checks are neutralized around the call
+        # (`structure.within_call`); and the call is an entry point of the epoch boundary: a bucket that fails
+        # inside a reload (a bad name or shape, a loader or a source that raises) ends the epoch (else modules stay
+        # on META and the next reload is refused)
         backbones = drafts_of(self)
-        with entered(self, "load_weights"):
-            for b in backbones:
-                b.before_write()
-            result = base.load_weights(self, weights)
+        structure = backbones[0].lifecycle_runtime.structure
+        weights, refusal = structure.admit(weights, backbones[0].lifecycle)
         for b in backbones:
-            b.after_write()
+            b.lifecycle_runtime.structure_refusal = refusal
+        with structure.within_call():
+            with entered(self, "load_weights", backbones):
+                for b in backbones:
+                    b.before_write()
+                result = base.load_weights(self, weights)
+            for b in backbones:
+                b.after_write()
+        carried = structure.carried(weights)
+        if carried:
+            for b in backbones:
+                b.note_carried(carried)
         return result
 
     def process_weights_after_loading(self: nn.Module) -> None:
@@ -82,32 +92,11 @@ def lifecycle_class(family: VLLMDraftFamily) -> type:
                 b.on_cold_load_processed()
 
     cls = type(f"Lifecycle{family.causal_lm}", (base,), {
-        "__init__": __init__, "load_weights": _structure_preserving(load_weights),
+        "__init__": __init__, "load_weights": load_weights,
         "process_weights_after_loading": process_weights_after_loading,
         "__module__": __name__, "lifecycle_family": family.name})
     _CAUSAL_LM_CLASSES[family.name] = cls
     return cls
-
-
-def _structure_preserving(load: LoadWeights) -> LoadWeights:
-    """Wrap a draft class's `load_weights`: its tensors pass the frozen structure first (`structure.admit`; a
-    refusal is raised by the backbone's `before_write`, so a call inside a reload fails like any bad bucket);
-    vLLM's per-call decisions and checks are neutralized around the call (`structure.within_call`)."""
-
-    def load_weights(self: nn.Module, weights: Weights) -> Any:
-        backbones = drafts_of(self)
-        structure = backbones[0].lifecycle_runtime.structure
-        weights, refusal = structure.admit(weights, backbones[0].lifecycle)
-        for b in backbones:
-            b.lifecycle_runtime.structure_refusal = refusal
-        with structure.within_call():
-            result = load(self, weights)
-        carried = structure.carried(weights)
-        for b in backbones:
-            b.note_carried(carried)
-        return result
-
-    return load_weights
 
 
 def _inner_class(family: VLLMDraftFamily, base: type) -> type:

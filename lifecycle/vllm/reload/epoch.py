@@ -22,8 +22,7 @@ layers record what happened (readiness, the modules a copy back touched) and let
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,27 +70,41 @@ class Entry:
     outcome: str | None = None
 
 
-@contextmanager
-def entered(model: Any, entry: str) -> Iterator[Entry]:
-    """Run an entry point into `model`'s drafts (see the module doc). `entry` names it in the failure's reason."""
-    drafts = drafts_of(model) if isinstance(model, nn.Module) else []
-    runtimes = [d.lifecycle_runtime for d in drafts]
-    here = Entry(outermost=bool(drafts) and not any(r.entries for r in runtimes))
-    for r in runtimes:
-        r.entries += 1
-    try:
-        yield here
-    except BaseException as e:  # an interrupt too: no module may stay on META, no epoch stays open
-        for r in runtimes:  # the innermost entry the failure left first: the reason names where it happened
-            r.failed_in = r.failed_in or entry
-        if here.outermost and (reload_in_progress(model) or any(d.reload_open for d in drafts)):
-            here.outcome = fail(model, f"{runtimes[0].failed_in or entry} failed: {describe(e)}")
-        raise
-    finally:
+class entered:  # lower case: used as a function,: `with entered(model, entry) as here`
+    """Run an entry point into `model`'s drafts (see the module doc). `entry` names it in the failure's reason;
+    `drafts`: `drafts_of(model)` when the caller has it already. A class, not a generator: every `load_weights`
+    call of every push enters one."""
+
+    __slots__ = ("_drafts", "_entry", "_here", "_model", "_runtimes")
+
+    def __init__(self, model: Any, entry: str, drafts: list[VLLMDraftBackbone] | None = None) -> None:
+        self._model, self._entry, self._drafts = model, entry, drafts
+
+    def __enter__(self) -> Entry:
+        drafts = self._drafts
+        if drafts is None:
+            drafts = self._drafts = drafts_of(self._model) if isinstance(self._model, nn.Module) else []
+        runtimes = self._runtimes = [d.lifecycle_runtime for d in drafts]
+        here = self._here = Entry(outermost=bool(drafts) and not any(r.entries for r in runtimes))
         for r in runtimes:
-            r.entries -= 1
-            if not r.entries:
-                r.failed_in = None
+            r.entries += 1
+        return here
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> None:
+        runtimes, entry = self._runtimes, self._entry
+        try:
+            if e is not None:  # an interrupt too: no module may stay on META, no epoch stays open
+                for r in runtimes:  # the innermost entry the failure left first: the reason names where it happened
+                    r.failed_in = r.failed_in or entry
+                model = self._model
+                if self._here.outermost and (reload_in_progress(model)
+                                             or any(d.reload_open for d in self._drafts or ())):
+                    self._here.outcome = fail(model, f"{runtimes[0].failed_in or entry} failed: {describe(e)}")
+        finally:
+            for r in runtimes:
+                r.entries -= 1
+                if not r.entries:
+                    r.failed_in = None
 
 
 def fail(model: nn.Module, reason: str) -> str | None:

@@ -185,7 +185,7 @@ def feed(model: Any, payload: Payload) -> None:
             for bucket in read:
                 model.load_weights(bucket)
         return
-    staging.start()
+    staging.start(model)
     try:
         with closing(iter_buckets(payload.index, payload.buckets, into=staging.region)) as read:
             for bucket in read:

@@ -19,6 +19,7 @@ buffering, and the finalize decides (`epochs.settle_partial`: refused naming the
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any
 
@@ -31,10 +32,19 @@ __all__ = ["expected_shards", "missing_parts", "received"]
 _SHARD_ARG = "loaded_shard_id"  # the name in every vLLM linear weight loader (v1 and v2)
 
 
+@functools.cache
+def _vllm() -> tuple[Any, ...]:
+    """vLLM's names read here (imported once: `missing_parts` runs for every layer of every push)."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
+
+    return QKVParallelLinear, MergedColumnParallelLinear, SKIP_LOAD_TENSORS, get_layer_tensors, get_tensor_load_numel
+
+
 def expected_shards(layer: nn.Module) -> tuple[Any, ...] | None:
     """The shard ids a fused parameter of `layer` is loaded by, in order; None for a layer without shards."""
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-
+    QKVParallelLinear, MergedColumnParallelLinear = _vllm()[:2]
     if isinstance(layer, QKVParallelLinear):
         return ("q", "k", "v")
     if isinstance(layer, MergedColumnParallelLinear):  # gate_up_proj, K3's fused q_a/kv_a(/gate): 0..n-1
@@ -54,9 +64,7 @@ def received(info: Any) -> dict[str, list[Any]]:
 def missing_parts(layer: nn.Module, info: Any, names: dict[str, str] | None = None) -> dict[str, str]:
     """What `layer` did not receive in this reload: tensor -> what is missing (empty: complete). `names`: the
     layer's own tensor names -> their lifecycle names (the keys then are those)."""
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
-    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
-
+    _, _, SKIP_LOAD_TENSORS, get_layer_tensors, get_tensor_load_numel = _vllm()
     got = received(info)
     shards = expected_shards(layer)
     out: dict[str, str] = {}

@@ -15,7 +15,9 @@ on CUDA it is pinned host memory (the copy to the device reads it directly).
 Nothing may keep a view of the buffer past its layer's processing: a weight loader that bound a parameter to the
 value it was handed instead of copying it would have the next read overwrite a live weight. `Staging.check`
 refuses that at the end of each chunk (the push fails, so the draft is quarantined before it could serve) and the
-draft reads into fresh tensors from then on.
+draft reads into fresh tensors from then on. A loader runs when its layer completes, so the check reads the tensors
+of the modules whose layer completed in the chunk (`settle` sees each one leave the reload), or of every module
+when the chunk began the reload itself.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ class Staging:
         self._held = 0  # bytes at the start of the buffer that buffered loads still reference
         self._run = 0  # bytes read since nothing was held (what the buffer would need to hold them all)
         self._wanted = 0  # the longest such run seen: the size to grow to when nothing is held
-        self._waiting: list[tuple[nn.Module, Any]] | None = None  # vLLM's infos of the modules in the reload
+        self._waiting: list[tuple[nn.Module, Any]] | None = None  # the modules in the reload, with vLLM's infos
+        #: the modules whose layer completed during this chunk: the only ones a loader can have bound to the buffer
+        #: (None: not known, every module is checked)
+        self._completed: list[nn.Module] | None = None
 
     def region(self, need: int) -> torch.Tensor | None:
         """`need` bytes to read the next bucket into, after the held ones; None: fresh tensors (it does not fit)."""
@@ -63,19 +68,26 @@ class Staging:
     def settle(self, model: nn.Module) -> None:
         """After a `load_weights` call: whether any load it was handed is still held (its layer is not complete);
         if none is, the next bucket goes to the start of the buffer."""
-        if self._waiting is None or not self._waiting:  # an implicit reload may have begun with this call
-            self._waiting = infos(model)
-        self._waiting = [(m, i) for m, i in self._waiting if i.can_load() and i.kernel_tensors is not None]
-        if not any(i.loaded_weights for _, i in self._waiting):
+        waiting = self._waiting
+        if waiting is None:  # no reload was open when the chunk began: an implicit one began with this call
+            waiting, self._completed = infos(model), None
+        # a completed (or unwound) module's info was reset: no kernel tensors, nothing held (vLLM's `can_load`
+        # and `infos`' test, read as attributes: this runs after every call of every push)
+        still = [(m, i) for m, i in waiting if i.kernel_tensors is not None and i.load_numel_total is not None]
+        if len(still) != len(waiting) and self._completed is not None:
+            self._completed += [m for m, i in waiting if i.kernel_tensors is None or i.load_numel_total is None]
+        self._waiting = still
+        if not any(i.loaded_weights for _, i in still):
             self._held = self._run = 0
 
-    def start(self) -> None:
-        """A chunk begins: which modules wait is looked up again after its first call."""
-        self._waiting = None
+    def start(self, model: nn.Module) -> None:
+        """A chunk of `model`'s reload begins: the modules waiting in it now (one walk per chunk)."""
+        waiting = infos(model)
+        self._waiting, self._completed = (waiting, []) if waiting else (None, None)
 
     def drop(self) -> None:
         """After a failed call: a new buffer for the next bucket (views of this one may still be held)."""
-        self.buffer, self._held, self._run = None, 0, 0
+        self.buffer, self._held, self._run, self._completed = None, 0, 0, None
 
     def check(self, model: nn.Module) -> None:
         """At the end of a chunk: no parameter or buffer of `model` may live in the buffer (module doc)."""
@@ -83,10 +95,12 @@ class Staging:
             return
         start = self.buffer.data_ptr()
         end = start + self.buffer.numel()
-        # every tensor's address read once, through the push's walk of the modules (a META tensor's is 0): a chunk
-        # ends here, so this runs once per `update_weights` call; names only for the error
+        # the address of every tensor of the modules completed in this chunk (of every module, when those are not
+        # known), read once (a META tensor's is 0); names only for the error
+        completed, self._completed = self._completed, None
+        modules = [m for _, m in modules_of(model)] if completed is None else completed
         with torch_function_bypassed():  # vLLM's parameters answer `data_ptr` through `__torch_function__`
-            held = [t for _, m in modules_of(model) for t in (*own_parameters(m).values(), *own_buffers(m).values())
+            held = [t for m in modules for t in (*own_parameters(m).values(), *own_buffers(m).values())
                     if t is not None]
             if not any(start <= p < end for p in map(torch.Tensor.data_ptr, held)):
                 return

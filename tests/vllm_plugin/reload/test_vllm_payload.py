@@ -1,5 +1,5 @@
 """What a draft-reload RPC or transfer chunk may ask for, checked before any model is touched
-(lifecycle/vllm/payload.py, lifecycle/vllm/settings.py). No engine: these modules import no vLLM.
+(lifecycle/vllm/payload.py, lifecycle/vllm/settings.py). No engine (one test sets up vLLM's reload records by hand).
 
 The live-engine side (the same errors through `collective_rpc`, the draft untouched) is in test_vllm_failures.py.
 """
@@ -91,6 +91,32 @@ def test_the_staging_buffer_refuses_a_weight_left_living_in_it() -> None:
     with pytest.raises(CheckpointError, match=r"1\.scale of the draft now live\(s\) in the reader's staging buffer"):
         staging.check(model)
     assert staging.refused and staging.buffer is None  # `staging_for` hands it out no more: fresh reads
+
+
+def test_the_staging_buffer_refuses_a_weight_a_completed_layer_left_living_in_it() -> None:
+    """Within a chunk of a reload the end-of-chunk check reads the modules whose layer completed in the chunk (the
+    only ones whose loaders ran): one that bound its weight to the buffer is refused, by name, as before."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    for layer in model:
+        info = LAYERWISE_INFO[layer] = LayerReloadingInfo(restore_metadata=({}, {}), restore_device=torch.device("cpu"))
+        info.load_numel_total, info.kernel_tensors = 1, (dict(layer.named_parameters()), {})
+    try:
+        staging = Staging(pinned=False)
+        staging.start(model)  # both layers wait in the reload
+        region = staging.region(256)
+        assert region is not None
+        LAYERWISE_INFO[model[1]].reset()  # layer 1 completed in the call, and its loader kept the value
+        model[1].weight = nn.Parameter(region[:32].view(torch.float32).view(2, 4))
+        staging.settle(model)
+        with pytest.raises(CheckpointError, match=r"1\.weight of the draft now live\(s\) in the reader's staging"):
+            staging.check(model)
+        assert staging.refused and staging.buffer is None
+    finally:
+        for layer in model:
+            LAYERWISE_INFO.pop(layer, None)
 
 
 def test_the_allowed_root_confines_paths_through_symlinks(ckpt: Path, tmp_path: Path,
