@@ -16,8 +16,8 @@ Nothing may keep a view of the buffer past its layer's processing: a weight load
 value it was handed instead of copying it would have the next read overwrite a live weight. `Staging.check`
 refuses that at the end of each chunk (the push fails, so the draft is quarantined before it could serve) and the
 draft reads into fresh tensors from then on. A loader runs when its layer completes, so the check reads the tensors
-of the modules whose layer completed in the chunk (`settle` sees each one leave the reload), or of every module
-when the chunk began the reload itself.
+of the modules whose layer completed in the chunk (vLLM reset their reload records), or of every module when the
+chunk began the reload itself.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ class Staging:
         self._run = 0  # bytes read since nothing was held (what the buffer would need to hold them all)
         self._wanted = 0  # the longest such run seen: the size to grow to when nothing is held
         self._waiting: list[tuple[nn.Module, Any]] | None = None  # the modules in the reload, with vLLM's infos
-        #: the modules whose layer completed during this chunk: the only ones a loader can have bound to the buffer
-        #: (None: not known, every module is checked)
-        self._completed: list[nn.Module] | None = None
+        #: the modules in the reload when the chunk began: those whose layer completed since are the only ones a
+        #: loader can have bound to the buffer (None: not known, every module is checked)
+        self._started: list[tuple[nn.Module, Any]] | None = None
 
     def region(self, need: int) -> torch.Tensor | None:
         """`need` bytes to read the next bucket into, after the held ones; None: fresh tensors (it does not fit)."""
@@ -70,24 +70,29 @@ class Staging:
         if none is, the next bucket goes to the start of the buffer."""
         waiting = self._waiting
         if waiting is None:  # no reload was open when the chunk began: an implicit one began with this call
-            waiting, self._completed = infos(model), None
-        # a completed (or unwound) module's info was reset: no kernel tensors, nothing held (vLLM's `can_load`
-        # and `infos`' test, read as attributes: this runs after every call of every push)
-        still = [(m, i) for m, i in waiting if i.kernel_tensors is not None and i.load_numel_total is not None]
-        if len(still) != len(waiting) and self._completed is not None:
-            self._completed += [m for m, i in waiting if i.kernel_tensors is None or i.load_numel_total is None]
-        self._waiting = still
-        if not any(i.loaded_weights for _, i in still):
+            waiting, self._started = infos(model), None
+            self._waiting = waiting
+        # vLLM resets a completed layer's info (no kernel tensors, no loads held). Layers complete mostly in the
+        # payload's order, so the completed ones are dropped from the front only: one completed further on stays
+        # until those before it did, holding nothing (this runs after every call of every push)
+        done = 0
+        for _, info in waiting:
+            if info.kernel_tensors is not None:
+                break
+            done += 1
+        if done:
+            del waiting[:done]
+        if not any(info.loaded_weights for _, info in waiting):
             self._held = self._run = 0
 
     def start(self, model: nn.Module) -> None:
         """A chunk of `model`'s reload begins: the modules waiting in it now (one walk per chunk)."""
         waiting = infos(model)
-        self._waiting, self._completed = (waiting, []) if waiting else (None, None)
+        self._waiting, self._started = (waiting, list(waiting)) if waiting else (None, None)
 
     def drop(self) -> None:
         """After a failed call: a new buffer for the next bucket (views of this one may still be held)."""
-        self.buffer, self._held, self._run, self._completed = None, 0, 0, None
+        self.buffer, self._held, self._run, self._started = None, 0, 0, None
 
     def check(self, model: nn.Module) -> None:
         """At the end of a chunk: no parameter or buffer of `model` may live in the buffer (module doc)."""
@@ -97,8 +102,9 @@ class Staging:
         end = start + self.buffer.numel()
         # the address of every tensor of the modules completed in this chunk (of every module, when those are not
         # known), read once (a META tensor's is 0); names only for the error
-        completed, self._completed = self._completed, None
-        modules = [m for _, m in modules_of(model)] if completed is None else completed
+        started, self._started = self._started, None
+        modules = [m for _, m in modules_of(model)] if started is None \
+            else [m for m, info in started if info.kernel_tensors is None]
         with torch_function_bypassed():  # vLLM's parameters answer `data_ptr` through `__torch_function__`
             held = [t for m in modules for t in (*own_parameters(m).values(), *own_buffers(m).values())
                     if t is not None]
