@@ -242,25 +242,34 @@ class _OpenFile:
         self.root = root
         self.fd, self.identity = _open_regular(path, root)
         self.expected = expected or self.identity
+        e = self.expected
+        self._fields = (e.size, e.mtime_ns, e.inode, e.device, e.ctime_ns)  # `check`'s compare, in stat's order
         self.check("opened for reading")
 
     def check(self, when: str) -> None:
         """The file is still the one indexed: through the descriptor (rewritten in place) and the path
-        (replaced or removed)."""
+        (replaced or removed). Asked after every bucket of every read: the unchanged file is one compare of the
+        two stats' fields, and the change is described from those same stats."""
         expected = self.expected
-        changes = expected.changes(FileIdentity.of(os.fstat(self.fd)))  # rewritten in place
+        now = os.fstat(self.fd)  # rewritten in place
         try:
             # beneath a root the path is resolved: a link there now is a change (and is not followed)
-            st = os.lstat(self.path) if self.root is not None else os.stat(self.path)
+            st: os.stat_result | OSError = os.lstat(self.path) if self.root is not None else os.stat(self.path)
         except OSError as e:
-            changes.append(f"the path is gone ({e.strerror or e})")
-        else:
-            if stat.S_ISLNK(st.st_mode):
-                changes.append("the path is a symbolic link now")
-            elif (st.st_ino, st.st_dev) != (expected.inode, expected.device):
-                # beneath a root the new file may lie outside it (a folder above swapped): say nothing of it
-                now = "" if self.root is not None else f" -> {st.st_ino}"
-                changes.append(f"the path now names another file (inode {expected.inode}{now})")
+            st = e
+        if (now.st_size, now.st_mtime_ns, now.st_ino, now.st_dev, now.st_ctime_ns) == self._fields \
+                and not isinstance(st, OSError) and not stat.S_ISLNK(st.st_mode) \
+                and (st.st_ino, st.st_dev) == (expected.inode, expected.device):
+            return
+        changes = expected.changes(FileIdentity.of(now))
+        if isinstance(st, OSError):
+            changes.append(f"the path is gone ({st.strerror or st})")
+        elif stat.S_ISLNK(st.st_mode):
+            changes.append("the path is a symbolic link now")
+        elif (st.st_ino, st.st_dev) != (expected.inode, expected.device):
+            # beneath a root the new file may lie outside it (a folder above swapped): say nothing of it
+            shown = "" if self.root is not None else f" -> {st.st_ino}"
+            changes.append(f"the path now names another file (inode {expected.inode}{shown})")
         if changes:
             raise CheckpointError(f"checkpoint {self.path} changed since its header was read ({when}): "
                                   f"{'; '.join(changes)}. Nothing read from it after the change was used; "
@@ -315,7 +324,10 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]],
                 if staging is None:
                     out.append((name, _read_tensor(f, entry)))
                 else:
-                    out.append((name, _read_tensor(f, entry, staging[offset:offset + entry.nbytes])))
+                    # a one-tensor bucket read into a region of exactly its size: the region itself, not a view
+                    fits = offset == 0 and staging.numel() == entry.nbytes
+                    out.append((name, _read_tensor(f, entry, staging if fits else
+                                                   staging[offset:offset + entry.nbytes])))
                     offset += _padded(entry.nbytes)
             for f in used.values():
                 f.check(f"after reading {len(bucket)} tensor(s)")
