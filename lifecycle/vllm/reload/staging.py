@@ -53,17 +53,17 @@ class Staging:
 
     def region(self, need: int) -> torch.Tensor | None:
         """`need` bytes to read the next bucket into, after the held ones; None: fresh tensors (it does not fit)."""
-        self._run += need
-        self._wanted = max(self._wanted, self._run)
-        size = 0 if self.buffer is None else self.buffer.numel()
-        if self._held == 0 and size < self._wanted:
-            self.buffer = None  # nothing references it: the smaller one goes first
-            self.buffer = torch.empty(self._wanted, dtype=torch.uint8, pin_memory=self.pinned)
-            size = self._wanted
-        if self.buffer is None or self._held + need > size:
+        run = self._run = self._run + need
+        if run > self._wanted:
+            self._wanted = run
+        held, buffer = self._held, self.buffer
+        if held == 0 and (buffer is None or buffer.numel() < self._wanted):
+            self.buffer = buffer = None  # nothing references it: the smaller one goes first
+            self.buffer = buffer = torch.empty(self._wanted, dtype=torch.uint8, pin_memory=self.pinned)
+        if buffer is None or held + need > buffer.numel():
             return None
-        start, self._held = self._held, self._held + need
-        return self.buffer[start:self._held]
+        self._held = held + need
+        return buffer[held:held + need]
 
     def settle(self, model: nn.Module) -> None:
         """After a `load_weights` call: whether any load it was handed is still held (its layer is not complete);
