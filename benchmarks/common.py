@@ -38,6 +38,7 @@ from benchmarks.stored import Summary, measured_on, num, warning
 from lifecycle import DraftBackbone, concat, stack
 from lifecycle.audit.views import table as text_table
 from lifecycle.loading import apply_bucket
+from lifecycle.read_buffers import MappedBuffer, padded
 from models.layers import RMSNorm
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -404,21 +405,21 @@ def mib(nbytes: int) -> float:
     return round(nbytes / 2**20, 2)
 
 
-def read_floor_bucket(index: Mapping[str, Any], names: Sequence[str], staging: torch.Tensor,
+def read_floor_bucket(index: Mapping[str, Any], names: Sequence[str], staging: MappedBuffer,
                       fds: dict[Path, int]) -> list[tuple[str, torch.Tensor]]:
     """The floor's read of one bucket: each tensor's bytes read once (`os.preadv`, one descriptor per file kept in
-    `fds` for the caller to close) into the reused `staging` buffer at 64-byte aligned offsets; returns views of
-    each tensor's dtype and shape into it."""
+    `fds` for the caller to close) into the reused `staging` buffer at 64-byte aligned offsets; returns a tensor of
+    each one's dtype and shape over its bytes, made as the plugin's reader makes it (`MappedBuffer.value`: one
+    tensor per value)."""
     offset, views = 0, []
     for name in names:
         e = index[name]
         fd = fds.get(e.path)
         if fd is None:
             fd = fds[e.path] = os.open(e.path, os.O_RDONLY)
-        part = staging[offset:offset + e.nbytes]
-        os.preadv(fd, [memoryview(part.numpy())], e.start)
-        views.append((name, part.view(e.dtype).reshape(e.shape)))
-        offset += -(-e.nbytes // 64) * 64
+        os.preadv(fd, [staging.bytes[offset:offset + e.nbytes]], e.start)
+        views.append((name, staging.value(e.dtype, e.shape, offset)))
+        offset += padded(e.nbytes)
     return views
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -55,6 +56,8 @@ class Host:
         self.chunk_plans: dict[tuple[Path, str], list[dict[str, Any]]] = {}
         self.held: list[list[tuple[str, Any]]] = []  # the plain arm's buckets, read before the clock
         self.last: str | None = None
+        #: (arm, bucket) -> step -> its timer's in-place cost per call, seconds, one value per probe push
+        self.timer_excess: dict[tuple[str, str], dict[str, list[float]]] = {}
 
     # ---- engine ---------------------------------------------------------------------------------------------
     def start(self, target: str, drafts: dict[str, str], layout: str, shape: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +72,7 @@ class Host:
         self.shape = EngineShape(**shape)
         self.paths = {k: Path(v) for k, v in drafts.items()}
         self.chunk_plans = {}
+        self.timer_excess = {}  # measured on this engine
         self.stack = ExitStack()
         self.stack.enter_context(gpu_weight_layout() if layout == "gpu" else nullcontext())
         configure_audit(console=False)  # events kept in each lifecycle's memory, as an engine without a log
@@ -82,11 +86,13 @@ class Host:
         pinned = self.worker.lifecycle_pin()["backbones"] if self.role == "plugin" else {}
         # the floor's destinations: tensors of the checkpoint's shapes, and a fused K/V buffer, made once
         from lifecycle.checkpoint import checkpoint_index
+        from lifecycle.read_buffers import MappedBuffer, padded
 
         index = checkpoint_index(self.paths["A"])
         self.floor_dest = {n: torch.empty(e.shape, dtype=e.dtype) for n, e in index.items()}
         self.floor_fused = torch.empty(self.shape.fused_kv_bytes // 4)
-        self.floor_staging = torch.empty(sum(e.nbytes for e in index.values()) + 64 * len(index), dtype=torch.uint8)
+        self.floor_staging = MappedBuffer(torch.empty(sum(padded(e.nbytes) for e in index.values()),
+                                                      dtype=torch.uint8))
         self.evict_src = torch.empty(16 * 2**20)
         self.evict_dst = torch.empty_like(self.evict_src)
         gc.collect()
@@ -110,7 +116,10 @@ class Host:
             self.stack = None
 
     # ---- one arm, once ----------------------------------------------------------------------------------------
-    def run(self, arm: str, bucket: str, draft: str, steps: bool = False) -> dict[str, Any]:
+    def run(self, arm: str, bucket: str, draft: str, steps: bool | str = False) -> dict[str, Any]:
+        """One push, timed; `steps=True`: every step timed too (each timer's in-place cost from this arm's probe
+        pushes taken off its caller); `steps="probe"`: a probe around every step's timer, to measure that cost
+        (`benchmarks.engine_steps.Steps`)."""
         from benchmarks.engine_steps import Steps, timed_steps
 
         fn = {"floor": self._floor, "session": self._session, "plain": self._plain,
@@ -121,7 +130,9 @@ class Host:
         if arm == "plain":  # the tensors the trainer holds, read before the clock (see `_plain`)
             self.held = [list(b) for b in self._buckets(folder, bucket)]
         self.evict_dst.copy_(self.evict_src)  # every arm from the same cache state (see common.Eviction)
-        timers = Steps()
+        probed = self.timer_excess.setdefault((arm, bucket), {})
+        timers = Steps(probe=steps == "probe",
+                       excess={step: statistics.median(xs) for step, xs in probed.items()})
         plugin = self.role == "plugin"
         engine = getattr(self.worker, "weight_transfer_engine", None) if plugin else None
         with timed_steps(timers, self.draft, plugin=plugin, engine=engine) if steps else nullcontext():
@@ -143,9 +154,14 @@ class Host:
             self.last = draft
         out: dict[str, Any] = {"s": seconds, "cpu_s": cpu, "calls": calls, "rss_mib": round(rss / 1024, 1),
                                "peak_over_mib": round((peak - rss) / 1024, 1) if reset else None}
-        if steps:
-            out["steps"] = dict(timers.seconds)
+        if steps == "probe":
+            for step, x in timers.excess_per_call().items():
+                probed.setdefault(step, []).append(x)
+            out["timer_excess_s"] = timers.excess_per_call()
+        elif steps:
+            out["steps"] = timers.step_seconds()
             out["step_calls"] = dict(timers.calls)
+            out["timer_excess_s"] = dict(timers.excess)
         return out
 
     def counts(self, bucket: str, draft: str) -> dict[str, Any]:

@@ -28,7 +28,10 @@ least: MACHINE BUSY doubles the rounds and judges the targets on it). Memory: pe
 process's RSS before it (VmHWM reset through /proc/self/clear_refs), and that steady RSS (the plugin's kept
 staging buffer is in it). Counted, after the timed rounds, one session push per bucket size
 (`support.push_counts`): the bytes hashed, the fresh storages of 1 MiB or more, the passes over the payload.
-Where the time goes: four more rounds with every step timed (`benchmarks.engine_steps`).
+Where the time goes: eight more rounds with every step timed (`benchmarks.engine_steps`); the own share is the
+median of their per-round shares (IQR beside it). Before them, two rounds with a probe around every timer measure
+what each timer costs its caller where it runs (more than on a no-op: after a 10 MB read the timer's own code runs
+from cold caches); that cost is taken off the caller's time and left in the rest, and the breakdown prints it.
 Targets (issue 33), on the real-width draft and the GPU layout (where the floor is all a push must do; on the CPU
 layout vLLM's repack, not in the floor, is shown in the breakdown): the session push <= 1.2x the floor with
 whole-file and one-layer buckets, <= 1.5x with one-tensor buckets; the plugin no slower than stock wherever stock
@@ -60,7 +63,8 @@ NAME = "engine_push"
 MEASURED = ("lifecycle", "benchmarks/engine_push.py", "benchmarks/engine_host.py", "benchmarks/engine_report.py",
             "benchmarks/engine_shapes.py", "benchmarks/engine_steps.py", "tests/support/push_counts.py")
 REPEATS = 11  # the push-time targets sit within 5-10% of their thresholds: enough rounds to say which side
-BREAKDOWN_ROUNDS = 4  # the plugin's own share is read from these: two rounds swung it by a point
+PROBE_ROUNDS = 2  # before those: every timer probed, its cost where it runs taken off its caller's time
+BREAKDOWN_ROUNDS = 8  # the own share is the median of these rounds' shares: with 4 it swung by a point (4.3-5.3%)
 LAYOUTS, LAYOUTS_QUICK = ("cpu", "gpu"), ("gpu",)  # quick: one engine per role, stock's layerwise probed once
 ARMS = {"plugin": ("floor", "session", "plain"), "stock": ("floor", "plain")}
 
@@ -110,7 +114,7 @@ class Host:
         except HostError as e:
             return {"ok": False, "error": e.error[:400]}
 
-    def push(self, arm: str, bucket: str, steps: bool = False) -> dict[str, Any]:
+    def push(self, arm: str, bucket: str, steps: bool | str = False) -> dict[str, Any]:
         draft = "A" if arm == "floor" else self.next_draft
         out: dict[str, Any] = self.call("run", arm=arm, bucket=bucket, draft=draft, steps=steps)
         if arm != "floor":
@@ -163,6 +167,10 @@ def measure_layout(shape: EngineShape, ck: dict[str, Path], layout: str, hosts: 
             if r:
                 samples[key(role, arm, bucket)].append(out)
     steps: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(PROBE_ROUNDS):  # each timer's cost where it runs, per arm (`engine_steps.Steps`)
+        for role, arm, bucket in timed:
+            if arm != "floor":
+                hosts[role].push(arm, bucket, steps="probe")
     for _ in range(BREAKDOWN_ROUNDS):
         for role, arm, bucket in timed:
             if arm != "floor":

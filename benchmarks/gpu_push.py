@@ -37,6 +37,7 @@ from lifecycle import DraftBackbone
 from lifecycle.checkpoint import ReadBuffer, checkpoint_index
 from lifecycle.events import configure_audit
 from lifecycle.loading import load_safetensors, write_checkpoint
+from lifecycle.read_buffers import MappedBuffer, padded
 from models import FAMILIES, DraftFamily
 
 NAME = "gpu_push"
@@ -60,8 +61,8 @@ class Floor:
         self.device = device
         self.dest = {n: torch.empty(e.shape, dtype=e.dtype, device=device) for n, e in self.index.items()}
         pin = device.startswith("cuda")
-        self.staging = torch.empty(sum(-(-e.nbytes // 64) * 64 for e in self.index.values()), dtype=torch.uint8,
-                                   pin_memory=pin)
+        self.staging = MappedBuffer(torch.empty(sum(padded(e.nbytes) for e in self.index.values()),
+                                                dtype=torch.uint8, pin_memory=pin))
         derived = [t for n in model.derived_buffer_names() if (t := model._buffers.get(n)) is not None]
         self.fused = [(torch.empty_like(t), t) for t in derived]
 

@@ -55,8 +55,10 @@ from .confined import confined_files, open_confined
 from .errors import CheckpointError
 from .header import DTYPES, HEADER_LIMIT, checked_header
 from .header import error as _error
+from .read_buffers import MappedBuffer, ReadBuffer, Region
+from .read_buffers import padded as _padded
 
-__all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "ReadBuffer", "check_paths",
+__all__ = ["DTYPES", "CheckpointIndex", "FileIdentity", "IndexEntry", "ReadBuffer", "Region", "check_paths",
            "checkpoint_files", "checkpoint_index", "iter_buckets", "write_checkpoint"]
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -276,15 +278,8 @@ class _OpenFile:
                                   "write the next checkpoint to a new path", backbone=None)
 
 
-_ALIGN = 64  # each value of a reused buffer starts at a multiple: any dtype's alignment, a cache line
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
 def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]], *, reuse: bool = False,
-                 into: Callable[[int], torch.Tensor | None] | None = None
+                 into: Callable[[int], Region | torch.Tensor | None] | None = None
                  ) -> Generator[list[tuple[str, torch.Tensor]], None, None]:
     """Stream the buckets from disk: only one bucket's tensors are in memory at a time. Each file is opened
     once, when a bucket first needs it; it must be the file the index describes, and it is checked again
@@ -296,39 +291,49 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]],
     what else sits in the heap the allocator gives those pages back to the system and faults them in again for
     the next bucket, page by page: a real-size draft (1.5 GB bf16) reloaded in 820 ms, 300 ms with reuse.
 
-    `into`: the caller's own buffers: asked for each bucket's bytes (the values 64-byte aligned), it answers a
-    uint8 tensor of at least that many bytes to read the bucket into (its tensors are views of it), or None for
-    fresh tensors (the vLLM plugin's staging, which keeps the bytes a caller still holds: `lifecycle.vllm.reload
-    .staging`)."""
+    `into`: the caller's own buffers: asked for each bucket's bytes (the values `ALIGN`-byte aligned), it answers
+    a `Region` of a reused buffer (`ReadBuffer`; the vLLM plugin's staging, which keeps the bytes a caller still
+    holds: `lifecycle.vllm.reload.staging`) or a uint8 tensor of at least that many bytes to read the bucket into
+    (its tensors are views of it), or None for fresh tensors. Values read into a `Region` are made one tensor
+    each (`read_buffers.MappedBuffer`)."""
     files: dict[Path, _OpenFile] = {}
     root = getattr(index, "root", None)
     staging: torch.Tensor | None = None
+    own: MappedBuffer | None = None  # reuse=True: this reader's own buffer
     try:
         for bucket in buckets:
             out = []
             used: dict[Path, _OpenFile] = {}
             entries = [index[name] for name in bucket]
+            region: Region | None = None
             if into is not None:
-                staging = into(sum(_padded(e.nbytes) for e in entries))
+                got = into(sum(_padded(e.nbytes) for e in entries))
+                if isinstance(got, Region):
+                    staging, region = None, got
+                else:
+                    staging = got  # a tensor, or None: fresh tensors
+                del got  # not held while the next bucket asks: the caller may replace its buffer then
             elif reuse:
                 need = sum(_padded(e.nbytes) for e in entries)
-                if staging is None or staging.numel() < need:
-                    staging = None  # the smaller buffer goes first: the peak stays one bucket
-                    staging = torch.empty(need, dtype=torch.uint8)
+                if own is None or len(own) < need:
+                    own = None  # the smaller buffer goes first: the peak stays one bucket
+                    own = MappedBuffer(torch.empty(need, dtype=torch.uint8))
+                region = Region(own, 0)
             offset = 0
             for name, entry in zip(bucket, entries, strict=True):
                 f = files.get(entry.path)
                 if f is None:
                     f = files[entry.path] = _OpenFile(entry.path, entry.identity, root)
                 used[entry.path] = f
-                if staging is None:
+                if region is not None:
+                    out.append((name, _read_tensor(f, entry, region=region, offset=offset)))
+                    offset += _padded(entry.nbytes)
+                elif staging is None:
                     out.append((name, _read_tensor(f, entry)))
                 else:
-                    # a one-tensor bucket read into a region of exactly its size: the region itself, not a view
-                    fits = offset == 0 and staging.numel() == entry.nbytes
-                    out.append((name, _read_tensor(f, entry, staging if fits else
-                                                   staging[offset:offset + entry.nbytes])))
+                    out.append((name, _read_tensor(f, entry, staging[offset:offset + entry.nbytes])))
                     offset += _padded(entry.nbytes)
+            region = None
             for f in used.values():
                 f.check(f"after reading {len(bucket)} tensor(s)")
             yield out
@@ -337,24 +342,16 @@ def iter_buckets(index: dict[str, IndexEntry], buckets: Sequence[Sequence[str]],
             os.close(f.fd)
 
 
-class ReadBuffer:
-    """One buffer every bucket is read into, kept by its owner from load to load (`iter_buckets(into=)`,
-    `load_safetensors(read_buffer=)`): it grows to the largest bucket once, then no read allocates. `pinned`: page-
-    locked host memory, so that the copy of each value to a CUDA device reads it directly."""
-
-    def __init__(self, *, pinned: bool = False) -> None:
-        self.pinned = pinned
-        self.buffer: torch.Tensor | None = None
-
-    def __call__(self, need: int) -> torch.Tensor:
-        if self.buffer is None or self.buffer.numel() < need:
-            self.buffer = None  # the smaller one goes first
-            self.buffer = torch.empty(need, dtype=torch.uint8, pin_memory=self.pinned)
-        return self.buffer[:need]
-
-
-def _read_tensor(f: _OpenFile, entry: IndexEntry, into: torch.Tensor | None = None) -> torch.Tensor:
-    # the only allocation: the tensor's own bytes (or none: `into`, a slice of `iter_buckets`' reused buffer)
+def _read_tensor(f: _OpenFile, entry: IndexEntry, into: torch.Tensor | None = None, *, region: Region | None = None,
+                 offset: int = 0) -> torch.Tensor:
+    """`entry`'s value: read into a fresh tensor, into `into` (a uint8 tensor of its size), or into `region` at
+    `offset` bytes past the region's start (one tensor made: `MappedBuffer.value`)."""
+    if region is not None:
+        at = region.offset + offset
+        if entry.nbytes:
+            _read_exact(f.fd, region.buffer.bytes[at:at + entry.nbytes], entry.start, f.path)
+        return region.buffer.value(entry.dtype, entry.shape, at)
+    # the only allocation: the tensor's own bytes (or none: `into`, a slice of the caller's buffer)
     raw = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into
     if entry.nbytes:
         # (numpy's stubs give ndarray `__buffer__` only where typing has it, Python >= 3.12)

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
-from lifecycle.checkpoint import checkpoint_index, iter_buckets
+from lifecycle.checkpoint import ReadBuffer, checkpoint_index, iter_buckets
 from lifecycle.loading import load_safetensors, plan_buckets, write_checkpoint, write_tensor
+from lifecycle.read_buffers import MappedBuffer
 from lifecycle.readiness import layer_of
 from lifecycle.states import LifecycleState
 from lifecycle.testing import cold_load
@@ -51,6 +53,38 @@ def test_each_bucket_yields_the_values_in_the_file_either_way(tmp_path: Path) ->
             assert got.dtype == values[name].dtype and got.shape == values[name].shape, name
             assert torch.equal(got, want) and torch.equal(got, values[name]), name
             assert got.data_ptr() % 64 == 0, f"{name} starts at {got.data_ptr() % 64} bytes past a 64-byte line"
+
+
+def test_a_read_buffer_kept_by_its_owner_yields_the_values_in_its_one_buffer(tmp_path: Path) -> None:
+    """`iter_buckets(into=ReadBuffer())` (the loader's `read_buffer=`, the plugin's staging the same way): each value
+    is made over the owner's buffer (one `as_strided`, `read_buffers.MappedBuffer`), and a second read of the same
+    checkpoint reuses that buffer."""
+    path, values = _mixed(tmp_path)
+    index = checkpoint_index(path)
+    buckets = plan_buckets(list(index), layer_of)
+    kept = ReadBuffer()
+
+    def read_all() -> torch.Tensor:
+        for bucket in iter_buckets(index, buckets, into=kept):
+            assert kept.buffer is not None
+            for name, got in bucket:
+                assert got.dtype == values[name].dtype and got.shape == values[name].shape, name
+                assert torch.equal(got, values[name]) and got.is_contiguous(), name
+                if got.numel():
+                    assert got.untyped_storage().data_ptr() == kept.buffer.untyped_storage().data_ptr(), name
+        assert kept.buffer is not None
+        return kept.buffer
+
+    first = read_all()
+    assert read_all() is first, "the second read reused the buffer the first one grew"
+
+
+@pytest.mark.parametrize("bad", [torch.empty(64), torch.empty(2, 64, dtype=torch.uint8),
+                                 torch.empty(128, dtype=torch.uint8)[1:], torch.empty(128, dtype=torch.uint8)[::2]],
+                         ids=["float32", "2-D", "unaligned start", "strided"])
+def test_a_mapped_buffer_refuses_a_tensor_it_could_not_make_values_over(bad: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match=r"a read buffer is a contiguous 1-D uint8 tensor starting 64-byte aligned"):
+        MappedBuffer(bad)
 
 
 def test_the_buffer_is_reused_and_grows_only_for_a_larger_bucket(tmp_path: Path) -> None:

@@ -63,6 +63,10 @@ def test_engine_push_quick_has_every_arm_checked_and_its_deterministic_counts(tm
         assert "x_floor_cpu" in session and session["cpu_median_ms"] > 0
         assert stock["step_calls"]["vLLM: fused rebuild (torch.cat)"] == r["calls"]  # a new fused buffer per call
         assert 0 < session["own_share"] < 1
+        spread = session["own_share_rounds"]
+        assert spread["p25"] <= session["own_share"] <= spread["p75"]
+        # each timer's cost where it ran was probed and taken off its caller: measured for the steps that ran
+        assert session["timer_excess_us"] and set(session["timer_excess_us"]) <= set(steps), session
         assert "plugin_vs_stock_plain" in r
         assert (r["stock_layerwise"] is not None and "fails" in r["stock_layerwise"]) == (bucket == "whole")
     (probe,) = data["stock_layerwise"]  # quick: one probe, whole-file buckets

@@ -118,7 +118,7 @@ CORE_LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("derived buffers", "declaring, planning and applying the derived buffers' refresh", ("lifecycle.derived",)),
     ("checkpoint I/O", "safetensors files read (headers checked, confined beneath a root when one is given) and "
      "written, and the loader that streams one into a backbone",
-     ("lifecycle.header", "lifecycle.confined", "lifecycle.checkpoint", "lifecycle.loading")),
+     ("lifecycle.header", "lifecycle.confined", "lifecycle.read_buffers", "lifecycle.checkpoint", "lifecycle.loading")),
     ("sessions", "transactional reloads (begin, apply, finalize, verify, commit or abort, with rollback)",
      ("lifecycle.session",)),
     ("backbone", "the nn.Module mixin that owns a lifecycle and its derived buffers and builds sessions",

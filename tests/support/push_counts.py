@@ -120,9 +120,9 @@ def push_counts(model: nn.Module, payload_bytes: int) -> Iterator[PushCounts]:
 
     read_tensor = checkpoint._read_tensor
 
-    def counted_read(f: Any, entry: Any, into: torch.Tensor | None = None) -> torch.Tensor:
+    def counted_read(f: Any, entry: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         counts.bytes_read += entry.nbytes
-        return read_tensor(f, entry, into)
+        return read_tensor(f, entry, *args, **kwargs)
 
     from vllm.model_executor.model_loader.reload.meta import CopyCounter
 

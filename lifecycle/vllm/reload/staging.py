@@ -22,12 +22,14 @@ chunk began the reload itself.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...errors import CheckpointError
+from ...read_buffers import MappedBuffer, Region
 from ...torch_private import own_buffers, own_parameters, torch_function_bypassed
 from ..drafts.owners import drafts_of, modules_of
 from ..drafts.runtime import DraftRuntime
@@ -35,71 +37,77 @@ from .unwind import infos
 
 __all__ = ["Staging", "staging_for"]
 
+_LOADS = attrgetter("loaded_weights")  # a layer's loads vLLM still holds (an empty list once it completed)
+
 
 class Staging:
     """One draft's reused read buffer (module doc)."""
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
-        self.buffer: torch.Tensor | None = None
+        self.mapped: MappedBuffer | None = None
         self.refused = False  # a loader kept a view of it: fresh reads from then on
         self._held = 0  # bytes at the start of the buffer that buffered loads still reference
         self._run = 0  # bytes read since nothing was held (what the buffer would need to hold them all)
         self._wanted = 0  # the longest such run seen: the size to grow to when nothing is held
-        self._waiting: list[tuple[nn.Module, Any]] | None = None  # the modules in the reload, with vLLM's infos
+        self._waiting: list[Any] | None = None  # vLLM's infos of the modules in the reload
         #: the modules in the reload when the chunk began: those whose layer completed since are the only ones a
         #: loader can have bound to the buffer (None: not known, every module is checked)
         self._started: list[tuple[nn.Module, Any]] | None = None
 
-    def region(self, need: int) -> torch.Tensor | None:
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        return None if self.mapped is None else self.mapped.buffer
+
+    def region(self, need: int) -> Region | None:
         """`need` bytes to read the next bucket into, after the held ones; None: fresh tensors (it does not fit)."""
         run = self._run = self._run + need
         if run > self._wanted:
             self._wanted = run
-        held, buffer = self._held, self.buffer
-        if held == 0 and (buffer is None or buffer.numel() < self._wanted):
-            self.buffer = buffer = None  # nothing references it: the smaller one goes first
-            self.buffer = buffer = torch.empty(self._wanted, dtype=torch.uint8, pin_memory=self.pinned)
-        if buffer is None or held + need > buffer.numel():
+        held, mapped = self._held, self.mapped
+        if held == 0 and (mapped is None or len(mapped) < self._wanted):
+            self.mapped = mapped = None  # nothing references it: the smaller one goes first
+            self.mapped = mapped = MappedBuffer(torch.empty(self._wanted, dtype=torch.uint8, pin_memory=self.pinned))
+        if mapped is None or held + need > len(mapped):
             return None
         self._held = held + need
-        return buffer[held:held + need]
+        return Region(mapped, held)
 
     def settle(self, model: nn.Module) -> None:
         """After a `load_weights` call: whether any load it was handed is still held (its layer is not complete);
         if none is, the next bucket goes to the start of the buffer."""
         waiting = self._waiting
         if waiting is None:  # no reload was open when the chunk began: an implicit one began with this call
-            waiting, self._started = infos(model), None
+            waiting, self._started = [info for _, info in infos(model)], None
             self._waiting = waiting
         # vLLM resets a completed layer's info (no kernel tensors, no loads held). Layers complete mostly in the
         # payload's order, so the completed ones are dropped from the front only: one completed further on stays
-        # until those before it did, holding nothing (this runs after every call of every push)
+        # until those before it did, holding nothing (this runs after every call of every push: the scan is C's)
         done = 0
-        for _, info in waiting:
+        for info in waiting:
             if info.kernel_tensors is not None:
                 break
             done += 1
         if done:
             del waiting[:done]
-        if not any(info.loaded_weights for _, info in waiting):
+        if not any(map(_LOADS, waiting)):
             self._held = self._run = 0
 
     def start(self, model: nn.Module) -> None:
         """A chunk of `model`'s reload begins: the modules waiting in it now (one walk per chunk)."""
         waiting = infos(model)
-        self._waiting, self._started = (waiting, list(waiting)) if waiting else (None, None)
+        self._waiting, self._started = ([info for _, info in waiting], waiting) if waiting else (None, None)
 
     def drop(self) -> None:
         """After a failed call: a new buffer for the next bucket (views of this one may still be held)."""
-        self.buffer, self._held, self._run, self._started = None, 0, 0, None
+        self.mapped, self._held, self._run, self._started = None, 0, 0, None
 
     def check(self, model: nn.Module) -> None:
         """At the end of a chunk: no parameter or buffer of `model` may live in the buffer (module doc)."""
-        if self.buffer is None:
+        if self.mapped is None:
             return
-        start = self.buffer.data_ptr()
-        end = start + self.buffer.numel()
+        start = self.mapped.buffer.data_ptr()
+        end = start + len(self.mapped)
         # the address of every tensor of the modules completed in this chunk (of every module, when those are not
         # known), read once (a META tensor's is 0); names only for the error
         started, self._started = self._started, None
@@ -113,7 +121,7 @@ class Staging:
             aliased = [n for n, t in (*model.named_parameters(), *model.named_buffers())
                        if start <= t.data_ptr() < end]
         if aliased:
-            self.refused, self.buffer = True, None
+            self.refused, self.mapped = True, None
             raise CheckpointError(f"reload-lifecycle: {', '.join(aliased[:4])} of the draft now live(s) in the "
                                   "reader's staging buffer (a weight loader kept the value it was handed instead "
                                   "of copying it): the next read would overwrite it. The push fails and the draft "

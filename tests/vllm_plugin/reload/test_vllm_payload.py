@@ -87,7 +87,8 @@ def test_the_staging_buffer_refuses_a_weight_left_living_in_it() -> None:
     model[1].weight = nn.Parameter(outside[:32].view(torch.float32).view(4, 2))
     staging.check(model)  # nothing lives in it
     assert not staging.refused and staging.buffer is not None
-    model[1].register_buffer("scale", region[192:208].view(torch.float32))  # what a careless loader keeps
+    held = region.buffer.buffer[region.offset:region.offset + 256]
+    model[1].register_buffer("scale", held[192:208].view(torch.float32))  # what a careless loader keeps
     with pytest.raises(CheckpointError, match=r"1\.scale of the draft now live\(s\) in the reader's staging buffer"):
         staging.check(model)
     assert staging.refused and staging.buffer is None  # `staging_for` hands it out no more: fresh reads
@@ -109,7 +110,8 @@ def test_the_staging_buffer_refuses_a_weight_a_completed_layer_left_living_in_it
         region = staging.region(256)
         assert region is not None
         LAYERWISE_INFO[model[1]].reset()  # layer 1 completed in the call, and its loader kept the value
-        model[1].weight = nn.Parameter(region[:32].view(torch.float32).view(2, 4))
+        held = region.buffer.buffer[region.offset:region.offset + 32]
+        model[1].weight = nn.Parameter(held.view(torch.float32).view(2, 4))
         staging.settle(model)
         with pytest.raises(CheckpointError, match=r"1\.weight of the draft now live\(s\) in the reader's staging"):
             staging.check(model)
