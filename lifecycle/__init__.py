@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors; at run t
     from .storage import StorageIdentity
     from .types import BufferReport, RefreshReport, TensorSpec
 
-__version__ = "0.2.2"
+__version__ = "0.2.3"
 
 #: Exported name -> the module that defines it (relative to this package).
 _EXPORTS: dict[str, str] = {

@@ -70,7 +70,7 @@ class Entry:
     outcome: str | None = None
 
 
-class entered:  # lower case: used as a function,: `with entered(model, entry) as here`
+class entered:  # lower case: used as a function: `with entered(model, entry) as here`
     """Run an entry point into `model`'s drafts (see the module doc). `entry` names it in the failure's reason;
     `drafts`: `drafts_of(model)` when the caller has it already. A class, not a generator: every `load_weights`
     call of every push enters one."""
