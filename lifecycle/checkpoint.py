@@ -21,8 +21,9 @@ trusted beyond what was checked:
   reused from bucket to bucket), never memory-mapped: a file truncated under a mapping kills the process with
   SIGBUS; under a read it comes up short, which is a `CheckpointError`.
 - Each file's identity (size, mtime_ns, ctime_ns, inode, device) is recorded when its header is read and
-  compared again when the file is opened for its data and after every bucket read from it, through the
-  descriptor (rewritten in place: size, mtime or ctime changed) and through the path (replaced or removed). A
+  compared again when the file is opened for its data (through the descriptor, then the path) and after every
+  bucket read from it, through the path: while it names the descriptor's file its stat is that file's, so a
+  rewrite in place (size, mtime or ctime changed), a replaced or a removed path are each a change. A
   change is a `CheckpointError` naming the file and what changed, raised before the bucket that saw it is handed
   out: a load never mixes two versions of a file. ctime cannot be faked: the kernel sets it on every write,
   `utime` (a same-size rewrite with its old mtime put back), `chmod`, link or rename; user space cannot.
@@ -244,26 +245,34 @@ class _OpenFile:
         self.root = root
         self.fd, self.identity = _open_regular(path, root)
         self.expected = expected or self.identity
-        e = self.expected
+        e, i = self.expected, self.identity
         self._fields = (e.size, e.mtime_ns, e.inode, e.device, e.ctime_ns)  # `check`'s compare, in stat's order
+        # the descriptor's own file first: by the time the path is looked at it may name another one again
+        if (i.size, i.mtime_ns, i.inode, i.device, i.ctime_ns) != self._fields:
+            self._changed("opened for reading", self._path_stat())
         self.check("opened for reading")
 
-    def check(self, when: str) -> None:
-        """The file is still the one indexed: through the descriptor (rewritten in place) and the path
-        (replaced or removed). Asked after every bucket of every read: the unchanged file is one compare of the
-        two stats' fields, and the change is described from those same stats."""
-        expected = self.expected
-        now = os.fstat(self.fd)  # rewritten in place
+    def _path_stat(self) -> os.stat_result | OSError:
         try:
             # beneath a root the path is resolved: a link there now is a change (and is not followed)
-            st: os.stat_result | OSError = os.lstat(self.path) if self.root is not None else os.stat(self.path)
+            return os.lstat(self.path) if self.root is not None else os.stat(self.path)
         except OSError as e:
-            st = e
-        if (now.st_size, now.st_mtime_ns, now.st_ino, now.st_dev, now.st_ctime_ns) == self._fields \
-                and not isinstance(st, OSError) and not stat.S_ISLNK(st.st_mode) \
-                and (st.st_ino, st.st_dev) == (expected.inode, expected.device):
+            return e
+
+    def check(self, when: str) -> None:
+        """The file is still the one indexed: rewritten in place, replaced or removed is a change. Asked after
+        every bucket of every read, so it is one stat of the path: while the path names the descriptor's file
+        (its inode and device, checked on the descriptor when it was opened), that stat is the file's, its size
+        and times included; the descriptor is asked only to describe a change."""
+        st = self._path_stat()
+        if not isinstance(st, OSError) and not stat.S_ISLNK(st.st_mode) \
+                and (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns) == self._fields:
             return
-        changes = expected.changes(FileIdentity.of(now))
+        self._changed(when, st)
+
+    def _changed(self, when: str, st: os.stat_result | OSError) -> None:
+        expected = self.expected
+        changes = expected.changes(FileIdentity.of(os.fstat(self.fd)))  # the descriptor's file: rewritten in place
         if isinstance(st, OSError):
             changes.append(f"the path is gone ({st.strerror or st})")
         elif stat.S_ISLNK(st.st_mode):

@@ -78,6 +78,23 @@ def test_a_rewrite_with_the_old_mtime_between_the_index_and_the_first_read_is_re
         list(iter_buckets(index, [["a"], ["b"]]))
 
 
+def test_a_descriptor_opened_on_another_file_is_refused_though_the_path_names_the_indexed_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-bucket check stats the path only: that stands for the descriptor's file because the descriptor
+    itself was checked when it was opened. A path swapped to another file for the moment of the open (and back
+    before any look at it) leaves a descriptor on that other file: refused at the open, nothing read from it."""
+    from lifecycle import checkpoint
+
+    path = write_checkpoint({"a": torch.ones(64), "b": torch.zeros(64)}, tmp_path / "w.safetensors")
+    other = write_checkpoint({"a": torch.full((64,), 5.0), "b": torch.zeros(64)}, tmp_path / "other.safetensors")
+    index = checkpoint_index(path)
+    opened = checkpoint._open_regular
+    monkeypatch.setattr(checkpoint, "_open_regular", lambda _path, root=None: opened(other, root))
+    with pytest.raises(CheckpointError, match=r"w\.safetensors changed since its header was read \(opened for "
+                                              r"reading\): .*inode"):
+        list(iter_buckets(index, [["a"], ["b"]]))
+
+
 def test_a_chmod_of_the_file_during_a_load_also_refuses_it(tmp_path: Path) -> None:
     """The price of ctime, chosen: any change to the inode between the header and the last bucket (a chmod, a
     hard link, a rename of the file) refuses the load, fail-closed; the caller loads again."""
