@@ -368,3 +368,31 @@ def test_the_sigterm_handling_is_the_scratch_blocks_only() -> None:
         assert Path(d).is_dir()
         assert (signal.getsignal(signal.SIGTERM) is not before) == (before is signal.SIG_DFL)  # someone else's stays
     assert signal.getsignal(signal.SIGTERM) is before and not Path(d).exists()
+
+
+def test_a_run_is_busy_when_its_copy_probe_is_twice_the_quietest_stored_for_its_machine(tmp_path: Path) -> None:
+    """Other tenants' memory traffic shows in no load average: a run is judged busy against the quietest probe the
+    stored results hold for the same CPU model and core count (a GPU host's 16-core Xeon of the same name copies
+    faster and does not count), as well as against the fixed `QUIET_PROBE_MS`."""
+    def stored(name: str, cpu: str, nproc: int, start: float, end: float) -> None:
+        machine = {"cpu": cpu, "nproc": nproc, "probe_copy_64mib_ms_start": start, "probe_copy_64mib_ms_end": end}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"benchmark": name, "machine": machine}))
+
+    stored("a", "Xeon", 2, 2.6, 2.1)
+    stored("b", "Xeon", 16, 0.6, 0.7)
+    stored("c", "EPYC", 2, 5.0, 4.5)
+    (tmp_path / "broken.json").write_text("{")  # an unreadable result is skipped, not fatal
+    assert common.quietest_probe_ms("Xeon", 2, tmp_path) == 2.1
+    assert common.quietest_probe_ms("Xeon", 16, tmp_path) == 0.6
+    assert common.quietest_probe_ms("Other", 2, tmp_path) is None
+
+    def run(cpu: str, nproc: int, probe: float, load: float = 0.5) -> bool:
+        return common.busy({"cpu": cpu, "nproc": nproc, "probe_copy_64mib_ms_start": probe,
+                            "probe_copy_64mib_ms_end": probe, "loadavg_start": [load], "loadavg_end": [load]},
+                           tmp_path)
+
+    assert not run("Xeon", 2, 4.1) and run("Xeon", 2, 4.3)  # 2x 2.1 ms
+    assert not run("Xeon", 16, 1.1) and run("Xeon", 16, 1.3)
+    assert not run("EPYC", 2, 7.9) and run("EPYC", 2, 8.1)  # its quietest is far: the fixed threshold decides
+    assert not run("Other", 2, 7.9) and run("Other", 2, 8.1)
+    assert run("Xeon", 2, 2.2, load=2.5)  # the load average above the core count
